@@ -10,9 +10,9 @@ file, published atomically (tmp in the same directory, fsync, rename):
 Times are Unix seconds (float). Extra keys are free-form (e.g. "capacity", "policy_version"). Re-announcing
 keeps `started_at` and moves `updated_at`, so it doubles as a heartbeat; a reader judges staleness from it.
 
-This module is deliberately stdlib-only (json, os, socket, time) so the sandbox service, which must not import
-heavy packages, can use it; `RunPaths.rendezvous_dir` delegates to `rendezvous_dir` here so the layout lives
-in one place.
+This module is deliberately stdlib-only (json, os, socket, time, and the stdlib-only `atomic`) so the
+sandbox service, which must not import heavy packages, can use it. `RunPaths` delegates to
+`rendezvous_dir` here, so the layout still lives in one place.
 """
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ import json
 import os
 import socket
 import time
+
+from rstar_hpc.exchange.atomic import atomic_write_text, is_tmp
 
 REQUIRED_KEYS = ("role", "name", "host", "port", "pid", "slurm_job_id", "started_at", "updated_at")
 
@@ -66,7 +68,7 @@ def read_announcements(run_dir: str | os.PathLike, role: str) -> list[dict]:
         return []
     records = []
     for entry in names:
-        if entry.startswith(".") or not entry.endswith(".json"):
+        if entry.startswith(".") or is_tmp(entry) or not entry.endswith(".json"):
             continue   # in-flight tmp files of a concurrent announce
         record = _read(os.path.join(folder, entry))
         if record is not None:   # withdrawn between listdir and open
@@ -108,32 +110,6 @@ def wait_for_announcements(run_dir: str | os.PathLike, role: str, count: int, ti
                 f"{rendezvous_dir(run_dir, role)}; got {len(records)} ({got}). Is the {role} job running? "
                 f"Check its log under <run_dir>/logs/.")
         time.sleep(poll_s)
-
-
-def atomic_write_text(path: str, text: str) -> None:
-    """Write `text` to `path` so readers see the old file or the whole new one, never a part."""
-    folder = os.path.dirname(path) or "."
-    tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp-{socket.gethostname()}-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(folder)
-
-
-def fsync_dir(folder: str) -> None:
-    """Persist a rename; some file systems refuse fsync on a directory, which is then best effort."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _read(path: str) -> dict | None:
