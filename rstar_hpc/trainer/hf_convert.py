@@ -1,0 +1,253 @@
+"""Hugging Face Qwen3 <-> megatron-core GPTModel weights, exact both ways, tensor-parallel aware.
+
+Layout facts the mapping rests on (megatron-core 0.16):
+  * `linear_qkv.weight` is fused and interleaved per query group: for each of the `num_kv_heads` groups,
+    its `num_heads / num_kv_heads` query heads, then its key head, then its value head (rows of `head_dim`).
+    Tensor parallelism gives each rank whole groups, so a rank's shard is the same layout over its groups.
+  * `linear_fc1.weight` is [gate; up], each half split by tensor parallelism: rank r holds
+    [gate_r; up_r], not a slice of the full [gate; up].
+  * column-parallel weights (qkv, fc1, embeddings, output layer) split dim 0; row-parallel ones
+    (`linear_proj`, `linear_fc2`) split dim 1; norms are replicated.
+  * the Transformer Engine spec fuses the pre-norms into the next linear (`linear_qkv.layer_norm_weight`,
+    `linear_fc1.layer_norm_weight`); the local spec names them `input_layernorm` / `pre_mlp_layernorm`.
+    Both are handled by looking at which names the model has.
+  * Megatron's vocabulary is padded to a multiple of tp; the padding rows are zero and dropped on export.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from megatron.core import parallel_state
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from rstar_hpc.trainer.model import Qwen3Arch
+
+# files the rollout engines need besides the weights; copied on export when present
+AUX_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+             "generation_config.json", "chat_template.jinja", "added_tokens.json")
+
+
+# --------------------------------------------------------------------------------------------------
+# pure mappings (no process groups): full HF tensors <-> one tensor-parallel rank's Megatron tensors
+
+
+def _split_qkv_groups(arch: Qwen3Arch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """[q; k; v] (HF) -> Megatron's per-group interleaved fused rows, all groups."""
+    per = arch.num_heads // arch.num_kv_heads
+    hd, hidden = arch.head_dim, q.size(1)
+    q = q.view(arch.num_kv_heads, per * hd, hidden)
+    k = k.view(arch.num_kv_heads, hd, hidden)
+    v = v.view(arch.num_kv_heads, hd, hidden)
+    return torch.cat([q, k, v], dim=1).reshape(-1, hidden)
+
+
+def _merge_qkv_groups(arch: Qwen3Arch, fused: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    per = arch.num_heads // arch.num_kv_heads
+    hd = arch.head_dim
+    g = fused.view(arch.num_kv_heads, (per + 2) * hd, -1)
+    q, k, v = g.split([per * hd, hd, hd], dim=1)
+    hidden = fused.size(1)
+    return q.reshape(-1, hidden), k.reshape(-1, hidden), v.reshape(-1, hidden)
+
+
+def _pad_rows(w: torch.Tensor, rows: int) -> torch.Tensor:
+    if w.size(0) == rows:
+        return w
+    return torch.cat([w, w.new_zeros(rows - w.size(0), *w.shape[1:])])
+
+
+def hf_to_megatron(hf: dict[str, torch.Tensor], arch: Qwen3Arch, tp: int, tp_rank: int,
+                   names: set[str]) -> dict[str, torch.Tensor]:
+    """The Megatron tensors of rank `tp_rank` (of `tp`) from full HF tensors.
+
+    `names` are the model's parameter names (they tell local from TE layout and tied from untied).
+    """
+    def col(w: torch.Tensor) -> torch.Tensor:
+        return w.chunk(tp, dim=0)[tp_rank]
+
+    def row(w: torch.Tensor) -> torch.Tensor:
+        return w.chunk(tp, dim=1)[tp_rank]
+
+    vocab = arch.padded_vocab_size(tp)
+    out = {"embedding.word_embeddings.weight": col(_pad_rows(hf["model.embed_tokens.weight"], vocab)),
+           "decoder.final_layernorm.weight": hf["model.norm.weight"]}
+    if "output_layer.weight" in names:
+        head = hf.get("lm_head.weight", hf["model.embed_tokens.weight"])  # tied HF -> untied Megatron
+        out["output_layer.weight"] = col(_pad_rows(head, vocab))
+    for i in range(arch.num_layers):
+        h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+        fused = _split_qkv_groups(arch, hf[h + "self_attn.q_proj.weight"], hf[h + "self_attn.k_proj.weight"],
+                                  hf[h + "self_attn.v_proj.weight"])
+        out[m + "self_attention.linear_qkv.weight"] = col(fused)  # whole groups per rank
+        out[m + "self_attention.linear_proj.weight"] = row(hf[h + "self_attn.o_proj.weight"])
+        out[m + "self_attention.q_layernorm.weight"] = hf[h + "self_attn.q_norm.weight"]
+        out[m + "self_attention.k_layernorm.weight"] = hf[h + "self_attn.k_norm.weight"]
+        out[m + "mlp.linear_fc1.weight"] = torch.cat([col(hf[h + "mlp.gate_proj.weight"]),
+                                                      col(hf[h + "mlp.up_proj.weight"])])
+        out[m + "mlp.linear_fc2.weight"] = row(hf[h + "mlp.down_proj.weight"])
+        te = m + "self_attention.linear_qkv.layer_norm_weight" in names
+        out[m + ("self_attention.linear_qkv.layer_norm_weight" if te else "input_layernorm.weight")] = \
+            hf[h + "input_layernorm.weight"]
+        out[m + ("mlp.linear_fc1.layer_norm_weight" if te else "pre_mlp_layernorm.weight")] = \
+            hf[h + "post_attention_layernorm.weight"]
+    return out
+
+
+def megatron_to_hf(shards: list[dict[str, torch.Tensor]], arch: Qwen3Arch) -> dict[str, torch.Tensor]:
+    """Full HF tensors from the Megatron tensors of every tensor-parallel rank (rank order)."""
+    first = shards[0]
+
+    def col(name: str) -> torch.Tensor:
+        return torch.cat([s[name] for s in shards], dim=0)
+
+    def row(name: str) -> torch.Tensor:
+        return torch.cat([s[name] for s in shards], dim=1)
+
+    hf = {"model.embed_tokens.weight": col("embedding.word_embeddings.weight")[: arch.vocab_size],
+          "model.norm.weight": first["decoder.final_layernorm.weight"]}
+    if not arch.tie_word_embeddings:
+        hf["lm_head.weight"] = col("output_layer.weight")[: arch.vocab_size]
+    for i in range(arch.num_layers):
+        h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+        q, k, v = _merge_qkv_groups(arch, col(m + "self_attention.linear_qkv.weight"))
+        hf[h + "self_attn.q_proj.weight"], hf[h + "self_attn.k_proj.weight"], hf[h + "self_attn.v_proj.weight"] = \
+            q, k, v
+        hf[h + "self_attn.o_proj.weight"] = row(m + "self_attention.linear_proj.weight")
+        hf[h + "self_attn.q_norm.weight"] = first[m + "self_attention.q_layernorm.weight"]
+        hf[h + "self_attn.k_norm.weight"] = first[m + "self_attention.k_layernorm.weight"]
+        gates, ups = zip(*(s[m + "mlp.linear_fc1.weight"].chunk(2, dim=0) for s in shards))
+        hf[h + "mlp.gate_proj.weight"] = torch.cat(gates)
+        hf[h + "mlp.up_proj.weight"] = torch.cat(ups)
+        hf[h + "mlp.down_proj.weight"] = row(m + "mlp.linear_fc2.weight")
+        te = m + "self_attention.linear_qkv.layer_norm_weight" in first
+        hf[h + "input_layernorm.weight"] = first[m + ("self_attention.linear_qkv.layer_norm_weight" if te
+                                                      else "input_layernorm.weight")]
+        hf[h + "post_attention_layernorm.weight"] = first[m + ("mlp.linear_fc1.layer_norm_weight" if te
+                                                               else "pre_mlp_layernorm.weight")]
+    return {k: v.contiguous() for k, v in hf.items()}
+
+
+# --------------------------------------------------------------------------------------------------
+# files
+
+
+def read_hf_weights(hf_dir: Path | str) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors checkpoint (single file or sharded with an index)."""
+    hf_dir = Path(hf_dir)
+    files = sorted(hf_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{hf_dir}: no *.safetensors files; save the model with "
+                                f"save_pretrained(..., safe_serialization=True)")
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as fh:
+            for k in fh.keys():
+                out[k] = fh.get_tensor(k)
+    return out
+
+
+def _model_names(model: torch.nn.Module) -> set[str]:
+    return {k for k in model.state_dict() if not k.endswith("_extra_state")}
+
+
+@torch.no_grad()
+def load_hf_checkpoint(model: torch.nn.Module, hf_dir: Path | str) -> None:
+    """Copy a Hugging Face Qwen3 checkpoint into `model` (this rank's tensor-parallel shard), exactly.
+
+    Raises if the architectures differ or a tensor is missing or left over, naming it.
+    """
+    arch: Qwen3Arch = model.arch  # type: ignore[attr-defined]
+    disk = Qwen3Arch.from_hf_config(hf_dir)
+    if disk != arch:
+        diff = {k: (v, getattr(disk, k)) for k, v in arch.to_dict().items() if getattr(disk, k) != v}
+        raise ValueError(f"{hf_dir}: checkpoint architecture differs from the model (model, checkpoint): {diff}; "
+                         f"build the model from this checkpoint's config.json")
+    hf = read_hf_weights(hf_dir)
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    names = _model_names(model)
+    try:
+        mine = hf_to_megatron(hf, arch, tp, rank, names)
+    except KeyError as e:
+        raise KeyError(f"{hf_dir}: tensor {e.args[0]} missing from the safetensors files") from e
+    params = dict(model.state_dict(keep_vars=True))
+    missing = sorted(n for n in names if n not in mine and not n.endswith("inv_freq"))
+    if missing:
+        raise KeyError(f"no Hugging Face source for model tensors {missing[:5]}; the model is not a Qwen3 GPTModel")
+    for name, value in mine.items():
+        target = params[name]
+        if target.shape != value.shape:
+            raise ValueError(f"{name}: checkpoint gives shape {tuple(value.shape)}, model has {tuple(target.shape)}")
+        target.data.copy_(value.to(target.dtype))
+
+
+@torch.no_grad()
+def gather_hf_state(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+    """Full HF tensors on tensor-parallel rank 0 (None elsewhere); every tp rank must call it."""
+    arch: Qwen3Arch = model.arch  # type: ignore[attr-defined]
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    mine = {k: v.detach() for k, v in model.state_dict().items() if not k.endswith("_extra_state")
+            and isinstance(v, torch.Tensor)}
+    if tp == 1:
+        return megatron_to_hf([{k: v.cpu() for k, v in mine.items()}], arch)
+    group = parallel_state.get_tensor_model_parallel_group()
+    shards: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
+    for name in sorted(mine):  # same order on every rank
+        parts = [torch.empty_like(mine[name]) for _ in range(tp)]
+        torch.distributed.all_gather(parts, mine[name].contiguous(), group=group)
+        for r in range(tp):
+            shards[r][name] = parts[r].cpu()
+    if parallel_state.get_tensor_model_parallel_rank() != 0:
+        return None
+    return megatron_to_hf(shards, arch)
+
+
+def export_hf_checkpoint(model: torch.nn.Module, out_dir: Path | str, *, source_dir: Path | str,
+                         max_shard_bytes: int = 5 * 2**30) -> Path | None:
+    """Write `model` as a Hugging Face checkpoint (config.json, safetensors, index when sharded).
+
+    `source_dir` is the checkpoint it came from: its config.json and tokenizer files are copied. Collective
+    over the tensor-parallel group; tp rank 0 writes and gets the directory, the others get None.
+    """
+    hf = gather_hf_state(model)
+    if hf is None:
+        return None
+    out, source = Path(out_dir), Path(source_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = json.loads((source / "config.json").read_text())
+    dtype = next(iter(hf.values())).dtype
+    config["torch_dtype"] = str(dtype).removeprefix("torch.")
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for name in AUX_FILES:
+        if (source / name).is_file():
+            shutil.copy2(source / name, out / name)
+    _write_safetensors(hf, out, max_shard_bytes)
+    return out
+
+
+def _write_safetensors(tensors: dict[str, torch.Tensor], out: Path, max_shard_bytes: int) -> None:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name in sorted(tensors):
+        t = tensors[name]
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out / fname), metadata={"format": "pt"})
+        weight_map.update({k: fname for k in shard})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")

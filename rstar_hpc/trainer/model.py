@@ -1,0 +1,365 @@
+"""The policy: a Qwen3-architecture decoder as a megatron-core `GPTModel`.
+
+Qwen3 = pre-norm RMSNorm, SwiGLU MLP, RoPE (rotate-half), grouped-query attention, RMSNorm on each query and
+key head before RoPE (`qk_layernorm`), no biases, untied embeddings on the larger models.
+
+Two layer specs build the same parameters:
+  * `cuda`: Transformer Engine (`get_gpt_layer_with_transformer_engine_spec`); imported lazily, TE is CUDA-only.
+  * `cpu`:  megatron-core's local spec with `SDPACoreAttention` in place of `DotProductAttention`, whose
+            softmax buffer lives on CUDA and which refuses packed sequences.
+Both take packed sequences (`PackedSeqParams`, THD layout): one row of concatenated samples, RoPE restarting at
+every sample, attention block-diagonal and causal.
+
+Megatron pads the vocabulary to a multiple of the tensor-parallel size; `token_logprobs` masks the padded
+columns, so the numbers match the Hugging Face model exactly.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.models.gpt import GPTModel
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+Backend = Literal["cpu", "cuda"]
+
+
+@dataclass(frozen=True)
+class Qwen3Arch:
+    """The architecture numbers of a Qwen3 checkpoint (its config.json), nothing else."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    max_position_embeddings: int = 40960
+    tie_word_embeddings: bool = False
+
+    @classmethod
+    def from_hf_config(cls, config: dict | Path | str) -> "Qwen3Arch":
+        """Read a Hugging Face `config.json` (a dict, the file, or its directory)."""
+        if not isinstance(config, dict):
+            path = Path(config)
+            path = path / "config.json" if path.is_dir() else path
+            if not path.is_file():
+                raise FileNotFoundError(f"{path}: no Hugging Face config.json; point model.path at a directory "
+                                        f"written by save_pretrained (config.json + *.safetensors)")
+            config = json.loads(path.read_text())
+        arch = config.get("architectures") or []
+        if config.get("model_type") != "qwen3" and "Qwen3ForCausalLM" not in arch:
+            raise ValueError(f"model_type={config.get('model_type')!r}, architectures={arch}: the trainer builds "
+                             f"Qwen3 (dense) models only; convert or pick a Qwen3 checkpoint")
+        rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", None):
+            raise ValueError(f"rope type {rope_type!r} is not supported by the trainer (plain RoPE only)")
+        theta = config.get("rope_theta", rope.get("rope_theta", 1_000_000.0))
+        if config.get("attention_bias", False):
+            raise ValueError("attention_bias=true: Qwen3 has no attention biases; this checkpoint is not Qwen3")
+        heads = config["num_attention_heads"]
+        return cls(
+            vocab_size=config["vocab_size"],
+            hidden_size=config["hidden_size"],
+            intermediate_size=config["intermediate_size"],
+            num_layers=config["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=config.get("num_key_value_heads", heads),
+            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            max_position_embeddings=config.get("max_position_embeddings", 40960),
+            tie_word_embeddings=config.get("tie_word_embeddings", False),
+        )
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def padded_vocab_size(self, tp: int, multiple: int = 1) -> int:
+        """Vocabulary rows in Megatron: a multiple of tp (VocabParallelEmbedding splits evenly)."""
+        step = tp * multiple
+        return math.ceil(self.vocab_size / step) * step
+
+
+# --------------------------------------------------------------------------------------------------
+# parallel layout
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Parallel degrees of the trainer: world = tp * pp * dp (dp derived)."""
+
+    world_size: int
+    tp: int = 1
+    pp: int = 1
+
+    def __post_init__(self) -> None:
+        if self.pp != 1:
+            raise ValueError(f"trainer.pipeline_parallel_size={self.pp}: pipeline parallelism is not implemented "
+                             f"yet; set it to 1 and use tensor/data parallelism")
+        if self.tp < 1 or self.world_size % (self.tp * self.pp):
+            raise ValueError(f"WORLD_SIZE={self.world_size} is not a multiple of tensor_parallel_size ({self.tp}) "
+                             f"x pipeline_parallel_size ({self.pp}) = {self.tp * self.pp}; change the degrees "
+                             f"or the number of trainer ranks")
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // (self.tp * self.pp)
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp > 1
+
+    def check_model(self, arch: Qwen3Arch) -> None:
+        """Head counts must split evenly over tensor-parallel ranks."""
+        for name, n in (("num_attention_heads", arch.num_heads), ("num_key_value_heads", arch.num_kv_heads),
+                        ("intermediate_size", arch.intermediate_size)):
+            if n % self.tp:
+                raise ValueError(f"{name}={n} is not divisible by tensor_parallel_size={self.tp}; "
+                                 f"pick a tensor_parallel_size that divides it")
+
+
+def init_distributed(tp: int = 1, pp: int = 1, backend: Backend = "cpu", seed: int = 0) -> ParallelDims:
+    """Join the process group (env:// from torchrun, or SLURM_* under srun) and build Megatron's groups.
+
+    Idempotent within a process: a second call checks the degrees and returns.
+    """
+    import os
+
+    if not torch.distributed.is_initialized():
+        env = os.environ
+        rank = int(env.get("RANK", env.get("SLURM_PROCID", 0)))
+        world = int(env.get("WORLD_SIZE", env.get("SLURM_NTASKS", 1)))
+        env.setdefault("MASTER_ADDR", "127.0.0.1")
+        env.setdefault("MASTER_PORT", "29533")
+        if backend == "cuda":
+            local = int(env.get("LOCAL_RANK", env.get("SLURM_LOCALID", 0)))
+            torch.cuda.set_device(local)
+        torch.distributed.init_process_group("nccl" if backend == "cuda" else "gloo", rank=rank,
+                                             world_size=world)
+    dims = ParallelDims(world_size=torch.distributed.get_world_size(), tp=tp, pp=pp)
+    if parallel_state.model_parallel_is_initialized():
+        have = parallel_state.get_tensor_model_parallel_world_size()
+        if have != tp:
+            raise RuntimeError(f"model parallel groups already built with tp={have}, asked for tp={tp}")
+        return dims
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    torch.manual_seed(seed)
+    if backend == "cuda":
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return dims
+
+
+def destroy_distributed() -> None:
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+# --------------------------------------------------------------------------------------------------
+# CPU attention
+
+
+class SDPACoreAttention(MegatronModule):
+    """Core attention via `torch.nn.functional.scaled_dot_product_attention` (CPU, or any device).
+
+    Same constructor and call as megatron-core's `DotProductAttention`; causal, grouped-query (kv heads are
+    shared, not copied), and packed THD sequences (block-diagonal causal mask from `cu_seqlens`).
+    """
+
+    def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
+                 attention_type: str, attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 cp_comm_type: str | None = None, pg_collection=None):
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise ValueError("SDPACoreAttention has no context parallelism; use the cuda (TE) spec")
+        tp = pg_collection.tp.size() if pg_collection is not None else \
+            parallel_state.get_tensor_model_parallel_world_size()
+        self.num_heads = config.num_attention_heads // tp
+        self.num_groups = config.num_query_groups // tp
+        self.head_dim = config.kv_channels
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
+        self.attn_mask_type = attn_mask_type
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params: PackedSeqParams | None = None):
+        if attention_bias is not None:
+            raise ValueError("SDPACoreAttention takes no attention_bias")
+        causal = (attn_mask_type or self.attn_mask_type) == AttnMaskType.causal
+        dropout = self.dropout_p if self.training else 0.0
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            # [t, h, d] -> [1, h, t, d]; samples see only themselves
+            q, k, v = (x.permute(1, 0, 2).unsqueeze(0) for x in (query, key, value))
+            cu = packed_seq_params.cu_seqlens_q_padded
+            cu = packed_seq_params.cu_seqlens_q if cu is None else cu
+            mask = packed_causal_mask(cu.to(query.device), query.size(0))
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
+                                                 scale=self.softmax_scale, enable_gqa=self.num_groups != self.num_heads)
+            return out.squeeze(0).permute(1, 0, 2).reshape(query.size(0), -1)
+        # [s, b, h, d] -> [b, h, s, d]
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
+        mask = None
+        if attention_mask is not None:
+            mask = ~attention_mask  # Megatron: True = masked out; SDPA: True = may attend
+            if causal:
+                s_q, s_k = q.size(2), k.size(2)
+                mask = mask & torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).tril()
+            causal = False
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal,
+                                             scale=self.softmax_scale, enable_gqa=self.num_groups != self.num_heads)
+        s, b = query.size(0), query.size(1)
+        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+
+class CPURotaryEmbedding(RotaryEmbedding):
+    """megatron-core's RoPE without its move of `inv_freq` to the current CUDA device (CPU has none)."""
+
+    def get_emb(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
+        freqs = self.get_freqs_non_repeated(max_seq_len, offset)
+        return torch.cat((freqs, freqs), dim=-1)[:, None, None, :]  # rotate-half layout, as Qwen3
+
+
+def packed_causal_mask(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """Boolean [total, total] mask (True = may attend): causal inside each packed sample, nothing across."""
+    pos = torch.arange(total, device=cu_seqlens.device)
+    seg = torch.searchsorted(cu_seqlens[1:].to(torch.long), pos, right=True)
+    return (seg[:, None] == seg[None, :]) & (pos[:, None] >= pos[None, :])
+
+
+def packed_seq_params(seqlens: list[int] | torch.Tensor, device: torch.device | str = "cpu") -> PackedSeqParams:
+    """THD metadata for one row of concatenated samples of these lengths."""
+    lens = torch.as_tensor(seqlens, dtype=torch.int32)
+    cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(lens, 0)
+    cu = cu.to(device)
+    m = int(lens.max())
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=m, max_seqlen_kv=m)
+
+
+# --------------------------------------------------------------------------------------------------
+# specs and model
+
+
+def layer_spec(backend: Backend) -> ModuleSpec:
+    """Transformer-layer spec: Transformer Engine on CUDA, local modules + SDPA attention on CPU."""
+    if backend == "cuda":
+        try:
+            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+            import transformer_engine  # noqa: F401  (fail here with a clear message, not deep in a build)
+        except ImportError as e:
+            raise ImportError("backend 'cuda' needs Transformer Engine: pip install -e '.[gpu]' on a CUDA "
+                              "machine, or set trainer.backend: cpu") from e
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=True)
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
+    spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    return spec
+
+
+def transformer_config(arch: Qwen3Arch, *, tp: int = 1, backend: Backend = "cpu",
+                       params_dtype: torch.dtype = torch.float32) -> TransformerConfig:
+    on_gpu = backend == "cuda"
+    return TransformerConfig(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        ffn_hidden_size=arch.intermediate_size,
+        num_attention_heads=arch.num_heads,
+        num_query_groups=arch.num_kv_heads,
+        kv_channels=arch.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        qk_layernorm=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        use_cpu_initialization=not on_gpu,
+        # the fused kernels are CUDA-only; on GPU TE provides its own fusions
+        bias_activation_fusion=on_gpu,
+        bias_dropout_fusion=on_gpu,
+        masked_softmax_fusion=on_gpu,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+    )
+
+
+def build_model(arch: Qwen3Arch, *, backend: Backend = "cpu", params_dtype: torch.dtype = torch.float32,
+                seed: int = 0) -> GPTModel:
+    """A randomly initialised policy on this rank (its tensor-parallel shard); load weights with hf_convert.
+
+    Needs `init_distributed` first (Megatron reads the groups at construction).
+    """
+    if not parallel_state.model_parallel_is_initialized():
+        raise RuntimeError("call rstar_hpc.trainer.model.init_distributed(...) before build_model")
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    ParallelDims(world_size=torch.distributed.get_world_size(), tp=tp).check_model(arch)
+    torch.manual_seed(seed)
+    model = GPTModel(
+        config=transformer_config(arch, tp=tp, backend=backend, params_dtype=params_dtype),
+        transformer_layer_spec=layer_spec(backend),
+        vocab_size=arch.padded_vocab_size(tp),
+        max_sequence_length=arch.max_position_embeddings,
+        parallel_output=True,
+        share_embeddings_and_output_weights=arch.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=arch.rope_theta,  # a float is fine and keeps theta exact
+        rotary_percent=1.0,
+    )
+    if backend == "cpu":
+        model.rotary_pos_emb = CPURotaryEmbedding(kv_channels=arch.head_dim, rotary_percent=1.0,
+                                                  rotary_base=arch.rope_theta, use_cpu_initialization=True,
+                                                  cp_group=model.pg_collection.cp)
+    model.arch = arch  # type: ignore[attr-defined]  # for token_logprobs and hf_convert
+    if backend == "cuda":
+        model.cuda()
+    return model
+
+
+def forward_logits(model: GPTModel, input_ids: torch.Tensor,
+                   packed: PackedSeqParams | None = None) -> torch.Tensor:
+    """Logits [b, s, vocab/tp] (this rank's vocabulary shard, padding included)."""
+    return model(input_ids=input_ids, position_ids=None, attention_mask=None, packed_seq_params=packed)
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """log p(target) per position from vocab-parallel logits [b, s, v/tp]; padded vocab rows never count."""
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    shard = logits.size(-1)
+    first = tp_rank * shard
+    if first + shard > vocab_size:
+        # padded columns get -inf-like logits, so softmax matches the unpadded Hugging Face model
+        cols = torch.arange(first, first + shard, device=logits.device)
+        logits = logits.masked_fill(cols >= vocab_size, torch.finfo(logits.dtype).min)
+    # vocab_parallel_cross_entropy wants [s, b, v/tp] and fp32 for a stable log-sum-exp
+    ce = tensor_parallel.vocab_parallel_cross_entropy(logits.transpose(0, 1).float().contiguous(),
+                                                      targets.transpose(0, 1).contiguous())
+    return -ce.transpose(0, 1)

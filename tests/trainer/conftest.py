@@ -1,0 +1,53 @@
+"""Fixtures of the trainer tests: one tiny Qwen3 checkpoint per session, one gloo world of size 1 per process."""
+from __future__ import annotations
+
+import socket
+import warnings
+
+import pytest
+import torch
+
+warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_dir(tmp_path_factory):
+    """The foundation's tiny model, weights perturbed so that every tensor (norms included) matters."""
+    from transformers import Qwen3ForCausalLM
+
+    from rstar_hpc.config.schema import TinyModelSpec
+    from rstar_hpc.models.tiny import make_tiny_model
+
+    base = make_tiny_model(tmp_path_factory.mktemp("tiny") / "base", TinyModelSpec(vocab_size=400))
+    model = Qwen3ForCausalLM.from_pretrained(base, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    out = tmp_path_factory.mktemp("tiny") / "perturbed"
+    model.save_pretrained(out, safe_serialization=True)
+    for f in base.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            (out / f.name).write_bytes(f.read_bytes())
+    return out
+
+
+@pytest.fixture(scope="session")
+def dist1():
+    """This pytest process as a gloo world of one (tp=1), torn down at the end of the session."""
+    import os
+
+    from rstar_hpc.trainer.model import destroy_distributed, init_distributed
+
+    os.environ["MASTER_PORT"] = str(free_port())
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    dims = init_distributed(tp=1)
+    yield dims
+    destroy_distributed()
