@@ -1,0 +1,230 @@
+"""ShardWriter: one producer's trajectories for one step, published so readers never see a partial step.
+
+Protocol (see docs/run-directory.md):
+  1. Each shard is an Arrow IPC *stream* (uncompressed: readers memory-map it zero-copy), written under a tmp
+     name in the step directory itself, fsynced, then `os.replace`d onto `<producer>-<seq>-<attempt>.arrows`.
+  2. `commit()` writes `<producer>.commit.json` last, atomically: shard names, row counts, byte sizes, sha256.
+     Only that record makes the shards visible; shards it does not list are leftovers of a crashed attempt.
+One writer per producer per step, so there are no locks: names are unique per producer, and the attempt token
+keeps a zombie of an earlier attempt from clobbering the files of the current one.
+
+    writer = ShardWriter(paths, stage="rl-8k", step=12, producer="rollout-3")
+    writer.write(trajectories)          # as often as needed; rolls to a new shard every max_rows_per_shard
+    writer.commit()                     # the step is now visible for this producer
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import secrets
+import socket
+import time
+from typing import Iterable, Sequence
+
+import numpy as np
+import pyarrow as pa
+
+from rstar_hpc.exchange.atomic import atomic_write_json, fsync_dir, is_tmp, tmp_name
+from rstar_hpc.exchange.errors import ExchangeError
+from rstar_hpc.exchange.rundir import RunPaths
+from rstar_hpc.exchange.schema import SCALAR_COLUMNS, SCHEMA, SCHEMA_VERSION, FINGERPRINT, Trajectory
+
+COMMIT_FORMAT = "rstar-hpc/traj-commit"
+_MAX_OFFSET = 2**31 - 1   # list<...> offsets are int32
+
+
+class ShardWriter:
+    def __init__(self, paths: RunPaths, stage: str, step: int, producer: str, *, max_rows_per_shard: int = 4096,
+                 validate: bool = True):
+        self.paths, self.stage, self.step, self.producer = paths, stage, step, producer
+        self.max_rows_per_shard, self.validate = max_rows_per_shard, validate
+        self.step_dir = paths.traj_step_dir(stage, step)
+        self.commit_path = paths.traj_commit(stage, step, producer)
+        if os.path.exists(self.commit_path):
+            raise ExchangeError(
+                f"{self.commit_path} exists: producer {producer!r} already committed step {step} of stage "
+                f"{stage!r}. A restarted producer must skip committed steps (ShardWriter.is_committed), not "
+                f"write them twice.")
+        os.makedirs(self.step_dir, exist_ok=True)
+        self._attempt = secrets.token_hex(4)
+        self._shards: list[dict] = []
+        self._open: _OpenShard | None = None
+        self._committed = False
+        self._remove_leftovers()
+
+    @staticmethod
+    def is_committed(paths: RunPaths, stage: str, step: int, producer: str) -> bool:
+        return os.path.exists(paths.traj_commit(stage, step, producer))
+
+    def write(self, trajectories: Sequence[Trajectory]) -> None:
+        if self._committed:
+            raise ExchangeError(f"write() after commit() for {self.commit_path}; open a ShardWriter for the next step")
+        for t in trajectories:
+            if t.step != self.step or t.stage != self.stage:
+                raise ValueError(f"trajectory {t.prompt_uid!r} is for stage {t.stage!r} step {t.step}, "
+                                 f"this writer for stage {self.stage!r} step {self.step}")
+            if self.validate:
+                t.validate()
+        pos = 0
+        while pos < len(trajectories):
+            if self._open is None:
+                self._open = _OpenShard(self.step_dir, self._shard_name(len(self._shards)))
+            take = min(len(trajectories) - pos, self.max_rows_per_shard - self._open.rows)
+            for batch in to_record_batches(trajectories[pos:pos + take]):
+                self._open.write(batch)
+            pos += take
+            if self._open.rows >= self.max_rows_per_shard:
+                self._shards.append(self._open.publish())
+                self._open = None
+
+    def commit(self) -> dict:
+        """Publish the open shard, then the commit record; returns the record."""
+        if self._committed:
+            raise ExchangeError(f"{self.commit_path} already committed by this writer")
+        if self._open is not None:
+            self._shards.append(self._open.publish())
+            self._open = None
+        record = {
+            "format": COMMIT_FORMAT, "schema_version": SCHEMA_VERSION, "schema_fingerprint": FINGERPRINT,
+            "run": self.paths.name, "stage": self.stage, "step": self.step, "producer": self.producer,
+            "rows": sum(s["rows"] for s in self._shards), "shards": self._shards,
+            "host": socket.gethostname(), "pid": os.getpid(), "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+            "committed_at": time.time(),
+        }
+        atomic_write_json(self.commit_path, record)
+        self._committed = True
+        return record
+
+    def abort(self) -> None:
+        """Drop what this attempt wrote (readers never saw it)."""
+        if self._open is not None:
+            self._open.discard()
+            self._open = None
+        for s in self._shards:
+            _unlink(os.path.join(self.step_dir, s["file"]))
+        self._shards = []
+
+    def __enter__(self) -> "ShardWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.abort()
+        elif not self._committed:
+            self.commit()
+
+    def _shard_name(self, seq: int) -> str:
+        return f"{self.producer}-{seq:04d}-{self._attempt}.arrows"
+
+    def _remove_leftovers(self) -> None:
+        # uncommitted shards and tmp files of an earlier, crashed attempt of this producer; never listed anywhere
+        mine = re.compile(rf"\.?{re.escape(self.producer)}(-\d+-[0-9a-f]+\.arrows|\.commit\.json)(\.tmp-.*)?")
+        for name in os.listdir(self.step_dir):
+            if mine.fullmatch(name) and (name.endswith(".arrows") or is_tmp(name)):
+                _unlink(os.path.join(self.step_dir, name))
+
+
+class _OpenShard:
+    """A shard being written under its tmp name, hashed as it streams out."""
+
+    def __init__(self, folder: str, name: str):
+        self.name, self.final = name, os.path.join(folder, name)
+        self.tmp = tmp_name(self.final)
+        self.rows = 0
+        self._file = open(self.tmp, "wb")
+        self._sink = _HashingSink(self._file)
+        self._stream = pa.ipc.new_stream(self._sink, SCHEMA)
+
+    def write(self, batch: pa.RecordBatch) -> None:
+        self._stream.write_batch(batch)
+        self.rows += batch.num_rows
+
+    def publish(self) -> dict:
+        self._stream.close()
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        os.replace(self.tmp, self.final)
+        fsync_dir(os.path.dirname(self.final))
+        return {"file": self.name, "rows": self.rows, "bytes": self._sink.size, "sha256": self._sink.hexdigest()}
+
+    def discard(self) -> None:
+        self._file.close()
+        _unlink(self.tmp)
+
+
+class _HashingSink:
+    """File-like object for pyarrow: checksums the bytes on their way out, so publish needs no re-read."""
+
+    def __init__(self, f):
+        self._f, self._hash, self.size, self.closed = f, hashlib.sha256(), 0, False
+
+    def write(self, data) -> int:
+        view = memoryview(data)
+        self._hash.update(view)
+        self._f.write(view)
+        self.size += view.nbytes
+        return view.nbytes
+
+    def flush(self) -> None:
+        self._f.flush()
+
+    def close(self) -> None:
+        self.closed = True   # the file is closed by publish(), after fsync
+
+    def hexdigest(self) -> str:
+        return self._hash.hexdigest()
+
+
+def to_record_batches(trajectories: Sequence[Trajectory]) -> Iterable[pa.RecordBatch]:
+    """Columnar conversion; token lists go through numpy (one concatenate per column, no per-token Python).
+
+    Splits so that no list column exceeds int32 offsets."""
+    start = 0
+    while start < len(trajectories):
+        end, tokens = start, 0
+        while end < len(trajectories) and (end == start or tokens + _ntokens(trajectories[end]) <= _MAX_OFFSET):
+            tokens += _ntokens(trajectories[end])
+            end += 1
+        yield _batch(trajectories[start:end])
+        start = end
+
+
+def to_table(trajectories: Sequence[Trajectory]) -> pa.Table:
+    return pa.Table.from_batches(list(to_record_batches(trajectories)), schema=SCHEMA)
+
+
+def _ntokens(t: Trajectory) -> int:
+    return max(len(t.prompt_ids), len(t.response_ids))
+
+
+def _batch(trajs: Sequence[Trajectory]) -> pa.RecordBatch:
+    columns: dict[str, pa.Array] = {}
+    for f in SCHEMA:
+        if f.name in SCALAR_COLUMNS:
+            values = [getattr(t, f.name) for t in trajs]
+            if f.name in ("turns", "tool_calls"):
+                values = [[vars(item) for item in v] for v in values]
+            elif f.name == "timings":
+                values = [vars(v) for v in values]
+            columns[f.name] = pa.array(values, type=f.type)
+        else:
+            columns[f.name] = _list_array([getattr(t, f.name) for t in trajs], f.type)
+    return pa.RecordBatch.from_arrays([columns[f.name] for f in SCHEMA], schema=SCHEMA)
+
+
+def _list_array(rows: list, type_: pa.ListType) -> pa.Array:
+    dtype = type_.value_type.to_pandas_dtype()
+    parts = [np.asarray(r, dtype=dtype) for r in rows]
+    offsets = np.zeros(len(parts) + 1, dtype=np.int32)
+    np.cumsum([p.size for p in parts], out=offsets[1:])
+    values = np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
+    return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(values, type_.value_type), type=type_)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
