@@ -186,12 +186,17 @@ def load_hf_checkpoint(model: torch.nn.Module, hf_dir: Path | str) -> None:
 
 
 @torch.no_grad()
-def gather_hf_state(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
-    """Full HF tensors on tensor-parallel rank 0 (None elsewhere); every tp rank must call it."""
+def gather_hf_state(model: torch.nn.Module, grads: bool = False) -> dict[str, torch.Tensor] | None:
+    """Full HF tensors (or, with `grads`, the parameters' gradients in HF layout) on tensor-parallel rank 0,
+    None elsewhere; every tp rank must call it."""
     arch: Qwen3Arch = model.arch  # type: ignore[attr-defined]
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    mine = {k: v.detach() for k, v in model.state_dict().items() if not k.endswith("_extra_state")
-            and isinstance(v, torch.Tensor)}
+    if grads:
+        mine = {k: (p.grad if p.grad is not None else torch.zeros_like(p)).detach()
+                for k, p in model.named_parameters()}
+    else:
+        mine = {k: v.detach() for k, v in model.state_dict().items() if not k.endswith("_extra_state")
+                and isinstance(v, torch.Tensor)}
     if tp == 1:
         return megatron_to_hf([{k: v.cpu() for k, v in mine.items()}], arch)
     group = parallel_state.get_tensor_model_parallel_group()

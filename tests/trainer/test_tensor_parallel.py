@@ -1,0 +1,45 @@
+"""Tensor parallel 2 (two real gloo processes) computes what tensor parallel 1 computes."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from conftest import free_port
+
+WORKER = Path(__file__).with_name("tp_worker.py")
+
+
+def _tp1(hf_dir, dist1) -> dict:
+    sys.path.insert(0, str(WORKER.parent))
+    import tp_worker
+
+    return tp_worker.run(str(hf_dir), tp=1)
+
+
+def test_tp2_matches_tp1(tiny_hf_dir, dist1, tmp_path):
+    out = tmp_path / "tp2.pt"
+    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path.cwd())}
+    procs = [subprocess.Popen([sys.executable, str(WORKER), str(tiny_hf_dir), str(out)],
+                              env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for r in range(2)]
+    logs = [p.communicate(timeout=240)[0].decode()[-3000:] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(logs)
+    tp2 = torch.load(out)
+    tp1 = _tp1(tiny_hf_dir, dist1)
+
+    assert abs(tp1["loss"] - tp2["loss"]) < 1e-5
+    assert tp1["grads"].keys() == tp2["grads"].keys()
+    for name, g1 in tp1["grads"].items():
+        assert g1.abs().sum() > 0, name  # every tensor gets gradient (else the comparison proves little)
+        torch.testing.assert_close(tp2["grads"][name], g1, rtol=1e-4, atol=1e-6, msg=name)
+    assert tp1["grad_norms"][0] > 0.5  # clipping was active
+    for a, b in zip(tp1["grad_norms"], tp2["grad_norms"]):
+        assert abs(a - b) < 1e-4 * max(1.0, a)
+    for a, b in zip(tp1["losses"], tp2["losses"]):
+        assert abs(a - b) < 1e-4
+    assert tp1["losses"][-1] < tp1["losses"][0]  # the steps really trained

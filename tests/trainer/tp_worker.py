@@ -1,0 +1,54 @@
+"""One rank of the tensor-parallel test: `python tp_worker.py HF_DIR OUT.pt` with RANK/WORLD_SIZE/MASTER_PORT set.
+
+Computes the loss and HF-layout gradients of `fixed_batch()`, then the losses of two optimizer steps, and (rank 0)
+saves them. Run by test_tensor_parallel.py, never collected by pytest (no test_ prefix).
+"""
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+import torch
+
+warnings.filterwarnings("ignore")
+
+
+def fixed_batch(vocab: int) -> list:
+    from rstar_hpc.trainer.step import pack
+
+    gen = torch.Generator().manual_seed(7)
+    samples = []
+    for n in (9, 23, 14, 30, 5):
+        ids = torch.randint(0, vocab, (n,), generator=gen)
+        mask = torch.rand(n, generator=gen) < 0.7
+        mask[0] = False
+        samples.append((ids, mask))
+    return pack(samples, token_budget=40)
+
+
+def run(hf_dir: str, tp: int) -> dict:
+    from rstar_hpc.trainer.hf_convert import gather_hf_state, load_hf_checkpoint
+    from rstar_hpc.trainer.model import Qwen3Arch, build_model, init_distributed
+    from rstar_hpc.trainer.step import build_optimizer, forward_backward, train_step
+
+    init_distributed(tp=tp)
+    model = build_model(Qwen3Arch.from_hf_config(hf_dir))
+    load_hf_checkpoint(model, hf_dir)
+    batch = fixed_batch(model.arch.vocab_size)
+    first = forward_backward(model, batch)
+    grads = gather_hf_state(model, grads=True)
+    opt = build_optimizer(model, lr=1e-2)
+    # grad_clip small enough to clip: the tensor-parallel norm must count replicated norms once
+    losses = [train_step(model, opt, None, batch, grad_clip=0.5) for _ in range(3)]
+    return {"loss": first["loss"], "grads": grads, "losses": [m["loss"] for m in losses],
+            "grad_norms": [m["grad_norm"] for m in losses]}
+
+
+if __name__ == "__main__":
+    from rstar_hpc.trainer.model import destroy_distributed
+
+    result = run(sys.argv[1], tp=int(os.environ["WORLD_SIZE"]))
+    if int(os.environ["RANK"]) == 0:
+        torch.save(result, sys.argv[2])
+    destroy_distributed()
