@@ -39,11 +39,15 @@ class RoCConfig(Section):
     """Negatives kept at least, when that many exist."""
     min_non_zero_reward_trace_num: int = Field(2, ge=0)
     """Positives kept at least, when that many exist."""
+    keep_small_groups: bool = False
+    """A group with fewer than down_sample_to_n rollouts (some were lost): keep it whole, or drop it as the
+    public code does (default)."""
     positive_selection: Literal["weighted", "topk"] = "weighted"
     """`weighted`: sample positives without replacement with weight 1/(p_total + eps) (the paper);
     `topk`: stable lowest-penalty top-k (the public code)."""
     weight_eps: float = Field(0.1, gt=0)
-    """eps of the weighted mode, so p_total = 0 gets a finite weight."""
+    """eps of the weighted mode, so p_total = 0 gets a finite weight: weights span 1/(2 + eps) to 1/eps, so
+    0.1 lets a clean positive be picked up to 21x as readily as the worst one."""
     count_first_turn: bool = True
     """Count the first assistant turn in p_format's turn count (the paper's intent); the public code
     never counts it."""
@@ -71,7 +75,8 @@ class LossConfig(Section):
     norm_adv_by_std: bool = True
     """Divide group advantages by the (unbiased) group std."""
     kl_coef: float = Field(0.0, ge=0)
-    """Coefficient of a low-variance KL term against the rollout policy; 0 (the paper) disables it."""
+    """Coefficient of the low-variance (k3) KL penalty against reference log-probs passed to the loss;
+    0 (the paper) disables it."""
     entropy_coef: float = Field(0.0, ge=0)
     """Entropy bonus; 0 (the paper) disables it."""
     log_ratio_clamp: float = Field(20.0, gt=0)

@@ -1,0 +1,156 @@
+"""Resample-on-Correct down-sampling (paper §2.2.3; public code rstar2_agent/down_sample/, reference §1.2).
+
+For each prompt (group) of 2G rollouts, keep G = `down_sample_to_n`:
+  1. `reject_equal_reward`: drop groups whose rewards are all equal (all right or all wrong).
+  2. Split G between the classes by rounding, with minimums (the public code's rule, which always sums to G,
+     unlike the paper's "floor(|O_neg|/2) + half the positives"):
+         k_neg = round_half_even(n_neg * G / n)            k_pos = G - k_neg
+         if k_neg <= min(min_zero, n_neg):     k_neg = min(min_zero, n_neg);     k_pos = G - k_neg
+         if k_pos <= min(min_non_zero, n_pos): k_pos = min(min_non_zero, n_pos); k_neg = G - k_pos
+     (The code rounds k_pos separately; for even G both agree; for odd G that sum can miss G by one.)
+  3. Negatives (reward 0): k_neg uniformly at random without replacement (the code takes the first k_neg in
+     rollout order, which is uniform for i.i.d. rollouts).
+  4. Positives (reward != 0), by p_total = p_err [roc_error_ratio] + p_format [roc_answer_format]:
+       weighted  sample k_pos without replacement with weight 1/(p_total + weight_eps): the paper's rule; eps
+                 (the paper leaves p_total = 0 open) keeps weights finite. Drawn as Gumbel-top-k, which is
+                 exactly sequential weighted sampling without replacement, vectorised over all groups.
+       topk      the k_pos lowest penalties, ties in rollout order (stable): the public code.
+A group larger than G is selected as above; exactly G is kept whole; smaller than G (rollouts were lost) is
+dropped as in the public code, or kept whole with `keep_small_groups`. `down_sample_to_n <= 0` skips 2-4;
+`do_down_sampling=False` keeps everything. Same inputs and seed give the same selection.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.typing import ArrayLike
+
+from rstar_hpc.algo._config import resolve
+from rstar_hpc.config.algo import RoCConfig
+
+
+class RoCReason(enum.IntEnum):
+    KEPT_POSITIVE = 0
+    KEPT_NEGATIVE = 1
+    KEPT_GROUP = 2
+    """Kept without selection: down-sampling off, or the group already has at most G rollouts."""
+    DROPPED_POSITIVE = 3
+    DROPPED_NEGATIVE = 4
+    DROPPED_EQUAL_REWARD = 5
+    DROPPED_SMALL_GROUP = 6
+
+
+@dataclass(frozen=True)
+class RoCSelection:
+    keep: np.ndarray
+    """bool [n]: trajectories kept for training."""
+    reason: np.ndarray
+    """int8 [n]: a RoCReason per trajectory."""
+    penalty: np.ndarray
+    """float [n]: p_total used to rank positives (computed for every trajectory)."""
+    group: np.ndarray
+    """int [n]: group index (0..num_groups-1, in sorted order of the group ids)."""
+
+    @property
+    def indices(self) -> np.ndarray:
+        return np.flatnonzero(self.keep)
+
+    def reason_names(self) -> list[str]:
+        return [RoCReason(c).name.lower() for c in self.reason]
+
+
+def _split(n_pos, n_neg, n: int, min_neg: int, min_pos: int):
+    n_pos, n_neg = np.asarray(n_pos, np.int64), np.asarray(n_neg, np.int64)
+    k_neg = np.rint(n_neg * n / (n_pos + n_neg)).astype(np.int64)  # rint rounds half to even, like Python
+    k_pos = n - k_neg
+    m = np.minimum(min_neg, n_neg)
+    low = k_neg <= m
+    k_neg, k_pos = np.where(low, m, k_neg), np.where(low, n - m, k_pos)
+    m = np.minimum(min_pos, n_pos)
+    low = k_pos <= m
+    return np.where(low, m, k_pos), np.where(low, n - m, k_neg)
+
+
+def roc_split(num_pos: int, num_neg: int, cfg: RoCConfig | None = None, **kwargs) -> tuple[int, int]:
+    """(positives kept, negatives kept) for a group larger than `down_sample_to_n` (rule 2 above)."""
+    cfg = resolve(RoCConfig, cfg, kwargs)
+    if cfg.down_sample_to_n <= 0 or num_pos + num_neg <= cfg.down_sample_to_n or min(num_pos, num_neg) < 0:
+        raise ValueError(f"roc_split needs 0 < down_sample_to_n ({cfg.down_sample_to_n}) < group size "
+                         f"({num_pos} + {num_neg}) and non-negative counts")
+    k_pos, k_neg = _split(num_pos, num_neg, cfg.down_sample_to_n, cfg.min_zero_reward_trace_num,
+                          cfg.min_non_zero_reward_trace_num)
+    return int(k_pos), int(k_neg)
+
+
+def _as_1d(name: str, x: ArrayLike | None, n: int) -> np.ndarray:
+    a = np.zeros(n) if x is None else np.asarray(x, dtype=np.float64)
+    if a.shape != (n,):
+        raise ValueError(f"{name} has shape {a.shape}, expected ({n},): one value per trajectory")
+    if not np.isfinite(a).all():
+        raise ValueError(f"{name} holds NaN or inf at index {int(np.flatnonzero(~np.isfinite(a))[0])}")
+    return a
+
+
+def roc_downsample(group_ids: ArrayLike, rewards: ArrayLike, p_err: ArrayLike | None = None,
+                   p_format: ArrayLike | None = None, cfg: RoCConfig | None = None, *, seed: int,
+                   **kwargs) -> RoCSelection:
+    """Select the trajectories to train on. `group_ids` (any sortable ids: prompt uids) groups the rollouts of
+    a prompt, in any order; `rewards`, `p_err`, `p_format` hold one value per trajectory (the penalties may be
+    None when their `roc_*` switch is off). Returns what was kept and, per trajectory, why."""
+    cfg = resolve(RoCConfig, cfg, kwargs)
+    rewards = np.asarray(rewards, dtype=np.float64)
+    if rewards.ndim != 1:
+        raise ValueError(f"rewards has shape {rewards.shape}; pass one scalar reward per trajectory (1-D)")
+    n = rewards.shape[0]
+    rewards = _as_1d("rewards", rewards, n)
+    for name, x, on in (("p_err", p_err, cfg.roc_error_ratio), ("p_format", p_format, cfg.roc_answer_format)):
+        if on and x is None and cfg.do_down_sampling and cfg.down_sample_to_n > 0:
+            raise ValueError(f"{name} is needed because roc_{'error_ratio' if name == 'p_err' else 'answer_format'}"
+                             " is on; pass it, or turn that switch off")
+    penalty = (cfg.roc_error_ratio * _as_1d("p_err", p_err, n)
+               + cfg.roc_answer_format * _as_1d("p_format", p_format, n))
+    ids = np.asarray(group_ids)
+    if ids.shape != (n,):
+        raise ValueError(f"group_ids has shape {ids.shape}, expected ({n},): one id per trajectory")
+    _, g = np.unique(ids, return_inverse=True)
+    g = g.reshape(-1)
+    reason = np.full(n, RoCReason.KEPT_GROUP, dtype=np.int8)
+    if not cfg.do_down_sampling or n == 0:
+        return RoCSelection(reason == RoCReason.KEPT_GROUP, reason, penalty, g)
+
+    pos = rewards != 0
+    size, n_pos = np.bincount(g), np.bincount(g, weights=pos).astype(np.int64)
+    equal = (n_pos == 0) | (n_pos == size)
+    dropped = equal if cfg.reject_equal_reward else np.zeros_like(equal)
+    reason[dropped[g]] = RoCReason.DROPPED_EQUAL_REWARD
+    target = cfg.down_sample_to_n
+    if target > 0:
+        small = ~dropped & (size < target)
+        if not cfg.keep_small_groups:
+            reason[small[g]] = RoCReason.DROPPED_SMALL_GROUP
+        select = ~dropped & (size > target)
+        k_pos, k_neg = _split(n_pos, size - n_pos, target, cfg.min_zero_reward_trace_num,
+                              cfg.min_non_zero_reward_trace_num)
+        u = np.random.default_rng(seed).random(n)
+        if cfg.positive_selection == "weighted":
+            gumbel = -np.log(-np.log(np.clip(u, 1e-300, 1.0)))
+            pos_key = -(gumbel - np.log(penalty + cfg.weight_eps))  # ascending key = descending log w + G
+        else:
+            pos_key = penalty
+        key = np.where(pos, pos_key, u)  # negatives: a uniformly random order
+        seg = 2 * g + pos
+        order = np.lexsort((np.arange(n), key, seg))
+        seg_sorted = seg[order]
+        first = np.r_[True, seg_sorted[1:] != seg_sorted[:-1]]
+        rank = np.empty(n, dtype=np.int64)
+        rank[order] = np.arange(n) - np.maximum.accumulate(np.where(first, np.arange(n), 0))
+        chosen = rank < np.where(pos, k_pos[g], k_neg[g])
+        in_sel = select[g]
+        reason[in_sel] = np.select(
+            [chosen[in_sel] & pos[in_sel], chosen[in_sel], pos[in_sel]],
+            [RoCReason.KEPT_POSITIVE, RoCReason.KEPT_NEGATIVE, RoCReason.DROPPED_POSITIVE],
+            RoCReason.DROPPED_NEGATIVE)
+    keep = np.isin(reason, [RoCReason.KEPT_POSITIVE, RoCReason.KEPT_NEGATIVE, RoCReason.KEPT_GROUP])
+    return RoCSelection(keep, reason, penalty, g)
