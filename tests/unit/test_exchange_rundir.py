@@ -76,6 +76,7 @@ def test_stage_state_round_trip_and_moves(tmp_path, monkeypatch):
         done.advance("RUNNING")
     with pytest.raises(ValueError, match="not one of"):
         StageState("x", status="BROKEN")
+    p.stage_state("bad").parent.mkdir(parents=True)
     p.stage_state("bad").write_text("{")
     with pytest.raises(ExchangeError, match="bad/state.json is not valid JSON"):
         read_stage_state(p, "bad")
