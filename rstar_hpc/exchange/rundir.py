@@ -13,6 +13,7 @@
           <producer>-<seq>-<attempt>.arrows        Arrow IPC stream shard (uncompressed, memory-mapped)
           <producer>.commit.json                   commit record, written last: shards, rows, bytes, sha256
       rendezvous/<role>/<name>.json                host/port announcements (rendezvous.py)
+      export/<stage>/step-00000123.{parquet,jsonl} copies made by `rstar-hpc traj export`
       logs/                                        Slurm and role logs
       metrics/<role>.jsonl                         one JSON object per step and role
 
@@ -115,6 +116,10 @@ class RunPaths:
     def traj_steps(self, stage: str) -> list[int]:
         """Steps with a trajectory directory (committed or not), ascending."""
         return sorted(int(n[5:]) for n in _listdir(self.traj_stage_dir(stage)) if re.fullmatch(r"step-\d+", n))
+
+    def export_file(self, stage: str, step: int, fmt: str) -> Path:
+        """Where `rstar-hpc traj export` copies a step (fmt: parquet or jsonl)."""
+        return self.dir / "export" / _check("stage", stage) / f"step-{_step(step):08d}.{fmt}"
 
     # -- rendezvous, logs, metrics ------------------------------------------------------------------------------
     def rendezvous_dir(self, role: str) -> Path:

@@ -228,3 +228,23 @@ def _unlink(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+def export_table(table: pa.Table, path: str | os.PathLike, fmt: str) -> int:
+    """Copy committed rows to Parquet or JSON Lines, published atomically like everything else; returns rows."""
+    from rstar_hpc.exchange.atomic import atomic_write_bytes
+
+    os.makedirs(os.path.dirname(os.fspath(path)) or ".", exist_ok=True)
+    if fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        sink = pa.BufferOutputStream()
+        pq.write_table(table, sink, compression="zstd")
+        atomic_write_bytes(path, sink.getvalue().to_pybytes())
+    elif fmt == "jsonl":
+        from rstar_hpc.exchange.reader import from_table
+
+        atomic_write_bytes(path, "".join(t.to_json() + "\n" for t in from_table(table)).encode())
+    else:
+        raise ValueError(f"export format {fmt!r}: use 'parquet' or 'jsonl'")
+    return table.num_rows

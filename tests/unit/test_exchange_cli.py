@@ -1,0 +1,96 @@
+import json
+
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+from rstar_hpc.cli import cli
+from rstar_hpc.exchange import rendezvous
+from rstar_hpc.exchange.rundir import RunPaths
+from rstar_hpc.exchange.schema import ToolCall
+from rstar_hpc.exchange.state import read_stage_state, write_stage_state
+from rstar_hpc.exchange.synthetic import make_step
+from rstar_hpc.exchange.writer import ShardWriter
+
+
+@pytest.fixture
+def run(tmp_path):
+    paths = RunPaths(tmp_path / "demo-run")
+    paths.create()
+    for step in (1, 2):
+        for rank in (0, 1):
+            trajs = make_step("demo-run", "rl-8k", step, 2, 2, mean_tokens=80, engine_rank=rank)
+            with ShardWriter(paths, "rl-8k", step, f"rollout-{rank}") as w:
+                w.write(trajs)
+    # an attempt that crashed before its commit: visible to `ls` as leftovers only
+    ShardWriter(paths, "rl-8k", 3, "rollout-0", max_rows_per_shard=1).write(make_step("demo-run", "rl-8k", 3, 1, 1))
+    return paths
+
+
+def _invoke(*args):
+    result = CliRunner().invoke(cli, list(args), catch_exceptions=False)
+    return result
+
+
+def test_traj_ls(run):
+    r = _invoke("traj", "ls", str(run.dir))
+    assert r.exit_code == 0, r.output
+    lines = [l for l in r.output.splitlines() if "rl-8k" in l]
+    assert len(lines) == 3
+    assert "rollout-0,rollout-1" in lines[0] and " 8 " in lines[0]
+    assert lines[2].split("│")[3].strip() == "-" and lines[2].split("│")[-2].strip() == "1"   # step 3: 1 leftover
+    assert "total: 16 rows" in r.output
+
+
+def test_traj_show_renders_a_conversation(run):
+    from rstar_hpc.exchange.reader import StepReader, from_table
+
+    trajs = from_table(StepReader(run, "rl-8k").read(1))
+    with_tool = next(t for t in trajs if t.tool_calls)
+    r = _invoke("traj", "show", str(run.dir), "--step", "1", "--uid", with_tool.prompt_uid,
+                "--sample", str(with_tool.sample_index))
+    assert r.exit_code == 0, r.output
+    out = r.output
+    assert with_tool.prompt_uid in out and "assistant · turn 0" in out and "tool call" in out
+    assert f"result: {with_tool.tool_calls[0].status}" in out and "python_code_with_standard_io" in out
+    assert "answer" in out and f"reward: {with_tool.reward:g}" in out
+    assert f"p_err {with_tool.p_err:.3f}" in out and "decision" in out and (with_tool.roc_reason or "") in out
+    assert "This is the problem" in out
+
+
+def test_traj_show_errors_name_the_fix(run):
+    r = CliRunner().invoke(cli, ["traj", "show", str(run.dir), "--step", "3"])
+    assert r.exit_code == 4 and "no committed trajectories" in r.output and "traj ls" in r.output
+    r = CliRunner().invoke(cli, ["traj", "show", str(run.dir), "--step", "1", "--uid", "nope"])
+    assert r.exit_code == 4 and "no prompt uid 'nope'" in r.output
+    r = CliRunner().invoke(cli, ["traj", "ls", str(run.dir / "missing")])
+    assert r.exit_code == 4 and "RSTAR_HPC_RUN_ROOT" in r.output
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
+def test_traj_export(run, fmt, tmp_path):
+    r = _invoke("traj", "export", str(run.dir), "--to", fmt)
+    assert r.exit_code == 0, r.output
+    target = run.export_file("rl-8k", 1, fmt)
+    assert f"{target}: 8 rows" in r.output and run.export_file("rl-8k", 2, fmt).exists()
+    if fmt == "parquet":
+        table = pq.read_table(target)
+        assert table.num_rows == 8 and "loss_mask" in table.column_names
+    else:
+        rows = [json.loads(l) for l in target.read_text().splitlines()]
+        assert len(rows) == 8 and len(rows[0]["loss_mask"]) == len(rows[0]["response_ids"])
+
+
+def test_run_status_by_name(run, monkeypatch):
+    state = read_stage_state(run, "rl-8k").advance("RUNNING", step=2, data_cursor=128, policy_version=2)
+    write_stage_state(run, state)
+    tmp = run.checkpoints("rl-8k").begin(2)
+    run.checkpoints("rl-8k").commit(2, tmp)
+    rendezvous.announce(run.dir, "sandbox", "node1-0", 8123, host="node1", capacity=64)
+    rendezvous.announce(run.dir, "rollout", "rank0", 9000, host="gpu1")
+    monkeypatch.setenv("RSTAR_HPC_RUN_ROOT", str(run.dir.parent))
+    r = _invoke("run", "status", "demo-run")
+    assert r.exit_code == 0, r.output
+    row = next(l for l in r.output.splitlines() if l.lstrip("│ ").startswith("rl-8k"))
+    assert "RUNNING" in row and "128" in row and "step-00000002" in row and "1..2 (2)" in row
+    assert "node1:8123" in r.output and "capacity=64" in r.output and "gpu1:9000" in r.output
