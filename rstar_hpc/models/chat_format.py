@@ -1,0 +1,104 @@
+"""The rStar2-Agent conversation format (reference §2.1-2.4), the one place it is written down.
+
+ChatML with a Hermes "# Tools" system section; reasoning in <reason>, the final answer in <answer> with
+\\boxed{}; tool calls as <tool_call>{"name": ..., "arguments": {...}}</tool_call>; tool results rendered
+in a *user* turn as <tool_response>...</tool_response>; the generation prompt prefills `<reason>`.
+The tool is named `python_code_with_standard_io` as in the public code (the paper says
+`execute_python_code_with_standard_io`).
+"""
+from __future__ import annotations
+
+import json
+
+IM_START, IM_END, ENDOFTEXT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
+CHATML_TOKENS = (ENDOFTEXT, IM_START, IM_END)
+RSTAR_TAGS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
+              "<answer>", "</answer>", "<reason>", "</reason>")
+
+TOOL_NAME = "python_code_with_standard_io"
+TOOL_SCHEMA = {
+    "type": "function",
+    "function": {
+        "name": TOOL_NAME,
+        "description": ("Execute Python code with standard input and capture its standard output. The code runs "
+                        "in a fresh interpreter; print what you need to see. On an error the exception text is "
+                        "returned."),
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "code": {"type": "string", "description": "Python code to execute."},
+                "input": {"type": "string", "description": "Text fed to the program's standard input."},
+            },
+            "required": ["code", "input"],
+        },
+    },
+}
+
+SYSTEM_PREAMBLE = (
+    "A conversation between User and Assistant. The user asks a question, and the Assistant solves it. "
+    "The assistant first thinks about the reasoning process in the mind and then provides the user with the "
+    "answer. The reasoning process and answer are enclosed within <reason> </reason> and <answer> </answer> "
+    "tags, respectively, i.e., <reason> reasoning process here </reason> <answer> answer here </answer>."
+)
+TOOLS_SECTION = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}}\n</tool_call>"
+)
+USER_PREFIX = ("You must put your answer inside <answer> </answer> tags, i.e., <answer> answer here </answer>. "
+               "And your final answer will be extracted automatically by the \\boxed{} tag.\nThis is the problem:\n")
+GENERATION_PROMPT = f"{IM_START}assistant\n<reason>"
+
+
+def system_prompt(tools: list[dict] | None = None) -> str:
+    tools = [TOOL_SCHEMA] if tools is None else tools
+    text = SYSTEM_PREAMBLE
+    if tools:
+        text += "\n\n" + TOOLS_SECTION.format(tools="\n".join(json.dumps(t) for t in tools))
+    return text
+
+
+def render_tool_call(code: str, stdin: str = "") -> str:
+    return "<tool_call>\n" + json.dumps({"name": TOOL_NAME, "arguments": {"code": code, "input": stdin}}) + \
+        "\n</tool_call>"
+
+
+def render_tool_responses(texts: list[str]) -> str:
+    """The user turn that carries one or more tool results, followed by the next generation prompt."""
+    body = "\n".join(f"<tool_response>\n{t}\n</tool_response>" for t in texts)
+    return f"{IM_START}user\n{body}{IM_END}\n{GENERATION_PROMPT}"
+
+
+def render_prompt(question: str, *, tools: list[dict] | None = None, system: str | None = None) -> str:
+    """The full prompt text up to and including the prefilled `<reason>`."""
+    sys_text = system if system is not None else system_prompt(tools)
+    return (f"{IM_START}system\n{sys_text}{IM_END}\n{IM_START}user\n{USER_PREFIX}{question}{IM_END}\n"
+            f"{GENERATION_PROMPT}")
+
+
+# The same format as a Hugging Face chat template, so `tokenizer.apply_chat_template` (and vLLM's chat
+# API) render exactly what render_prompt / render_tool_responses produce. Tool messages are merged into one
+# user turn; `add_generation_prompt` prefills <reason>.
+CHAT_TEMPLATE = (
+    "{%- set default_system = " + json.dumps(SYSTEM_PREAMBLE) + " -%}"
+    "{%- if messages and messages[0]['role'] == 'system' -%}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] -}}{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}{{- '<|im_start|>system\\n' + default_system -}}{%- set loop_messages = messages -%}{%- endif -%}"
+    "{%- if tools -%}{{- '\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query."
+    "\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>' -}}"
+    "{%- for tool in tools -%}{{- '\\n' + (tool | tojson) -}}{%- endfor -%}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
+    "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}\\n</tool_call>' -}}{%- endif -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- for message in loop_messages -%}"
+    "{%- if message['role'] == 'tool' -%}"
+    "{%- if loop.first or loop_messages[loop.index0 - 1]['role'] != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}"
+    "{{- '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' -}}"
+    "{%- if loop.last or loop_messages[loop.index0 + 1]['role'] != 'tool' -%}{{- '<|im_end|>\\n' -}}{%- endif -%}"
+    "{%- else -%}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n<reason>' -}}{%- endif -%}"
+)

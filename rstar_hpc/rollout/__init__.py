@@ -1,0 +1,1 @@
+"""The rollout role: vLLM engine ranks and the agent loop."""
