@@ -184,7 +184,7 @@ class SDPACoreAttention(MegatronModule):
     """Core attention via `torch.nn.functional.scaled_dot_product_attention` (CPU, or any device).
 
     Same constructor and call as megatron-core's `DotProductAttention`; causal, grouped-query (kv heads are
-    shared, not copied), and packed THD sequences (block-diagonal causal mask from `cu_seqlens`).
+    shared, not copied), and packed THD sequences (one causal call per sample from `cu_seqlens`).
     """
 
     def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
@@ -209,14 +209,17 @@ class SDPACoreAttention(MegatronModule):
         causal = (attn_mask_type or self.attn_mask_type) == AttnMaskType.causal
         dropout = self.dropout_p if self.training else 0.0
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
-            # [t, h, d] -> [1, h, t, d]; samples see only themselves
-            q, k, v = (x.permute(1, 0, 2).unsqueeze(0) for x in (query, key, value))
+            # [t, h, d]: attend within each sample; one causal call per sample costs sum(s_i^2), not t^2
             cu = packed_seq_params.cu_seqlens_q_padded
             cu = packed_seq_params.cu_seqlens_q if cu is None else cu
-            mask = packed_causal_mask(cu.to(query.device), query.size(0))
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
-                                                 scale=self.softmax_scale, enable_gqa=self.num_groups != self.num_heads)
-            return out.squeeze(0).permute(1, 0, 2).reshape(query.size(0), -1)
+            lens = (cu[1:] - cu[:-1]).tolist()
+            outs = []
+            for q, k, v in zip(query.split(lens), key.split(lens), value.split(lens)):
+                q, k, v = (x.permute(1, 0, 2).unsqueeze(0) for x in (q, k, v))
+                o = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=causal,
+                                                   scale=self.softmax_scale, enable_gqa=self.num_groups != self.num_heads)
+                outs.append(o.squeeze(0).permute(1, 0, 2))
+            return torch.cat(outs).reshape(query.size(0), -1)
         # [s, b, h, d] -> [b, h, s, d]
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
         mask = None
@@ -238,13 +241,6 @@ class CPURotaryEmbedding(RotaryEmbedding):
     def get_emb(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
         freqs = self.get_freqs_non_repeated(max_seq_len, offset)
         return torch.cat((freqs, freqs), dim=-1)[:, None, None, :]  # rotate-half layout, as Qwen3
-
-
-def packed_causal_mask(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
-    """Boolean [total, total] mask (True = may attend): causal inside each packed sample, nothing across."""
-    pos = torch.arange(total, device=cu_seqlens.device)
-    seg = torch.searchsorted(cu_seqlens[1:].to(torch.long), pos, right=True)
-    return (seg[:, None] == seg[None, :]) & (pos[:, None] >= pos[None, :])
 
 
 def packed_seq_params(seqlens: list[int] | torch.Tensor, device: torch.device | str = "cpu") -> PackedSeqParams:

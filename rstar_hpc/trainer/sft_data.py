@@ -1,0 +1,72 @@
+"""Synthetic SFT data for the CPU demo: "Compute A * B." solved with one Python tool call.
+
+Each sample is one chat (JSONL line `{"messages": [...]}`) in the rStar2 format of `rstar_hpc.models.chat_format`:
+system (with the tool schema) -> user problem -> assistant reasons and calls `print(A * B)` -> tool result ->
+assistant `<answer>\\boxed{A*B}</answer>`. Every assistant turn starts with the `<reason>` the generation prompt
+prefills. The numbers have 4 digits, too many for a tiny model to multiply in its head, so it must learn to use
+the tool (and RL has room to improve it).
+
+    python -m rstar_hpc.trainer.sft_data out.jsonl --num-samples 6000 --seed 0
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+from rstar_hpc.models import chat_format as fmt
+
+OPENERS = ("We need to compute the product {a} * {b}.", "Multiply {a} by {b}.",
+           "The task is {a} times {b}; use the tool to be exact.", "Let me compute {a} * {b} with Python.")
+
+
+def tool_result(stdout: str) -> str:
+    """The tool message text the sandbox returns for a successful run."""
+    return f"Tool call success\nstdout: {stdout}\nexecution time: 0.01s"
+
+
+def make_sample(rng: random.Random, *, digits: int = 4, system: str | None = None) -> dict:
+    lo, hi = 10 ** (digits - 1), 10 ** digits - 1
+    a, b = rng.randint(lo, hi), rng.randint(lo, hi)
+    product = a * b
+    return {
+        "messages": [
+            {"role": "system", "content": fmt.system_prompt() if system is None else system},
+            {"role": "user", "content": f"{fmt.USER_PREFIX}Compute {a} * {b}."},
+            {"role": "assistant",
+             "content": f"<reason>{rng.choice(OPENERS).format(a=a, b=b)} {fmt.render_tool_call(f'print({a} * {b})')}"},
+            {"role": "tool", "content": tool_result(str(product))},
+            {"role": "assistant",
+             "content": f"<reason>The tool printed {product}. </reason>\n<answer>\\boxed{{{product}}}</answer>"},
+        ],
+        "answer": str(product),
+    }
+
+
+def make_samples(num_samples: int, seed: int = 0, **kwargs) -> list[dict]:
+    rng = random.Random(seed)
+    return [make_sample(rng, **kwargs) for _ in range(num_samples)]
+
+
+def write_jsonl(samples: list[dict], path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for s in samples:
+            f.write(json.dumps(s) + "\n")
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out")
+    ap.add_argument("--num-samples", type=int, default=6000)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--digits", type=int, default=4)
+    args = ap.parse_args(argv)
+    write_jsonl(make_samples(args.num_samples, args.seed, digits=args.digits), args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""SFT: the rStar2 rendering, the assistant-only mask, and a tiny run that lowers held-out loss."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from rstar_hpc.trainer.sft import SFTData, load_chat_jsonl, render_segments, run_sft, tokenize_conversation
+from rstar_hpc.trainer.sft_data import make_samples, write_jsonl
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_hf_dir):
+    return AutoTokenizer.from_pretrained(tiny_hf_dir)
+
+
+def test_rendering_equals_chat_template_and_masks_assistant_only(tokenizer):
+    msgs = make_samples(1, seed=3)[0]["messages"]
+    text = "".join(t for t, _ in render_segments(msgs))
+    assert text == tokenizer.apply_chat_template(msgs, tokenize=False)
+    ids, mask = tokenize_conversation(msgs, tokenizer)
+    assert ids.tolist() == tokenizer.encode(text, add_special_tokens=False)  # piecewise == whole
+    trained = tokenizer.decode(ids[mask])
+    a, b = (int(x) for x in msgs[1]["content"].rsplit("Compute ", 1)[1].rstrip(".").split(" * "))
+    assert f"print({a} * {b})" in trained and f"\\boxed{{{a * b}}}" in trained
+    assert "Tool call success" not in trained  # tool output is the environment's, not the policy's
+    assert "<reason>" not in trained           # prefilled by the generation prompt
+    assert "system" not in trained and "Compute" not in trained
+    assert trained.count("<|im_end|>") == 2
+
+
+def test_bad_data_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="sft_data"):
+        load_chat_jsonl(tmp_path / "missing.jsonl")
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"messages": [{"role": "bot", "content": "x"}]}) + "\n")
+    with pytest.raises(ValueError, match="bad.jsonl:1"):
+        load_chat_jsonl(tmp_path / "bad.jsonl")
+
+
+def test_data_cursor_round_trips():
+    samples = [(torch.tensor([i, i]), torch.tensor([False, True])) for i in range(5)]
+    a, b = SFTData(samples, seed=1), SFTData(samples, seed=1)
+    a.next_samples(7)
+    b.load_state_dict(a.state_dict())
+    assert [int(x[0][0]) for x in a.next_samples(6)] == [int(x[0][0]) for x in b.next_samples(6)]
+
+
+def test_tiny_sft_lowers_held_out_loss(dist1, tiny_hf_dir, tmp_path):
+    train = write_jsonl(make_samples(200, seed=0, system=""), tmp_path / "train.jsonl")
+    held = write_jsonl(make_samples(16, seed=99, system=""), tmp_path / "eval.jsonl")
+    hist = run_sft(model_dir=tiny_hf_dir, data=train, eval_data=held, num_steps=10, samples_per_step=8,
+                   lr=3e-3, warmup_steps=2, micro_batch_tokens=1024)
+    before, after = hist[0]["eval_loss_before"], hist[-1]["eval_loss"]
+    assert after < 0.7 * before, (before, after)
+    assert hist[-1]["loss"] < hist[0]["loss"]
+    lrs = [h["lr"] for h in hist]
+    assert lrs[1] > lrs[0] and lrs[-1] < max(lrs)  # warm-up, then cosine decay
