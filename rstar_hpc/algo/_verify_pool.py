@@ -114,7 +114,11 @@ class VerifierPool:
                             results[i] = tuple(json.loads(line))  # type: ignore[assignment]
                             self._ready.append(w)
                         else:  # EOF: segfault, OOM kill, C stack overflow
-                            results[i] = ("verifier_crashed", f"worker exited with code {w.proc.poll()}")
+                            try:
+                                code = w.proc.wait(timeout=1.0)  # EOF can come before the exit is reaped
+                            except subprocess.TimeoutExpired:
+                                code = None
+                            results[i] = ("verifier_crashed", f"worker exited with code {code}")
                             self._replace(w)
                     now = time.monotonic()
                     for out, (w, i, d) in list(busy.items()):

@@ -134,15 +134,19 @@ class RewardScorer:
         self.close()
 
 
-_shared: dict[str, RewardScorer] = {}
+_shared: dict[str, RewardScorer] = {}  # one scorer per config for the one-response helpers below
+
+
+@atexit.register
+def _close_shared() -> None:
+    for s in _shared.values():
+        s.close()
 
 
 def _scorer(cfg: RewardConfig | None, kwargs: dict) -> RewardScorer:
     resolved = resolve(RewardConfig, cfg, kwargs)
     key = resolved.model_dump_json()
     if key not in _shared:
-        if not _shared:
-            atexit.register(lambda: [s.close() for s in _shared.values()])
         _shared[key] = RewardScorer(resolved)
     return _shared[key]
 

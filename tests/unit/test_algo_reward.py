@@ -88,7 +88,7 @@ def test_pathological_answer_scores_zero_within_limit_and_pool_stays_healthy(sco
     assert results[0].detail
     assert results[1].score == 1.0  # the other worker kept going
     # one time limit, plus a worker start-up when the pool was empty
-    assert elapsed < TIMEOUT_S + 3.0
+    assert elapsed < TIMEOUT_S + 5.0  # slack for a loaded shared machine; unbounded would hang
     assert scorer.score(ans(r"\frac{10}{5}"), "2").score == 1.0  # the replacement worker serves
 
 
@@ -127,3 +127,15 @@ def test_bad_input_says_what_to_fix():
         RewardScorer(timeout=3)
     with pytest.raises(pydantic.ValidationError, match="timeout_s"):
         RewardScorer(timeout_s=-1)
+
+
+def test_public_api_resolves_and_reward_never_loads_torch():
+    import subprocess
+    import sys
+
+    import rstar_hpc.algo as algo
+
+    for name in algo.__all__:
+        assert getattr(algo, name) is not None
+    code = "import sys, rstar_hpc.algo.reward; assert 'torch' not in sys.modules, 'reward imported torch'"
+    subprocess.run([sys.executable, "-c", code], check=True)
