@@ -1,1 +1,59 @@
-"""The CPU-node sandbox service: bubblewrap executor pools. Never imports torch or vLLM."""
+"""rstar-hpc's sandbox: a per-node service that runs model-written Python in bubblewrap, fast and isolated.
+
+Never imports torch or vLLM (standard library; numpy and sympy are imported only inside the sandboxes).
+
+    sandbox.limits   Limits: every knob, with defaults (4 s wall, 1 GiB, 32 processes, 8 KiB output, ...)
+    sandbox.pool     Pool: N persistent bwrap sandboxes, queue, sessions, stats (in-process use, tests)
+    sandbox.server   Service: the Pool behind a TCP server, announced in the run directory
+    sandbox.client   SandboxClient: batching, load-spreading, retrying client for many services
+    sandbox.results  result record, statuses, render_rstar2() (the text the model sees)
+    sandbox.protocol wire format and call validation
+    sandbox._worker  pid 1 inside each sandbox (stdlib only)
+
+Threat model: what is guaranteed
+--------------------------------
+The code is untrusted (written by a model under RL, which will find any reward-relevant hole) but not a
+targeted kernel exploit. Against it, each call is:
+- isolated from the host: its own user (or, when the service runs as root, a uid of its own), pid, net,
+  ipc, uts and mount namespaces (bwrap). The file system is an empty tmpfs with /usr, the interpreter and
+  its site-packages bound read-only; no /home, /etc, /work, project or scratch directory of the host, so
+  no other user's files, no keys, no tokens. The environment is rebuilt from scratch (bwrap is started
+  with a scrubbed environment, so not even /proc/1/environ shows the launcher's). No network (an empty
+  net namespace: loopback only). No capabilities, no_new_privs, a new session (no tty injection), and a
+  seccomp filter against ptrace, process_vm_*, new namespaces, mounts, keyrings, bpf, io_uring, perf,
+  modules and kill(-1).
+- limited by hard rlimits set in the cell's own process (soft = hard, which it cannot raise): CPU time,
+  address space, processes+threads (RLIMIT_NPROC, counted per sandbox), open files, file size, core 0;
+  a size-capped private /tmp and /dev/shm, wiped after every call. The wall-clock timer lives in pid 1 of
+  the sandbox, a process with no signal handlers (so, inside its pid namespace, unkillable) that runs no
+  user code and is non-dumpable; the service has a second timer on pid 1 itself. Output is read by pid 1
+  through capped pipes (head + tail kept, the cell killed past output_kill_bytes).
+- fresh: a stateless call runs in a newly forked child of a warm interpreter (numpy and sympy already
+  imported), with re-seeded RNGs and an empty working directory; after it, every process it left is
+  killed and its files removed, so nothing carries over to the next call. Sandboxes are also recycled
+  after `recycle_after` calls and replaced on any anomaly (died, hung, processes surviving the sweep).
+- reported on a separate channel: status, times and sizes are measured by pid 1 outside the cell, and the
+  result travels as length-prefixed JSON on pipes the cell does not hold; nothing printed on stdout or
+  stderr can change a result's status or fields. Sandbox output is never unpickled.
+
+What is not guaranteed
+----------------------
+- Kernel bugs: namespaces + seccomp deny-list, not a VM. A kernel exploit escapes.
+- Memory is limited per process (address space), not per sandbox: with no cgroup delegated to the job, a
+  cell's threads/processes each get the limit, and tmpfs pages are not counted against it. Run the service
+  in a Slurm job with a memory limit (the job's cgroup is the backstop; cells have oom_score_adj 1000 so
+  they, not the service, are the OOM killer's first choice).
+- Between sessions of one sandbox: sessions share a sandbox's uid, so a cell can signal another session's
+  process by pid (kill(-1) is blocked, enumerating /proc is not; the victim session is then reported
+  "replayed") and can read or write the other session's scratch directory under /tmp. Another session's
+  memory and results stay out of reach (non-dumpable processes, ptrace denied, private result pipes).
+- Within a session, the cell runs in the process that keeps the session's state, so it can misreport its
+  own exception on the result channel (never its status, time, output or another call's result).
+- Denial of service by CPU: a cell can burn its CPU/wall limit; BLAS/OpenMP are pinned to one thread.
+- Unprivileged user namespaces must be enabled on the nodes (`rstar-hpc doctor` checks); Ubuntu >= 23.10
+  needs an AppArmor profile for bwrap.
+"""
+from sandbox.limits import Limits
+from sandbox.results import STATUSES, make_result, render_rstar2, truncate_middle
+
+__all__ = ["Limits", "STATUSES", "make_result", "render_rstar2", "truncate_middle"]

@@ -367,7 +367,7 @@ class Server:
             os.set_blocking(r, False)
         return fd, (out_r, out_w), (err_r, err_w), (res_r, res_w)
 
-    def supervise(self, pidfd, out_r, err_r, res_r, timeout):
+    def supervise(self, pidfd, out_r, err_r, res_r, timeout, start=None):
         """Collect output and the report until the cell is done (it exited, or closed its report channel
         after a well-formed report), the wall deadline passes, or output floods."""
         lim = self.lim
@@ -377,7 +377,7 @@ class Server:
         names = {out_r: out, err_r: err, res_r: res}
         for fd in (out_r, err_r, res_r, pidfd):
             poll.register(fd, select.POLLIN)
-        start = time.monotonic()
+        start = time.monotonic() if start is None else start
         deadline = start + timeout
         why = None
         exited = res_eof = False
@@ -595,6 +595,7 @@ class Server:
             created = False
         stdin_fd, (out_r, out_w), (err_r, err_w), (res_r, res_w) = self.pipes(req.get("stdin", ""))
         msg = json.dumps({"code": req["code"], "cwd": h["cwd"]}).encode()
+        start = time.monotonic()
         try:
             socket.send_fds(h["sock"], [msg], [stdin_fd, out_w, err_w, res_w])
         finally:
@@ -611,7 +612,7 @@ class Server:
             return {"status": "internal_error", "reason": "session process did not start the cell",
                     "stdout": "", "stderr": "", "wall_s": 0.0, "cpu_s": 0.0, "session_alive": False}
         pidfd = os.pidfd_open(cell)
-        out, err, report, wall, why, exited = self.supervise(pidfd, out_r, err_r, res_r, req["timeout_s"])
+        out, err, report, wall, why, exited = self.supervise(pidfd, out_r, err_r, res_r, req["timeout_s"], start)
         os.close(pidfd)
         ok = why is None and not exited and report is not None and report.get("pid") == cell
         status, cpu = 0, self.cpu_of(cell)

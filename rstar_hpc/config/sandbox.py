@@ -1,4 +1,8 @@
-"""Knobs of the sandbox service (bubblewrap executor pools on CPU nodes)."""
+"""Knobs of the sandbox service (bubblewrap executor pools on CPU nodes).
+
+Mirrors `sandbox.limits.Limits` (a plain dataclass, so the service itself needs no pydantic);
+`SandboxConfig().to_limits()` converts, and tests/sandbox pin that the two agree on names and defaults.
+"""
 from __future__ import annotations
 
 from pydantic import Field
@@ -11,13 +15,48 @@ class SandboxConfig(Section):
     """Sandboxes per service; 0 means one per core."""
     timeout_s: float = Field(4.0, gt=0, le=600)
     """Wall-time limit of one call (the paper's service used 4 s)."""
+    max_timeout_s: float = Field(60.0, gt=0, le=3600)
+    """Largest wall time a single request may ask for."""
     cpu_time_s: float = Field(4.0, gt=0, le=600)
-    """CPU-time limit of one call."""
+    """CPU-time limit of one call (RLIMIT_CPU, hard)."""
     memory_mb: int = Field(1024, ge=64)
-    """Address-space limit of one call."""
-    max_processes: int = Field(16, ge=1)
-    """Processes/threads a call may hold."""
+    """Address space a call may add to the warm interpreter (RLIMIT_AS, hard)."""
+    max_processes: int = Field(32, ge=1)
+    """Processes/threads a call may hold (RLIMIT_NPROC, counted per sandbox)."""
+    open_files: int = Field(64, ge=16)
+    """Open file descriptors of a call (RLIMIT_NOFILE)."""
+    file_size_mb: int = Field(16, ge=1)
+    """Largest file a call may write (RLIMIT_FSIZE)."""
+    scratch_mb: int = Field(256, ge=1)
+    """Size of each sandbox's private tmpfs /tmp (and /dev/shm)."""
     max_output_bytes: int = Field(8192, ge=256)
     """stdout/stderr kept per call (head and tail beyond this)."""
+    output_kill_bytes: int = Field(4 << 20, ge=256)
+    """A call printing more than this (both streams together) is killed."""
+    max_code_bytes: int = Field(1 << 20, ge=1024)
+    """Largest code of one call."""
+    max_stdin_bytes: int = Field(1 << 20, ge=0)
+    """Largest stdin of one call."""
+    max_request_bytes: int = Field(16 << 20, ge=1 << 16)
+    """Largest network frame (one batch of up to 64 calls)."""
+    recycle_after: int = Field(1000, ge=1)
+    """Calls before a sandbox is replaced by a fresh one."""
+    preload: list[str] = ["numpy", "sympy"]
+    """Modules imported once in every sandbox (calls fork from the warm interpreter)."""
+    max_sessions_per_worker: int = Field(32, ge=1)
+    """Live sessions one sandbox holds; the least recently used goes beyond it."""
     session_idle_s: float = Field(600.0, gt=0)
-    """A session unused this long is evicted."""
+    """A session unused this long is evicted (replayed if used again)."""
+    session_memory_mb: int = Field(4096, ge=64)
+    """Memory (PSS) of all live sessions of a service; least recently used ones are evicted beyond it."""
+    max_history_bytes: int = Field(1 << 20, ge=0)
+    """Code kept per session to replay it after eviction; beyond it an evicted session is reported lost."""
+    stats_interval_s: float = Field(30.0, gt=0)
+    """Seconds between the service's summary log lines / stats file updates."""
+
+    def to_limits(self):
+        from sandbox.limits import Limits
+
+        fields = self.model_dump(exclude={"stats_interval_s"})
+        fields["preload"] = tuple(fields["preload"])
+        return Limits(**fields)

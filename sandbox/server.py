@@ -1,0 +1,188 @@
+"""The per-node service: a Pool behind an asyncio TCP server, announced in the run directory.
+
+No extra daemon: the service is one Python process (plus its sandboxes) started by the sbatch template on
+each CPU node. It writes `<run_dir>/rendezvous/sandbox/<name>.json` (host, port, workers, load) and
+refreshes it as a heartbeat; clients find services there. Every `stats_interval_s` it logs one summary
+line and writes `<run_dir>/sandbox/stats/<name>.json`; `{"op": "stats"}` returns the same record.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import socket
+import time
+
+from sandbox.limits import Limits
+from sandbox.pool import Pool
+from sandbox.protocol import MAX_BATCH, FrameTooLarge, encode, read_frame, validate_call
+from sandbox.results import make_result
+
+log = logging.getLogger("sandbox")
+
+
+def _announce(run_dir: str, name: str, host: str, port: int, **extra: object) -> None:
+    try:
+        from rstar_hpc.exchange.rendezvous import announce
+        announce(run_dir, "sandbox", name, port, host=host, **extra)
+        return
+    except ImportError:
+        pass
+    # same format as rstar_hpc.exchange.rendezvous, for a service installed without rstar_hpc
+    path = os.path.join(run_dir, "rendezvous", "sandbox", name + ".json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    now = time.time()
+    record = {"role": "sandbox", "name": name, "host": host, "port": port, "pid": os.getpid(),
+              "slurm_job_id": os.environ.get("SLURM_JOB_ID"), "started_at": now, "updated_at": now, **extra}
+    _atomic_write(path, json.dumps(record, sort_keys=True) + "\n")
+
+
+def _atomic_write(path: str, text: str) -> None:
+    tmp = f"{os.path.dirname(path)}/.{os.path.basename(path)}.tmp-{socket.gethostname()}-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+class Service:
+    def __init__(self, limits: Limits | None = None, *, host: str = "0.0.0.0", port: int = 0,
+                 run_dir: str | None = None, name: str | None = None, announce_host: str | None = None,
+                 stats_interval_s: float = 30.0, seccomp: bool = True):
+        self.limits = limits or Limits()
+        self.pool = Pool(self.limits, seccomp=seccomp)
+        self.host, self.port = host, port
+        self.run_dir = run_dir
+        self.name = name or f"{socket.gethostname()}-{os.getpid()}"
+        self.announce_host = announce_host or (host if host not in ("0.0.0.0", "::", "") else socket.gethostname())
+        self.stats_interval_s = stats_interval_s
+        self._server: asyncio.base_events.Server | None = None
+        self._tasks: list[asyncio.Task] = []
+        self.connections = 0
+
+    @property
+    def address(self) -> str:
+        return f"{self.announce_host}:{self.port}"
+
+    async def start(self) -> None:
+        await self.pool.start()
+        self._server = await asyncio.start_server(self._connection, self.host, self.port, limit=1 << 20)
+        self.port = self._server.sockets[0].getsockname()[1]
+        self._publish()
+        self._tasks.append(asyncio.create_task(self._periodic()))
+        log.info("sandbox service %s listening on %s (%d workers)", self.name, self.address, len(self.pool.slots))
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        if self._server is not None:
+            self._server.close()
+        if self.run_dir:
+            try:
+                os.unlink(os.path.join(self.run_dir, "rendezvous", "sandbox", self.name + ".json"))
+            except OSError:
+                pass
+        await self.pool.close()
+
+    async def serve_forever(self) -> None:
+        """Run until SIGTERM/SIGINT (what Slurm sends at the end of a job step)."""
+        await self.start()
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            await stop.wait()
+        finally:
+            self._log_summary()
+            await self.close()
+
+    # ------------------------------------------------------------ stats
+    def stats(self) -> dict:
+        snap = self.pool.snapshot()
+        snap.update(name=self.name, address=self.address, connections=self.connections, time=time.time())
+        return snap
+
+    def _publish(self) -> None:
+        if not self.run_dir:
+            return
+        snap = self.pool.snapshot()
+        _announce(self.run_dir, self.name, self.announce_host, self.port, workers=snap["workers"],
+                  queue_depth=snap["queue_depth"], in_flight=snap["in_flight"])
+        folder = os.path.join(self.run_dir, "sandbox", "stats")
+        os.makedirs(folder, exist_ok=True)
+        _atomic_write(os.path.join(folder, self.name + ".json"), json.dumps(self.stats(), indent=1) + "\n")
+
+    def _log_summary(self) -> None:
+        s = self.stats()
+        by = " ".join(f"{k}={v}" for k, v in s["by_status"].items() if v)
+        log.info("sandbox %s: calls=%d queue=%d in_flight=%d workers=%d/%d p50=%sms p99=%sms sessions=%d "
+                 "restarts=%s evictions=%s %s", self.name, s["calls"], s["queue_depth"], s["in_flight"],
+                 s["workers_alive"], s["workers"], s["p50_ms"], s["p99_ms"], s["sessions_live"],
+                 sum(s["restarts"].values()), sum(s["evictions"].values()), by)
+
+    async def _periodic(self) -> None:
+        while True:
+            await asyncio.sleep(self.stats_interval_s)
+            try:
+                self._log_summary()
+                self._publish()
+            except OSError as e:   # shared storage hiccups must not stop the service
+                log.warning("sandbox %s: could not publish stats: %s", self.name, e)
+
+    # ------------------------------------------------------------ connections
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+
+        def send(obj: dict) -> None:
+            if not writer.is_closing():
+                writer.write(encode(obj))
+
+        try:
+            while True:
+                try:
+                    frame = await read_frame(reader, self.limits.max_request_bytes)
+                except FrameTooLarge as e:
+                    send({"rid": None, "error": str(e)})
+                    break   # the rest of the stream is unframed now
+                except ValueError as e:
+                    send({"rid": None, "error": f"frame is not JSON: {e}"})
+                    continue
+                if frame is None:
+                    break
+                if not isinstance(frame, dict):
+                    send({"rid": None, "error": "a frame must be a JSON object"})
+                    continue
+                rid, op = frame.get("rid"), frame.get("op")
+                if op == "exec":
+                    self._exec(rid, frame.get("calls"), send)
+                elif op == "stats":
+                    send({"rid": rid, "stats": self.stats()})
+                elif op == "ping":
+                    send({"rid": rid, "ok": True, "name": self.name})
+                else:
+                    send({"rid": rid, "error": f"unknown op {op!r}; ops are exec, stats, ping"})
+                await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            self.connections -= 1
+            writer.close()
+
+    def _exec(self, rid: object, calls: object, send) -> None:
+        if not isinstance(calls, list) or not 0 < len(calls) <= MAX_BATCH:
+            send({"rid": rid, "error": f"'calls' must be a list of 1..{MAX_BATCH} calls"})
+            return
+        for i, obj in enumerate(calls):
+            call, bad = validate_call(obj, self.limits)
+            if bad is not None:
+                self.pool.stats.record(bad, 0.0)
+                send({"rid": rid, "i": i, "result": bad})
+                continue
+            fut = self.pool.submit(call)
+
+            def done(f: asyncio.Future, i: int = i) -> None:
+                result = f.result() if not f.cancelled() else make_result(None, "unavailable", "cancelled")
+                send({"rid": rid, "i": i, "result": result})
+            fut.add_done_callback(done)
