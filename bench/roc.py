@@ -31,15 +31,15 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from rstar_hpc.algo import (RewardScorer, group_advantages, roc_downsample, roc_metrics,  # noqa: E402
-                            trajectory_quality)
+from rstar_hpc.algo import RewardScorer, group_advantages, roc_downsample, roc_metrics, trajectory_quality  # noqa: E402
 from rstar_hpc.algo.quality import FAILED_TOOL_STATUSES  # noqa: E402
 from rstar_hpc.config.algo import AlgoConfig  # noqa: E402
 
 STATUSES = ["ok"] * 14 + ["error"] * 3 + ["timeout", "output_truncated", "parse_error", "memory"]
 WORDS = ("let us consider the sum over all residues modulo the prime so the count of valid pairs equals the "
          "number of lattice points inside the region which we can verify by direct computation").split()
-HARD_TRUTHS = [(r"\frac{1}{2}", [r"\frac{2}{4}", "0.5"], r"\frac{1}{3}"), (r"\sqrt{2}", [r"\sqrt{2}", "2^{1/2}"], "1.41"),
+HARD_TRUTHS = [(r"\frac{1}{2}", [r"\frac{2}{4}", "0.5"], r"\frac{1}{3}"),
+               (r"\sqrt{2}", [r"\sqrt{2}", "2^{1/2}"], "1.41"),
                (r"2\pi", [r"2\pi", r"\pi \cdot 2"], r"\pi"), (r"\frac{3}{4}", [r"\frac{6}{8}", "0.75"], "0.7")]
 POWER_TOWER = r"9^{9^{9^{9}}}"
 

@@ -36,7 +36,8 @@ def roc_metrics(selection: RoCSelection, rewards: ArrayLike, p_err: ArrayLike | 
         "roc/groups_all_correct": float((n_pos == size).sum()), "roc/groups_all_wrong": float((n_pos == 0).sum()),
         "roc/groups_rejected_equal": float((group_reason == RoCReason.DROPPED_EQUAL_REWARD).sum()),
         "roc/groups_dropped_small": float((group_reason == RoCReason.DROPPED_SMALL_GROUP).sum()),
-        "roc/penalty_kept_pos": _mean(selection.penalty[pos & keep]), "roc/penalty_all_pos": _mean(selection.penalty[pos]),
+        "roc/penalty_kept_pos": _mean(selection.penalty[pos & keep]),
+        "roc/penalty_all_pos": _mean(selection.penalty[pos]),
     }
     for name, x in (("p_err", p_err), ("p_format", p_format)):
         if x is not None:

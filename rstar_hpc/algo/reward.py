@@ -112,13 +112,13 @@ class RewardScorer:
             raise ValueError(f"got {len(responses)} responses but {len(ground_truths)} ground truths; "
                              "pass one ground truth per response (repeat a prompt's answer for each rollout)")
         answers = [extract_answer(r, self.cfg.answer_extraction) for r in responses]
-        results = [_fast(a, str(g)) for a, g in zip(answers, ground_truths)]
+        results = [_fast(a, str(g)) for a, g in zip(answers, ground_truths, strict=True)]
         hard = [i for i, r in enumerate(results) if r is None]
         if hard:
             if self._pool is None:
                 self._pool = VerifierPool(self.num_workers, self.cfg.timeout_s)
             verdicts = self._pool.verify_many([(answers[i], str(ground_truths[i])) for i in hard])
-            for i, (reason, detail) in zip(hard, verdicts):
+            for i, (reason, detail) in zip(hard, verdicts, strict=True):
                 results[i] = RewardResult(float(reason == "correct"), answers[i], reason, detail)  # type: ignore[arg-type]
         return results  # type: ignore[return-value]
 

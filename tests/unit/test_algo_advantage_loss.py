@@ -11,7 +11,6 @@ from rstar_hpc.algo import entropy_from_logits, group_advantages, policy_loss, t
 from rstar_hpc.config.algo import LossConfig
 
 
-
 @pytest.fixture(autouse=True)
 def float64():
     prev = torch.get_default_dtype()
@@ -98,7 +97,7 @@ def test_kl_and_entropy_terms():
     base, _ = policy_loss(lp, lp, torch.zeros(2), torch.ones(2), **kw)
     assert base.item() == 0.0  # off by default: ref and entropy are not needed
     with_kl, st_kl = policy_loss(lp, lp, torch.zeros(2), torch.ones(2), kl_coef=0.1, ref_logprobs=ref, **kw)
-    k3 = [math.exp(r - l) - (r - l) - 1 for l, r in ((-1.0, -1.5), (-2.0, -1.0))]
+    k3 = [math.exp(r - lq) - (r - lq) - 1 for lq, r in ((-1.0, -1.5), (-2.0, -1.0))]
     assert with_kl.item() == pytest.approx(0.1 * sum(k3) / 2)
     assert st_kl["kl_sum"] == pytest.approx(sum(k3))
     with_ent, _ = policy_loss(lp, lp, torch.zeros(2), torch.ones(2), entropy_coef=0.01, entropy=ent, **kw)
@@ -148,7 +147,8 @@ def packed_batches(draw):
     cuts = sorted(draw(st.lists(st.integers(1, len(seqlens) - 1), min_size=n_mb - 1, max_size=n_mb - 1,
                                 unique=True))) if len(seqlens) > 1 else []
     cfg = LossConfig(clip_ratio_c=draw(st.sampled_from([None, 3.0])), kl_coef=draw(st.sampled_from([0.0, 0.05])),
-                     entropy_coef=draw(st.sampled_from([0.0, 0.01])), clip_ratio_high=draw(st.sampled_from([0.2, 0.28])))
+                     entropy_coef=draw(st.sampled_from([0.0, 0.01])),
+                     clip_ratio_high=draw(st.sampled_from([0.2, 0.28])))
     return seqlens, cuts, cfg, draw(st.integers(0, 2**32 - 1))
 
 
