@@ -5,6 +5,10 @@ a big-integer power and a 5000-deep `\\frac` hangs the LaTeX parser, and either 
 the C stack. So each answer runs in a child process that the parent SIGKILLs at its deadline (or finds
 dead) and replaces; the answer scores 0 with the reason, and the pool keeps serving.
 
+The limit is CPU time, so that a verification starved by a busy node (other jobs, the trainer) is not
+scored 0 for being slow to get a core; wall-clock time is capped at WALL_FACTOR x the limit regardless.
+Where /proc is missing the limit is wall-clock time.
+
 Workers are plain subprocesses (`python -m rstar_hpc.algo._verify_pool`) speaking JSON lines on stdin/stdout:
 unlike multiprocessing's fork they never copy the caller's threads (torch, NCCL), and unlike spawn/forkserver
 they never re-import the caller's `__main__`. A worker says `ready` once math-verify is imported, so its
@@ -24,6 +28,18 @@ from pathlib import Path
 from typing import Sequence
 
 _PKG_ROOT = str(Path(__file__).resolve().parents[2])
+WALL_FACTOR = 4.0
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process, or inf where it cannot be read (the limit becomes wall time)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / _TICK
+    except (OSError, IndexError, ValueError):
+        return float("inf")
 
 
 def _serve() -> None:
@@ -88,15 +104,16 @@ class VerifierPool:
             while len(self._ready) + len(self._starting) < min(self.num_workers, len(pairs)):
                 self._starting.append(_Worker())
             results: list[tuple[str, str] | None] = [None] * len(pairs)
-            todo, busy = deque(enumerate(pairs)), {}  # busy: stdout -> (worker, index, deadline)
+            todo, busy = deque(enumerate(pairs)), {}  # stdout -> (worker, index, deadline, start, start cpu)
             try:
                 while todo or busy:
                     while todo and self._ready:
                         w, (i, pair) = self._ready.pop(), todo.popleft()
                         w.send(pair)
-                        busy[w.out] = (w, i, time.monotonic() + self.timeout_s)
+                        now = time.monotonic()
+                        busy[w.out] = (w, i, now + self.timeout_s, now, _cpu_seconds(w.proc.pid))
                     starting = {w.out: w for w in self._starting}
-                    deadline = min((d for _, _, d in busy.values()), default=time.monotonic() + 60.0)
+                    deadline = min((b[2] for b in busy.values()), default=time.monotonic() + 60.0)
                     for out in wait([*busy, *starting], timeout=max(0.0, deadline - time.monotonic())):
                         line = out.readline()
                         if out in starting:
@@ -109,7 +126,7 @@ class VerifierPool:
                                 raise RuntimeError("a verifier worker failed to start; run "
                                                    f"`{sys.executable} -m rstar_hpc.algo._verify_pool` to see why")
                             continue
-                        w, i, _ = busy.pop(out)
+                        w, i = busy.pop(out)[:2]
                         if line:
                             results[i] = tuple(json.loads(line))  # type: ignore[assignment]
                             self._ready.append(w)
@@ -121,15 +138,22 @@ class VerifierPool:
                             results[i] = ("verifier_crashed", f"worker exited with code {code}")
                             self._replace(w)
                     now = time.monotonic()
-                    for out, (w, i, d) in list(busy.items()):
-                        if d <= now:
-                            del busy[out]
-                            results[i] = ("timeout", f"verification exceeded {self.timeout_s:g} s")
-                            self._replace(w)
+                    for out, (w, i, d, start, cpu0) in list(busy.items()):
+                        if d > now:
+                            continue
+                        cpu = _cpu_seconds(w.proc.pid) - cpu0
+                        wall_cap = start + WALL_FACTOR * self.timeout_s
+                        if cpu < 0.95 * self.timeout_s and now < wall_cap:  # starved of CPU, not slow: wait on
+                            busy[out] = (w, i, min(wall_cap, now + self.timeout_s - cpu), start, cpu0)
+                            continue
+                        del busy[out]
+                        results[i] = ("timeout", f"verification exceeded {self.timeout_s:g} s "
+                                                 f"({cpu:.2f} s CPU, {now - start:.2f} s wall)")
+                        self._replace(w)
             finally:
                 # interrupted mid-batch: the workers still busy hold stale tasks
-                for w, _, _ in busy.values():
-                    self._replace(w)
+                for b in busy.values():
+                    self._replace(b[0])
             return results  # type: ignore[return-value]
 
     def close(self) -> None:

@@ -17,7 +17,8 @@ class RewardConfig(Section):
     """`answer_tag`: the last \\boxed{} inside <answer>...</answer> (the paper); `last_boxed`: the last
     \\boxed{} anywhere in the response (the public code)."""
     timeout_s: float = Field(2.0, gt=0, le=60)
-    """Hard time limit for verifying one answer; slower verifications score 0 with a reason."""
+    """Hard limit on the CPU time of verifying one answer (wall time is capped at 4x it, for a contended
+    node); slower verifications are killed and score 0 with a reason."""
     num_workers: int = Field(0, ge=0)
     """Processes for batch scoring; 0 means one per core."""
 

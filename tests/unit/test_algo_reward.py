@@ -104,6 +104,27 @@ def test_worker_crash_is_scored_zero_with_reason():
         assert pool.verify_many([(r"\frac{4}{2}", "2")]) == [("correct", "")]
 
 
+def test_limit_is_cpu_time_so_a_starved_worker_is_not_failed_but_wall_time_is_capped():
+    import signal
+
+    from rstar_hpc.algo._verify_pool import WALL_FACTOR, _cpu_seconds
+
+    assert 0 < _cpu_seconds(os.getpid()) < float("inf")
+    with VerifierPool(num_workers=1, timeout_s=0.5) as pool:
+        assert pool.verify_many([("1", "1")]) == [("correct", "")]
+        pid = pool._ready[0].proc.pid
+        os.kill(pid, signal.SIGSTOP)  # a node so busy the worker gets no CPU for 2x the limit
+        threading.Timer(1.0, os.kill, (pid, signal.SIGCONT)).start()
+        t = time.monotonic()
+        assert pool.verify_many([(r"\frac{9}{3}", "3")]) == [("correct", "")]
+        assert time.monotonic() - t > 1.0
+        os.kill(pool._ready[0].proc.pid, signal.SIGSTOP)  # starved for good: the wall-clock cap ends it
+        t = time.monotonic()
+        [(reason, detail)] = pool.verify_many([("2", "2")])
+        assert reason == "timeout" and "wall" in detail
+        assert WALL_FACTOR * 0.5 <= time.monotonic() - t < WALL_FACTOR * 0.5 + 1.0
+
+
 def test_batch_uses_all_cores_and_keeps_order(scorer):
     assert RewardScorer().num_workers == len(os.sched_getaffinity(0))
     answers = [rf"\frac{{{2 * k}}}{{2}}" for k in range(12)] + [str(k) for k in range(12)]
