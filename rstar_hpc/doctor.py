@@ -52,17 +52,20 @@ def check_slurm() -> Check:
     if not shutil.which("sinfo"):
         return Check("slurm", FAIL, "Slurm client commands not found",
                      "load the site's slurm module; locally: apt-get install slurm-client and `rstar-hpc cluster up`")
+    conf = os.environ.get("SLURM_CONF")
+    local_fix = "locally: `rstar-hpc cluster up`, then `export SLURM_CONF=...` as it prints"
+    if conf and not Path(conf).is_file():
+        return Check("slurm", FAIL, f"SLURM_CONF={conf} does not exist", f"unset SLURM_CONF or fix the path; {local_fix}")
     try:
         p = _run(["sinfo", "-h", "-o", "%P %a %D %T"], timeout=20)
     except subprocess.TimeoutExpired:
-        return Check("slurm", FAIL, "sinfo did not answer in 20 s", "is slurmctld up? `scontrol ping`")
+        return Check("slurm", FAIL, "sinfo did not answer in 20 s",
+                     f"is slurmctld up (`scontrol ping`)? on a cluster: load the slurm module; {local_fix}")
     if p.returncode != 0:
         return Check("slurm", FAIL, f"sinfo failed: {p.stderr.strip()[:200]}",
-                     "on a cluster: load the slurm module; locally: `rstar-hpc cluster up` then "
-                     "`export SLURM_CONF=...` as it prints")
+                     f"on a cluster: load the slurm module; {local_fix}")
     parts = sorted({line.split()[0].rstrip("*") for line in p.stdout.splitlines() if line.strip()})
-    conf = os.environ.get("SLURM_CONF", "default slurm.conf")
-    return Check("slurm", OK, f"controller reachable ({conf}); partitions: {', '.join(parts) or 'none'}")
+    return Check("slurm", OK, f"controller reachable ({conf or 'default slurm.conf'}); partitions: {', '.join(parts) or 'none'}")
 
 
 def check_mpi() -> Check:

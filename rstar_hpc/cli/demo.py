@@ -33,6 +33,8 @@ def command(config: str, overrides: tuple[str, ...], state_dir, keep_cluster: bo
     from rstar_hpc.cluster import LocalCluster
     from rstar_hpc.config import dump_config, load_config
     from rstar_hpc.doctor import FAIL, run_checks
+    from rstar_hpc.exchange.atomic import atomic_write_text
+    from rstar_hpc.exchange.rundir import RunPaths
     from rstar_hpc.launch import submit, wait_for_job
     from rstar_hpc.models.resolve import resolve_model
 
@@ -60,15 +62,15 @@ def command(config: str, overrides: tuple[str, ...], state_dir, keep_cluster: bo
         click.echo(f"      {model_dir} ({time.perf_counter() - t0:.1f} s)")
 
         _step(4, n, "Slurm job: sample from the tiny model in vLLM (sbatch/generate.sbatch)")
-        run_dir = cfg.run.dir
-        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(dump_config(cfg))
+        paths = RunPaths(cfg.run.dir)
+        paths.create()
+        atomic_write_text(paths.config, dump_config(cfg))
         env = {**cluster.env, "RSTAR_HPC_RUN_ROOT": str(cfg.run.root_dir),
                "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
         job_id = submit("generate", [config, *overrides], env=env,
-                        sbatch_args=[f"--output={run_dir}/logs/generate-%j.out", f"--chdir={Path.cwd()}"])
-        click.echo(f"      submitted job {job_id}; log {run_dir}/logs/generate-{job_id}.out")
+                        sbatch_args=[f"--output={paths.logs}/generate-%j.out", f"--chdir={Path.cwd()}"])
+        click.echo(f"      submitted job {job_id}; log {paths.logs}/generate-{job_id}.out")
         t0 = time.perf_counter()
         last = {}
 
@@ -79,7 +81,7 @@ def command(config: str, overrides: tuple[str, ...], state_dir, keep_cluster: bo
                 click.echo(f"      {time.perf_counter() - t0:5.1f} s  {state[0]} on {state[1]}")
 
         wait_for_job(job_id, timeout_s=timeout_s, env=env, on_poll=show)
-        out_dir = run_dir / "generate" / job_id
+        out_dir = paths.generate_dir(job_id)
         summary = json.loads((out_dir / "summary.json").read_text())
         first = json.loads((out_dir / "samples.jsonl").read_text().splitlines()[0])
         click.echo(f"      done in {time.perf_counter() - t0:.1f} s on node {summary['slurm_node']}: "

@@ -25,10 +25,11 @@ def command(config: str, overrides: tuple[str, ...], num_prompts: int, max_token
     import os
 
     from rstar_hpc.config import load_config
+    from rstar_hpc.exchange.rundir import RunPaths
     from rstar_hpc.rollout.generate import run_generate
 
     cfg = load_config(config, overrides)
-    out_dir = Path(out) if out else cfg.run.dir / "generate" / os.environ.get("SLURM_JOB_ID", "local")
+    out_dir = Path(out) if out else RunPaths(cfg.run.dir).generate_dir(os.environ.get("SLURM_JOB_ID", "local"))
     summary = run_generate(cfg, out_dir, num_prompts=num_prompts, max_tokens=max_tokens)
     click.echo(f"wrote {summary['num_samples']} samples to {out_dir}/samples.jsonl")
     click.echo(json.dumps(summary))

@@ -3,7 +3,7 @@
 For development, tests and the demo; on a real cluster none of this is needed. Everything lives under
 one state directory (config, munge key and socket, controller state, per-node spool/log/pid files):
 
-    <state>/slurm.conf  munge.key  munge.sock  env.sh  pids.json  jobcomp.log
+    <state>/slurm.conf  cluster.json  munge.key  munge.sock  env.sh  pids.json  jobcomp.log
     <state>/ctld/       controller state, log, pid          <state>/nodes/<node>/  spool, log, pid
     <state>/munge/      munged's pid, log and seed
 
@@ -71,6 +71,9 @@ def _free_port_range(count: int, start: int = 17100, stop: int = 40000) -> int:
 class LocalCluster:
     def __init__(self, state_dir: str | os.PathLike | None = None, spec: ClusterSpec | None = None):
         self.dir = Path(state_dir).absolute() if state_dir else default_state_dir()
+        saved = self.dir / "cluster.json"
+        if spec is None and saved.is_file():     # status/down of a cluster started with another shape
+            spec = ClusterSpec(**json.loads(saved.read_text()))
         self.spec = spec or ClusterSpec()
         if len(str(self.dir / "munge.sock")) > 100:
             raise ClusterError(f"state directory {self.dir} is too long for a Unix socket path; pick a shorter one "
@@ -111,6 +114,7 @@ class LocalCluster:
         self.dir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.dir, 0o700)
         self._write_munge_key()
+        (self.dir / "cluster.json").write_text(json.dumps(dataclasses.asdict(self.spec)))
         ports = _free_port_range(1 + len(self.node_names))
         self.conf.write_text(self._render_conf(ctld_port=ports, node_port=ports + 1))
         (self.dir / "env.sh").write_text(f"export SLURM_CONF={self.conf}\n")
@@ -237,8 +241,11 @@ class LocalCluster:
         except subprocess.TimeoutExpired:
             return False
         states = dict(line.split() for line in out.stdout.splitlines() if line.strip())
+        # busy states (allocated, completing, ...) are healthy; '*' means the node is not responding
         return out.returncode == 0 and all(
-            states.get(n, "").rstrip("*~#").lower() in ("idle", "mixed", "allocated") for n in self.node_names)
+            n in states and not states[n].endswith("*") and not any(
+                bad in states[n].lower() for bad in ("down", "drain", "fail", "unknown", "not_responding"))
+            for n in self.node_names)
 
     def _wait_idle(self, timeout_s: float) -> None:
         if not self._wait(self._sinfo_ok, timeout_s, interval=0.5):

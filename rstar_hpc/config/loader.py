@@ -77,7 +77,7 @@ def _set_dotted(tree: dict, key: str, value: Any) -> None:
 
 
 def _flatten(tree: Any, prefix: str = "") -> Iterable[tuple[str, Any]]:
-    if isinstance(tree, dict):
+    if isinstance(tree, dict) and tree:     # an empty mapping is a value: a section left at its defaults
         for k, v in tree.items():
             yield from _flatten(v, f"{prefix}.{k}" if prefix else str(k))
     else:
@@ -88,7 +88,7 @@ def _apply_aliases(tree: dict) -> dict:
     """Rewrite aliased sections (the public recipe's `augmentation.down_sampling_config`) to canonical keys."""
     out: dict = {}
     for key, value in _flatten(tree):
-        if isinstance(value, dict) and not value:
+        if not key:
             continue
         # lists of sections (stages) are kept whole; aliases only apply to mapping paths
         _set_dotted(out, _canonical(key), value)
@@ -140,6 +140,9 @@ def format_validation_error(err: ValidationError) -> str:
             near = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
             hint = f"did you mean {near[0]!r}? " if near else ""
             lines.append(f"{key}: unknown key; {hint}allowed: {', '.join(allowed)}")
+            continue
+        if e["type"] == "missing":
+            lines.append(f"{key}: required, but missing")
             continue
         given = e.get("input")
         given_s = "" if isinstance(given, dict) else f" (got {given!r})"

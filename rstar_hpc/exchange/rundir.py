@@ -14,6 +14,7 @@
           <producer>.commit.json                   commit record, written last: shards, rows, bytes, sha256
       rendezvous/<role>/<name>.json                host/port announcements (rendezvous.py)
       export/<stage>/step-00000123.{parquet,jsonl} copies made by `rstar-hpc traj export`
+      generate/<job id>/{samples.jsonl,summary.json}  output of `rstar-hpc generate` (the demo's job)
       logs/                                        Slurm and role logs
       metrics/<role>.jsonl                         one JSON object per step and role
 
@@ -127,6 +128,10 @@ class RunPaths:
 
     def announcement(self, role: str, name: str) -> Path:
         return Path(rendezvous.announcement_path(self.dir, role, name))
+
+    def generate_dir(self, tag: str) -> Path:
+        """Output of one `rstar-hpc generate` job (tag: the Slurm job id, or 'local')."""
+        return self.dir / "generate" / _check("generate tag", tag)
 
     @property
     def logs(self) -> Path:

@@ -2,7 +2,8 @@
 
 The foundation's smoke job for a rollout node (model loads, engine starts, sampling with logprobs works),
 and the demo's Slurm job. Single-turn, no tools: the multi-turn agent loop is rstar_hpc.rollout's job.
-Output: <out>/samples.jsonl (one line per sample) and <out>/summary.json (counts and timings, written last).
+Output: <out>/samples.jsonl (one line per sample) and <out>/summary.json (counts and timings, written last);
+the resolved config goes to the run directory's config.yaml.
 """
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import time
 from pathlib import Path
 
 from rstar_hpc.config import RunConfig, dump_config
+from rstar_hpc.exchange.atomic import atomic_write_text
+from rstar_hpc.exchange.rundir import RunPaths
 from rstar_hpc.models.chat_format import render_prompt
 from rstar_hpc.models.resolve import resolve_model
 from rstar_hpc.rollout.engine_args import vllm_engine_kwargs
@@ -27,19 +30,12 @@ def demo_prompts(n: int, seed: int) -> list[dict]:
     return out
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def run_generate(cfg: RunConfig, out_dir: Path, *, num_prompts: int = 8, max_tokens: int = 64) -> dict:
     model_dir = resolve_model(cfg)      # fails early, naming the path, before an engine is started
+    paths = RunPaths(cfg.run.dir)
+    paths.create()
+    atomic_write_text(paths.config, dump_config(cfg))
     out_dir.mkdir(parents=True, exist_ok=True)
-    _atomic_write(out_dir / "config.yaml", dump_config(cfg))
 
     from tqdm import tqdm
     from vllm import LLM, SamplingParams
@@ -70,6 +66,6 @@ def run_generate(cfg: RunConfig, out_dir: Path, *, num_prompts: int = 8, max_tok
         "host": os.uname().nodename, "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
         "slurm_node": os.environ.get("SLURMD_NODENAME"),
     }
-    _atomic_write(out_dir / "summary.json", json.dumps(summary, indent=2))
+    atomic_write_text(out_dir / "summary.json", json.dumps(summary, indent=2))
     del llm   # shut the engine's worker processes down before the interpreter exits
     return summary

@@ -1,0 +1,3 @@
+from rstar_hpc.cli import main
+
+main()

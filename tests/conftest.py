@@ -1,0 +1,41 @@
+"""Shared fixtures: a real local Slurm cluster and a tiny model, each built once per test session."""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+# Nothing under test may reach for a model hub (there is none here, and compute nodes have no internet).
+for _k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
+    os.environ.setdefault(_k, "1")
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """A real emulated cluster (munged, slurmctld, slurmd gpu1 gpu2 cpu1 cpu2) in a private state directory.
+
+    `slurm_cluster.env` is the environment for Slurm clients (SLURM_CONF set). Stopped at session end."""
+    from rstar_hpc.cluster import LocalCluster
+
+    state = Path(tempfile.mkdtemp(prefix="rstar-cl-", dir="/tmp"))   # short: munge's socket path
+    cluster = LocalCluster(state)
+    cluster.up()
+    try:
+        yield cluster
+    finally:
+        cluster.down()
+        shutil.rmtree(state, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """The default tiny Qwen3 model (configs/tiny-cpu.yaml's spec), built once."""
+    from rstar_hpc.config.schema import TinyModelSpec
+    from rstar_hpc.models.tiny import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny", TinyModelSpec())

@@ -1,0 +1,137 @@
+"""The config system: shipped configs load, overrides apply, bad input is named precisely."""
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from rstar_hpc.config import ConfigError, build_config, dump_config, load_config
+from rstar_hpc.config.loader import CONFIGS_DIR
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in CONFIGS_DIR.glob("*.yaml")))
+def test_every_shipped_config_loads_and_round_trips(name):
+    cfg = load_config(name)
+    again = build_config(yaml.safe_load(dump_config(cfg)))
+    assert again == cfg
+
+
+def test_qwen3_14b_holds_the_papers_recipe():
+    cfg = load_config("qwen3-14b")
+    rl = [s for s in cfg.stages if s.kind == "rl"]
+    assert [s.max_response_length for s in rl] == [8192, 12288, 12288]
+    assert [s.max_turns for s in rl] == [10, 10, 15]
+    assert [s.num_steps for s in rl] == [300, 85, 125]
+    assert all(s.prompts_per_step == 512 for s in rl)
+    assert rl[2].reset_optimizer and rl[2].hard_subset_of == "rl-12k" and rl[2].hard_subset_rollouts == 8
+    assert cfg.algo.num_samples_per_prompt == 32
+    assert cfg.algo.roc.down_sample_to_n == 16          # given under the public recipe's alias path
+    assert cfg.algo.roc.min_zero_reward_trace_num == 2 and cfg.algo.roc.min_non_zero_reward_trace_num == 2
+    opt = cfg.trainer.optimizer
+    assert (opt.lr, opt.warmup_steps, opt.schedule) == (1e-6, 20, "constant")
+    assert (cfg.algo.loss.clip_ratio_low, cfg.algo.loss.clip_ratio_high) == (0.2, 0.28)
+    assert cfg.algo.loss.kl_coef == 0 and cfg.algo.loss.entropy_coef == 0
+
+
+def test_dotted_overrides_parse_yaml_values():
+    cfg = load_config("tiny-cpu", ["rollout.agent.max_turns=10", "algo.loss.clip_ratio_c=3.0",
+                                   "trainer.optimizer.betas=[0.9, 0.95]", "rollout.engine.block_size=null"])
+    assert cfg.rollout.agent.max_turns == 10
+    assert cfg.algo.loss.clip_ratio_c == 3.0
+    assert cfg.trainer.optimizer.betas == (0.9, 0.95)
+    assert cfg.rollout.engine.block_size is None
+
+
+def test_roc_alias_and_canonical_paths_are_the_same_knob():
+    a = load_config("tiny-cpu", ["augmentation.down_sampling_config.down_sample_to_n=6"])
+    b = load_config("tiny-cpu", ["algo.roc.down_sample_to_n=6"])
+    assert a.algo.roc.down_sample_to_n == b.algo.roc.down_sample_to_n == 6
+
+
+def test_unknown_key_names_the_key_the_nearest_match_and_the_allowed_keys():
+    with pytest.raises(ConfigError) as e:
+        load_config("tiny-cpu", ["rollout.agent.max_turn=3"])
+    msg = str(e.value)
+    assert "rollout.agent.max_turn: unknown key" in msg
+    assert "did you mean 'max_turns'" in msg
+    assert "max_response_length" in msg            # the allowed keys are listed
+
+
+def test_unknown_top_level_section_in_yaml(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("model: {tiny: {}}\nrollot: {agent: {max_turns: 3}}\n")
+    with pytest.raises(ConfigError, match=r"rollot: unknown key; did you mean 'rollout'\?"):
+        load_config(p)
+
+
+def test_wrong_type_names_key_value_and_range():
+    with pytest.raises(ConfigError) as e:
+        load_config("tiny-cpu", ["rollout.agent.max_turns=ten"])
+    msg = str(e.value)
+    assert "rollout.agent.max_turns" in msg and "valid integer" in msg and "'ten'" in msg and ">= 1" in msg
+
+
+def test_out_of_range_names_the_bound():
+    with pytest.raises(ConfigError, match=r"algo.loss.clip_ratio_low: .*less than 1 \(got 1.5\)"):
+        load_config("tiny-cpu", ["algo.loss.clip_ratio_low=1.5"])
+
+
+def test_bad_choice_lists_the_allowed_values():
+    with pytest.raises(ConfigError, match=r"rollout.scheduler.policy: Input should be 'kv_aware' or 'static' "
+                                          r"\(got 'fastest'\)"):
+        load_config("tiny-cpu", ["rollout.scheduler.policy=fastest"])
+
+
+def test_roc_minimums_must_fit_the_target():
+    with pytest.raises(ConfigError, match=r"min_zero_reward_trace_num \+ min_non_zero_reward_trace_num"):
+        load_config("qwen3-14b", ["algo.roc.down_sample_to_n=3"])
+
+
+def test_stage_names_unique_and_hard_subset_must_name_an_earlier_stage():
+    with pytest.raises(ConfigError, match="repeated: rl"):
+        load_config("tiny-cpu", ["stages=[{name: rl, kind: rl}, {name: rl, kind: eval}]"])
+    with pytest.raises(ConfigError, match="hard_subset_of='later' must name an earlier stage"):
+        load_config("tiny-cpu", ["stages=[{name: a, kind: rl, hard_subset_of: later}, {name: later, kind: rl}]"])
+
+
+def test_malformed_override_and_unknown_config_name():
+    with pytest.raises(ConfigError, match="not of the form key.path=value"):
+        load_config("tiny-cpu", ["rollout.agent.max_turns"])
+    with pytest.raises(ConfigError, match="no config named 'tiny-gpu'; known configs: .*tiny-cpu"):
+        load_config("tiny-gpu")
+
+
+def test_invalid_yaml_reports_line(tmp_path):
+    p = tmp_path / "broken.yaml"
+    p.write_text("model:\n  tiny: {num_layers: 2\n")
+    with pytest.raises(ConfigError, match=r"not valid YAML at line \d+"):
+        load_config(p)
+
+
+def test_missing_model_path_is_named_with_the_fix(tmp_path):
+    from rstar_hpc.models.resolve import ModelNotFoundError, resolve_model
+
+    missing = tmp_path / "no-such-model"
+    cfg = load_config("tiny-cpu", [f"model.path={missing}"])
+    with pytest.raises(ModelNotFoundError) as e:
+        resolve_model(cfg)
+    assert f"model.path: {missing} does not exist" in str(e.value)
+    assert "make-tiny-model" in str(e.value)
+    (missing).mkdir()
+    (missing / "config.json").write_text("{}")
+    with pytest.raises(ModelNotFoundError, match=r"is not a Hugging Face model directory \(missing \*.safetensors"):
+        resolve_model(cfg)
+
+
+def test_model_needs_a_source():
+    with pytest.raises(ConfigError, match="set model.path to a Hugging Face model directory, or model.tiny"):
+        build_config({"model": {}})
+
+
+def test_explain_lists_field_docs():
+    from rstar_hpc.config.explain import explain_section
+
+    text = explain_section("algo.roc")
+    assert "down_sample_to_n: int (default 16)" in text
+    assert "augmentation.down_sampling_config" in text
+    with pytest.raises(ConfigError, match="'roc2' is not one of"):
+        explain_section("algo.roc2")
