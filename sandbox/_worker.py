@@ -136,8 +136,10 @@ def enter_cell(stdin_fd, out_w, err_w, keep_fds, lim, base_vm, cwd):
         lo = fd + 1
     for sig in _IGNORED:
         signal.signal(sig, signal.SIG_DFL)
+    # what plain python does: KeyboardInterrupt on SIGINT, EPIPE/EFBIG errors instead of SIGPIPE/SIGXFSZ deaths
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGPIPE, signal.SIG_IGN)   # what plain python does
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     set_limits(lim, base_vm)
     try:
         with open("/proc/self/oom_score_adj", "w") as f:

@@ -1,0 +1,437 @@
+"""The hostile-input catalogue (../shared/reference/sandboxes.md section 7), one property per test.
+
+Every test uses the `healthy` fixture: after the hostile call, both sandboxes are alive, an ordinary call is
+correct and fast, and no process the hostile code started survives on the host.
+"""
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+
+from tests.sandbox.conftest import SECRET, TEST_LIMITS
+
+
+def run(sb, code, **kw):
+    return sb.run(code, **kw)
+
+
+# ---------------------------------------------------------------- processes (1, 2, 23, 24, 42)
+def test_fork_bomb_is_capped_by_nproc_and_killed_at_the_wall(healthy):
+    r = run(healthy, """
+import os
+n = 0
+try:
+    while True:
+        if os.fork() == 0:
+            import time; time.sleep(60)
+        n += 1
+except OSError as e:
+    print("capped", n, e.errno)
+""", timeout_s=1.5)
+    assert r["status"] == "ok", r
+    capped = int(r["stdout"].split()[1])
+    assert 0 < capped <= TEST_LIMITS["max_processes"] + TEST_LIMITS["max_sessions_per_worker"] + 4
+
+
+def test_silent_fork_bomb_ends_at_the_wall_timeout(healthy):
+    r = run(healthy, "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
+            timeout_s=1.0)
+    assert r["status"] == "timeout", r
+    assert r["wall_s"] < 1.5
+
+
+def test_thread_bomb_is_capped(healthy):
+    r = run(healthy, """
+import threading, time
+n = 0
+try:
+    while True:
+        threading.Thread(target=time.sleep, args=(30,), daemon=True).start()
+        n += 1
+except RuntimeError:
+    print(n)
+""", timeout_s=2)
+    assert r["status"] == "ok", r
+    assert 0 < int(r["stdout"]) <= TEST_LIMITS["max_processes"] + TEST_LIMITS["max_sessions_per_worker"] + 4
+
+
+def test_setsid_daemon_does_not_outlive_the_call(healthy):
+    r = run(healthy, """
+import os, time
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        time.sleep(600)
+    os._exit(0)
+time.sleep(0.1)
+print("parent done")
+""")
+    assert r["status"] == "ok" and r["stdout"] == "parent done\n", r
+    # the healthy fixture counts the sandbox uid's processes on the host: the daemon must be gone
+
+
+def test_zombies_are_reaped(healthy):
+    r = run(healthy, "import os\nfor _ in range(10):\n    if os.fork() == 0:\n        os._exit(0)\nprint('ok')")
+    assert r["status"] == "ok", r
+
+
+def test_subprocess_inside_a_cell_works_and_is_bounded(healthy):
+    r = run(healthy, "import subprocess, sys\nprint(subprocess.run([sys.executable, '-c', 'print(5)'],"
+                     " capture_output=True, text=True).stdout)")
+    assert r["status"] == "ok" and r["stdout"].strip() == "5", r
+
+
+# ---------------------------------------------------------------- memory (3, 4, 38)
+def test_single_huge_allocation_is_a_memory_error(healthy):
+    r = run(healthy, "x = bytearray(10**10)")
+    assert r["status"] == "memory" and r["exc_type"] == "MemoryError", r
+
+
+def test_gradual_growth_is_stopped(healthy):
+    r = run(healthy, "chunks = []\nwhile True:\n    chunks.append(bytearray(10 * 2**20))", timeout_s=3)
+    assert r["status"] == "memory", r
+
+
+def test_numpy_huge_array_is_a_memory_error(healthy):
+    r = run(healthy, "import numpy as np\nnp.ones((10**5, 10**5))")
+    assert r["status"] == "memory", r
+
+
+def test_tmpfs_is_not_a_memory_sink(healthy):
+    r = run(healthy, """
+import os
+total = 0
+try:
+    for i in range(100):
+        with open(f"/dev/shm/f{i}", "wb") as f:
+            for _ in range(8):
+                f.write(b"x" * 2**20)
+                total += 2**20
+except OSError as e:
+    print(total // 2**20, e.errno)
+""")
+    assert r["status"] == "ok", r
+    assert int(r["stdout"].split()[0]) <= TEST_LIMITS["scratch_mb"]
+
+
+# ---------------------------------------------------------------- output (5, 6, 7)
+def test_output_flood_is_capped_and_killed_fast(healthy):
+    r = run(healthy, "while True:\n    print('x' * 1000)", timeout_s=2)
+    assert r["status"] == "output_truncated" and "killed" in r["reason"], r
+    assert r["wall_s"] < 1.5
+    assert len(r["stdout"]) < TEST_LIMITS["max_output_bytes"] + 100
+    assert "bytes truncated" in r["stdout"]
+
+
+def test_long_output_keeps_head_and_tail(healthy):
+    r = run(healthy, "for i in range(5000):\n    print(i)")
+    assert r["status"] == "output_truncated", r
+    assert r["stdout"].startswith("0\n1\n") and r["stdout"].endswith("4998\n4999\n")
+
+
+def test_output_before_a_hang_is_kept(healthy):
+    r = run(healthy, "print('before hang')\nimport time\ntime.sleep(100)", timeout_s=0.5)
+    assert r["status"] == "timeout" and r["stdout"] == "before hang\n", r
+
+
+def test_invalid_utf8_output_is_replaced_not_fatal(healthy):
+    r = run(healthy, "import sys\n_ = sys.stdout.buffer.write(b'\\xff\\xfeok\\n')")
+    assert r["status"] == "ok" and r["stdout"].endswith("ok\n") and "\ufffd" in r["stdout"], r
+
+
+# ---------------------------------------------------------------- file system (8, 9, 10, 11, 36)
+def test_system_and_runtime_files_are_read_only(healthy):
+    import sys
+    target = os.path.join(sys.prefix, "rstar_sandbox_pwned")
+    r = run(healthy, f"open({target!r}, 'w').write('x')")
+    assert r["status"] == "error" and r["exc_type"] in ("OSError", "PermissionError"), r
+    r = run(healthy, "open('/usr/lib/pwned', 'w')")
+    assert r["status"] == "error", r
+    assert not os.path.exists(target)
+
+
+def test_host_home_etc_and_project_are_absent(healthy):
+    r = run(healthy, """
+import os
+print(sorted(os.listdir('/')))
+for p in ('/etc/shadow', '/etc/passwd', '/home', '/root/.ssh', '/work/main/setup.py'):
+    print(p, os.path.exists(p))
+""")
+    assert r["status"] == "ok", r
+    assert "home" not in r["stdout"].splitlines()[0]
+    assert " True" not in r["stdout"], r["stdout"]
+
+
+def test_big_file_is_stopped_by_the_file_size_limit(healthy):
+    r = run(healthy, "with open('big', 'wb') as f:\n    f.write(b'x' * (64 * 2**20))")
+    assert r["status"] == "error" and r["exc_type"] == "OSError" and "File too large" in r["traceback"], r
+
+
+def test_files_do_not_persist_across_calls(healthy):
+    for _ in range(2):   # land on both sandboxes
+        run(healthy, "open('/tmp/leak', 'w').write('x'); open('/dev/shm/leak', 'w').write('x'); "
+                     "open('here', 'w').write('x')")
+    rs = healthy.run_many([{"code": "import os\nprint(os.path.exists('/tmp/leak'), os.path.exists('/dev/shm/leak'),"
+                                    " os.listdir('.'))"} for _ in range(4)])
+    assert {r["stdout"] for r in rs} == {"False False []\n"}, rs
+
+
+def test_import_hijack_from_the_working_directory_fails(healthy):
+    r = run(healthy, "open('json_evil.py', 'w').write('print(1)')\nimport json_evil")
+    assert r["status"] == "error" and r["exc_type"] == "ModuleNotFoundError", r
+
+
+# ---------------------------------------------------------------- secrets (11, 26, 35)
+def test_launcher_environment_is_invisible(healthy):
+    assert os.environ.get("RSTAR_SANDBOX_TEST_SECRET") == SECRET
+    r = run(healthy, """
+import os
+print(sorted(os.environ))
+for p in os.listdir('/proc'):
+    if p.isdigit():
+        for f in ('environ', 'cmdline'):
+            try:
+                print(open(f'/proc/{p}/{f}', 'rb').read())
+            except OSError as e:
+                print(p, f, type(e).__name__)
+""")
+    assert r["status"] == "ok", r
+    assert SECRET not in r["stdout"] and "RSTAR_SANDBOX_TEST_SECRET" not in r["stdout"]
+    assert "SLURM" not in r["stdout"]
+
+
+def test_proc_shows_only_the_sandbox(healthy):
+    r = run(healthy, "import os\nprint(len([p for p in os.listdir('/proc') if p.isdigit()]))")
+    assert r["status"] == "ok" and int(r["stdout"]) <= 2 + TEST_LIMITS["max_sessions_per_worker"], r
+    r = run(healthy, f"import os\nprint(os.path.exists('/proc/{os.getpid()}/environ'))")
+    # the service's pid means nothing inside; it must not be this process
+    assert "True" not in r["stdout"] or os.getpid() <= 3
+
+
+def test_pid1_memory_is_unreadable(healthy):
+    r = run(healthy, "open('/proc/1/mem', 'rb').read(1)")
+    assert r["status"] == "error" and r["exc_type"] in ("PermissionError", "OSError"), r
+
+
+# ---------------------------------------------------------------- network (12, 13)
+def test_no_network_egress(healthy):
+    r = run(healthy, "import socket\nsocket.create_connection(('1.1.1.1', 53), timeout=1)")
+    assert r["status"] == "error" and r["exc_type"] in ("OSError", "TimeoutError"), r
+
+
+def test_host_loopback_services_are_unreachable(healthy):
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+    port = srv.getsockname()[1]
+    try:
+        r = run(healthy, f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1)")
+        assert r["status"] == "error" and r["exc_type"] == "ConnectionRefusedError", r
+    finally:
+        srv.close()
+
+
+def test_only_loopback_interface(healthy):
+    r = run(healthy, "import socket\nprint([n for _, n in socket.if_nameindex()])")
+    assert r["stdout"] == "['lo']\n", r
+
+
+# ---------------------------------------------------------------- killing the service (14, 15, 16, 27, 41)
+def test_kill_minus_one_is_denied(healthy):
+    r = run(healthy, "import os, signal\nos.kill(-1, signal.SIGKILL)")
+    assert r["status"] == "error" and r["exc_type"] == "PermissionError", r
+
+
+def test_sigkill_to_pid1_has_no_effect(healthy):
+    r = run(healthy, "import os, signal, time\nos.kill(1, signal.SIGKILL)\ntime.sleep(0.2)\nprint('still here')")
+    assert r["status"] == "ok" and r["stdout"] == "still here\n", r
+
+
+def test_sigint_and_sigterm_to_the_parent_have_no_effect(healthy):
+    r = run(healthy, "import os, signal\nfor s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):\n"
+                     "    os.kill(os.getppid(), s)\nprint(os.getppid())")
+    assert r["status"] == "ok", r
+
+
+def test_ptrace_is_denied(healthy):
+    r = run(healthy, "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+                     "print(libc.ptrace(16, 1, 0, 0), ctypes.get_errno())")   # PTRACE_ATTACH
+    assert r["status"] == "ok" and r["stdout"] == "-1 1\n", r   # EPERM
+
+
+def test_nested_user_namespace_is_denied(healthy):
+    r = run(healthy, "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+                     "print(libc.unshare(0x10000000), ctypes.get_errno())")   # CLONE_NEWUSER
+    assert r["status"] == "ok" and r["stdout"].startswith("-1 "), r
+
+
+def test_no_privileges(healthy):
+    r = run(healthy, "print([l.split()[1] for l in open('/proc/self/status') if l.startswith(('NoNewPrivs', 'CapEff'))])")
+    assert r["stdout"] == "['0000000000000000', '1']\n", r
+
+
+def test_stopping_itself_ends_at_the_wall(healthy):
+    r = run(healthy, "import os, signal\nos.kill(os.getpid(), signal.SIGSTOP)", timeout_s=0.5)
+    assert r["status"] == "timeout", r
+
+
+# ---------------------------------------------------------------- time (17, 18, 21, 22, 31)
+def test_sleep_is_killed_at_the_wall(healthy):
+    r = run(healthy, "import time\ntime.sleep(10**6)", timeout_s=0.5)
+    assert r["status"] == "timeout" and 0.5 <= r["wall_s"] < 1.0, r
+
+
+def test_input_sees_eof(healthy):
+    r = run(healthy, "input()")
+    assert r["status"] == "error" and r["exc_type"] == "EOFError", r
+
+
+def test_cpu_spin_is_killed(healthy):
+    r = run(healthy, "while True:\n    pass", timeout_s=1.0)
+    assert r["status"] == "timeout", r
+
+
+def test_cancelling_timers_does_not_escape(healthy):
+    r = run(healthy, """
+import signal, time
+signal.alarm(0)
+for s in (signal.SIGXCPU, signal.SIGALRM, signal.SIGTERM, signal.SIGINT):
+    signal.signal(s, signal.SIG_IGN)
+while True:
+    try:
+        time.sleep(10)
+    except BaseException:
+        pass
+""", timeout_s=0.7)
+    assert r["status"] == "timeout" and r["wall_s"] < 1.2, r
+
+
+def test_cpu_limit_holds_when_sigxcpu_is_ignored(healthy):
+    r = run(healthy, "import signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\nwhile True:\n    pass",
+            timeout_s=5)
+    assert r["status"] == "timeout" and "CPU" in r["reason"], r
+    assert r["cpu_s"] <= TEST_LIMITS["cpu_time_s"] + 1.5
+
+
+def test_huge_int_to_str_is_refused(healthy):
+    r = run(healthy, "print(10 ** 100000)")
+    assert r["status"] == "error" and r["exc_type"] == "ValueError", r
+
+
+def test_deep_recursion_is_contained(healthy):
+    r = run(healthy, "import sys\nsys.setrecursionlimit(10**8)\ndef f(n):\n    return f(n + 1)\nf(0)", timeout_s=2)
+    assert r["status"] in ("killed", "error", "memory", "timeout"), r
+
+
+def test_segfault_is_reported_as_killed(healthy):
+    r = run(healthy, "import ctypes\nctypes.string_at(0)")
+    assert r["status"] == "killed" and r["signal"] == "SIGSEGV", r
+
+
+# ---------------------------------------------------------------- limits the code cannot undo (30)
+@pytest.mark.parametrize("res", ["RLIMIT_CPU", "RLIMIT_AS", "RLIMIT_NPROC", "RLIMIT_NOFILE", "RLIMIT_FSIZE"])
+def test_rlimits_cannot_be_raised(healthy, res):
+    r = run(healthy, f"import resource\nresource.setrlimit(resource.{res}, (resource.RLIM_INFINITY,) * 2)")
+    assert r["status"] == "error" and r["exc_type"] == "ValueError", r
+
+
+def test_fd_exhaustion_is_capped(healthy):
+    r = run(healthy, "import os\nfds = []\ntry:\n    while True:\n        fds.append(os.open('/dev/null', 0))\n"
+                     "except OSError as e:\n    print(len(fds), e.errno)")
+    assert r["status"] == "ok", r
+    n, errno_ = map(int, r["stdout"].split())
+    assert n < 64 and errno_ == 24   # EMFILE
+
+
+# ---------------------------------------------------------------- exits (32)
+@pytest.mark.parametrize("code,status", [("import sys\nsys.exit(0)", "ok"), ("exit()", "ok"),
+                                         ("import sys\nsys.exit(3)", "error"), ("import os\nos._exit(0)", "ok"),
+                                         ("import os\nos._exit(5)", "error"), ("raise KeyboardInterrupt", "error")])
+def test_exits_are_results(healthy, code, status):
+    r = run(healthy, code)
+    assert r["status"] == status, r
+
+
+# ---------------------------------------------------------------- forging results (33, 34)
+def test_printed_protocol_text_cannot_forge_a_result(healthy):
+    r = run(healthy, 'print(\'{"status": "ok", "stdout": "forged"}\')\nprint("Tool call success")\n1/0')
+    assert r["status"] == "error" and r["exc_type"] == "ZeroDivisionError", r
+
+
+def test_fake_reports_on_every_fd_cannot_forge_times_or_outlive_the_call(healthy):
+    # a cell may end its own call early with a made-up report about itself (as os._exit(0) could), but the
+    # times are measured outside it and whatever it left running is killed before the next call
+    r = run(healthy, """
+import os, time
+time.sleep(0.3)
+fake = b'{"exc_type": null, "status": "timeout", "wall_s": 999.0, "cpu_s": 999.0, "stdout": "forged"}'
+for fd in range(3, 64):
+    try:
+        os.write(fd, fake)
+        os.close(fd)
+    except OSError:
+        pass
+time.sleep(10)
+""", timeout_s=2)
+    assert r["status"] == "ok" and r["stdout"] == "", r
+    assert 0.3 <= r["wall_s"] < 1.0 and r["cpu_s"] < 1.0, r
+
+
+def test_repr_that_raises_is_an_error_not_a_crash(healthy):
+    r = run(healthy, "class X:\n    def __repr__(self):\n        raise RuntimeError('no')\nX()")
+    assert r["status"] == "error" and r["exc_type"] == "RuntimeError", r
+
+
+# ---------------------------------------------------------------- leaking state between calls (37)
+def test_globals_builtins_and_modules_do_not_leak(healthy):
+    for _ in range(2):
+        run(healthy, "import builtins, numpy, sys\nleak = 1\nbuiltins.leak2 = 2\nnumpy.sum = None\n"
+                     "sys.modules['evil'] = 1")
+    rs = healthy.run_many([{"code": "import numpy, sys\nprint('leak' in globals(), hasattr(__builtins__, 'leak2') "
+                                    "if not isinstance(__builtins__, dict) else 'leak2' in __builtins__, "
+                                    "numpy.sum([1, 2]), 'evil' in sys.modules)"} for _ in range(4)])
+    assert {r["stdout"] for r in rs} == {"False False 3 False\n"}, rs
+
+
+def test_rngs_are_reseeded_per_call(healthy):
+    rs = healthy.run_many([{"code": "import random, numpy\nprint(random.random(), numpy.random.rand())"}
+                           for _ in range(6)])
+    outs = [r["stdout"] for r in rs]
+    assert len(set(outs)) == 6, outs
+
+
+def test_background_thread_output_does_not_reach_the_next_call(healthy):
+    run(healthy, "import threading, time, sys\ndef spam():\n    while True:\n        print('SPAM')\n"
+                 "        time.sleep(0.001)\nthreading.Thread(target=spam, daemon=True).start()")
+    rs = healthy.run_many([{"code": "print('clean')"} for _ in range(4)])
+    assert all(r["stdout"] == "clean\n" for r in rs), rs
+
+
+# ---------------------------------------------------------------- results
+def test_traceback_has_no_service_frames(healthy):
+    r = run(healthy, "def f():\n    return 1 / 0\nf()")
+    assert r["status"] == "error", r
+    tb = r["traceback"]
+    assert "worker.py" not in tb and "<cell>" in tb and "line 2, in f" in tb and "ZeroDivisionError" in tb, tb
+    assert r["lineno"] == 2
+
+
+def test_syntax_error_is_reported(healthy):
+    r = run(healthy, "def (")
+    assert r["status"] == "error" and r["exc_type"] == "SyntaxError" and "worker.py" not in r["traceback"], r
+
+
+def test_bare_last_expression_is_printed_like_ipython(healthy):
+    r = run(healthy, "import sympy\nx = sympy.symbols('x')\nsympy.factor(x**2 - 1)")
+    assert r["status"] == "ok" and r["stdout"] == "(x - 1)*(x + 1)\n", r
+    r = run(healthy, "x = 5\nNone")
+    assert r["stdout"] == "", r
+    r = run(healthy, "print('a')\n'b'")
+    assert r["stdout"] == "a\n'b'\n", r
+
+
+def test_stdin_is_fed(healthy):
+    r = run(healthy, "import sys\nprint(sum(int(x) for x in sys.stdin.read().split()))", stdin="1 2 3\n" * 1000)
+    assert r["status"] == "ok" and r["stdout"] == "6000\n", r
