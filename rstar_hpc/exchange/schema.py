@@ -37,7 +37,9 @@ outcome
     p_err           float32       RoC tool-error penalty: errored calls / calls, 0.5 with no calls [paper Eq. 4]
     p_format        float32       RoC format penalty [paper Eq. 5]
     roc_kept        bool?         whether Resample-on-Correct kept it for training (null: RoC not run yet)
-    roc_reason      str?          why (e.g. "negative_uniform", "positive_weighted", "dropped")
+    roc_reason      str?          why: rstar_hpc.algo.RoCSelection.reason_names() (kept_positive, kept_negative,
+                                  kept_group, dropped_positive, dropped_negative, dropped_equal_reward,
+                                  dropped_small_group)
 timings (seconds, float32)
     timings         struct{queue_s, generate_s, tool_s, reward_s, total_s}
 
@@ -127,8 +129,10 @@ class ToolCall:
 
     @property
     def is_error(self) -> bool:
-        """Counts toward p_err: the call did not run to a usable result."""
-        return self.status not in ("ok", "output_truncated")
+        """Counts toward p_err: the call did not run to a usable result (the algorithm's definition)."""
+        from rstar_hpc.algo.quality import FAILED_TOOL_STATUSES
+
+        return self.status in FAILED_TOOL_STATUSES
 
 
 @dataclass
