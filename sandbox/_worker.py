@@ -269,6 +269,7 @@ class Server:
         self.lost = {}      # session -> why its holder vanished outside a call
         self.calls = 0
         self.base_vm = 0
+        self.base_anon = 0
         self.spare = None          # the pre-forked next stateless cell
         self.cleanup_later = None  # (pid, pidfd) of the last stateless cell, ended after its reply
         self.dirty = None          # why this sandbox must not run another call
@@ -347,12 +348,14 @@ class Server:
         h["sock"].close()
         shutil.rmtree(h["cwd"], ignore_errors=True)
 
-    def pss(self, pid):
+    def anon_bytes(self, pid):
+        """Anonymous memory of a process beyond what the warm interpreter had: a session's own growth.
+        (smaps_rollup's PSS would be better, but it is closed to us: sandbox processes are non-dumpable.)"""
         try:
-            with open(f"/proc/{pid}/smaps_rollup") as f:
+            with open(f"/proc/{pid}/status") as f:
                 for line in f:
-                    if line.startswith("Pss:"):
-                        return int(line.split()[1]) * 1024
+                    if line.startswith("RssAnon:"):
+                        return max(0, int(line.split()[1]) * 1024 - self.base_anon)
         except OSError:
             pass
         return 0
@@ -605,7 +608,17 @@ class Server:
                 os.close(fd)
         forked = self.holder_msg(h, 5.0)
         cell = forked.get("forked") if forked else None
-        if not isinstance(cell, int) or self.ppid(cell) != h["pid"]:
+        pidfd = None
+        if isinstance(cell, int) and cell > 1:
+            try:
+                pidfd = os.pidfd_open(cell)
+            except ProcessLookupError:
+                pidfd = os.eventfd(1)   # it already ended (and was reaped by the holder): "exited" at once
+            else:
+                if self.ppid(cell) not in (h["pid"], None):
+                    os.close(pidfd)
+                    pidfd = None   # not the holder's child: a garbled or forged message
+        if pidfd is None:
             for fd in (out_r, err_r, res_r):
                 os.close(fd)
             self.forget(sid, "session process stopped answering")
@@ -613,7 +626,6 @@ class Server:
             self.sweep()
             return {"status": "internal_error", "reason": "session process did not start the cell",
                     "stdout": "", "stderr": "", "wall_s": 0.0, "cpu_s": 0.0, "session_alive": False}
-        pidfd = os.pidfd_open(cell)
         out, err, report, wall, why, exited = self.supervise(pidfd, out_r, err_r, res_r, req["timeout_s"], start)
         os.close(pidfd)
         ok = why is None and not exited and report is not None and report.get("pid") == cell
@@ -648,7 +660,7 @@ class Server:
         if note:
             result["session_note"] = note
         if alive:
-            result["session_pss"] = self.pss(h["pid"])
+            result["session_pss"] = self.anon_bytes(h["pid"])
         return result
 
     @staticmethod
@@ -767,6 +779,7 @@ def main():
     gc.collect()
     gc.freeze()   # children then never touch the pre-imported objects' GC headers: fewer copy-on-write pages
     srv.base_vm = srv.vm_size()
+    srv.base_anon = srv.anon_bytes(os.getpid())
     srv.prefork()
     write_frame(ctl_out, {"op": "ready", "pid": os.getpid(), "uid": os.getuid(), "vm_size": srv.base_vm,
                           "preloaded": [m for m in init.get("preload", []) if m in sys.modules]})

@@ -30,7 +30,7 @@ class Limits:
     # sessions
     max_sessions_per_worker: int = 32
     session_idle_s: float = 600.0
-    session_memory_mb: int = 4096     # PSS of all live sessions on this service; LRU ones go beyond it
+    session_memory_mb: int = 4096     # memory (anon growth over the warm interpreter) of all live sessions; LRU ones go beyond it
     max_history_bytes: int = 1 << 20  # code kept per session for replay after eviction
     # uid the sandboxes run as when the service runs as root (a free uid range; see pool.sandbox_uid)
     root_uid_base: int = 1_000_000

@@ -585,7 +585,7 @@ class Pool:
             "p99_ms": None if p99 is None else round(p99 * 1000, 3),
             "restarts": dict(st.restarts), "evictions": dict(st.evictions),
             "sessions_live": sum(s.live for s in self.sessions.values()), "sessions_known": len(self.sessions),
-            "session_states": dict(st.sessions), "session_pss_mb": round(
+            "session_states": dict(st.sessions), "session_memory_mb": round(
                 sum(s.pss for s in self.sessions.values()) / 2**20, 1),
             "uptime_s": round(time.time() - self.started, 1),
         }

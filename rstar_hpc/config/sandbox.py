@@ -48,7 +48,7 @@ class SandboxConfig(Section):
     session_idle_s: float = Field(600.0, gt=0)
     """A session unused this long is evicted (replayed if used again)."""
     session_memory_mb: int = Field(4096, ge=64)
-    """Memory (PSS) of all live sessions of a service; least recently used ones are evicted beyond it."""
+    """Memory of all live sessions of a service (anonymous memory beyond the warm interpreter); the least recently used are evicted beyond it."""
     max_history_bytes: int = Field(1 << 20, ge=0)
     """Code kept per session to replay it after eviction; beyond it an evicted session is reported lost."""
     stats_interval_s: float = Field(30.0, gt=0)
