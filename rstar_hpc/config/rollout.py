@@ -41,12 +41,25 @@ class AgentConfig(Section):
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(-1, ge=-1)
+    tool_timeout_s: float | None = Field(None, gt=0)
+    """Wall-clock limit of one tool call; null: the sandbox service's own limit."""
+    max_tool_wait_s: float = Field(300.0, gt=0)
+    """A tool call with no result after this long (sandbox unreachable) comes back as a failure."""
 
 
 class SchedulerConfig(Section):
     policy: Literal["kv_aware", "static"] = "kv_aware"
     """`kv_aware`: admit each trajectory to the engine with the most free KV capacity (the paper);
     `static`: split trajectories evenly across engines up front (the usual baseline)."""
+    budget_coef: float = Field(1.0, gt=0)
+    """An engine's admission capacity is its KV tokens divided by this (rStar2's `server_budget_coef`);
+    below 1 overbooks on the bet that few trajectories use their whole budget."""
+    max_trajectories_per_engine: int = Field(256, ge=1)
+    """Concurrency cap per engine besides KV (vLLM's max_num_seqs default)."""
+    heartbeat_s: float = Field(2.0, gt=0)
+    """How often an engine rank reports its KV usage and liveness to the scheduler."""
+    engine_timeout_s: float = Field(60.0, gt=0)
+    """An engine rank silent for this long is declared dead; its unfinished trajectories run elsewhere."""
 
 
 class RolloutConfig(Section):

@@ -1,0 +1,254 @@
+"""The multi-turn agent loop in the rStar2 format (reference §2), over token ids.
+
+One trajectory is one coroutine:
+
+    prompt ids ─▶ engine.generate ─▶ parse <tool_call>s ─▶ sandbox (awaited, concurrently) ─▶ tool-response ids
+         ▲                                                                                          │
+         └──────────────────────── prompt + everything so far (prefix-cache hit) ◀──────────────────┘
+
+Many trajectories run on one event loop, so a trajectory waiting for its tool never holds up the generation
+of the others. The engine and the tool runner are small interfaces (`Engine`, `ToolRunner`): the vLLM engine
+rank (engine.py) and `sandbox.client.SandboxClient` in production, scripted doubles in the unit tests.
+
+Token accounting follows the released code: the response budget counts model AND tool tokens; each turn may
+generate at most what is left of it; a tool response that would reach the budget is not appended (the
+trajectory ends with the model's last token, where the reward lands: finish_reason "tool_overflow").
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+from rstar_hpc.config.rollout import AgentConfig
+from rstar_hpc.exchange.schema import TOOL_STATUSES, Timings, ToolCall, Turn
+from rstar_hpc.models.chat_format import IM_END, TOOL_NAME, render_prompt, render_tool_responses
+from sandbox.results import render_rstar2, truncate_middle
+
+_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
+# sandbox statuses the trajectory schema has no name for: infrastructure failures after the client's retries
+_SCHEMA_STATUS = {"internal_error": "error", "unavailable": "error"}
+
+
+@dataclass
+class Generation:
+    """One engine call's result: the sampled ids (the stop token included), their logprobs."""
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    """"stop" (EOS or a stop token) or "length" (max_tokens reached)."""
+    num_cached_tokens: int = 0
+
+
+class Engine(Protocol):
+    async def generate(self, prompt_ids: Sequence[int], max_tokens: int, request_id: str) -> Generation: ...
+
+
+class ToolRunner(Protocol):
+    async def run(self, code: str, stdin: str = "", session: str | None = None,
+                  timeout_s: float | None = None) -> dict: ...
+
+
+class Tokenizer(Protocol):
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+class PromptTooLong(ValueError):
+    pass
+
+
+@dataclass
+class AgentResult:
+    """What one trajectory produced; the step driver adds identity and reward to make a schema Trajectory."""
+    prompt_ids: list[int]
+    prompt_text: str
+    response_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    turns: list[Turn] = field(default_factory=list)
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    finish_reason: str = "stop"
+    timings: Timings = field(default_factory=Timings)
+    num_cached_tokens: int = 0
+    """Prompt tokens the engine served from its prefix cache, summed over turns."""
+
+    @property
+    def response_text(self) -> str:
+        return "".join(t.text for t in self.turns)
+
+    @property
+    def num_assistant_turns(self) -> int:
+        return sum(t.role == "assistant" for t in self.turns)
+
+
+@dataclass
+class ParsedCall:
+    raw: str
+    name: str = ""
+    code: str = ""
+    stdin: str = ""
+    error: str | None = None
+    """Set when the call cannot run; `error_status` says how it is recorded."""
+    error_status: str = "parse_error"
+
+
+def parse_tool_calls(text: str) -> list[ParsedCall] | None:
+    """The calls of one assistant turn (reference §2.2). None: no complete <tool_call> block, the model answered.
+    A call that does not decode comes back with `error` set; it is answered as a tool response, not dropped."""
+    if "<tool_call>" not in text or "</tool_call>" not in text:
+        return None
+    calls = []
+    for raw in _TOOL_CALL.findall(text):
+        call = ParsedCall(raw=raw.strip())
+        try:
+            obj = json.loads(raw)
+        except json.JSONDecodeError as e:
+            call.error = f"Failed to decode tool call: {e}"
+            calls.append(call)
+            continue
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            call.error = 'Failed to decode tool call: expected {"name": ..., "arguments": {...}}'
+            calls.append(call)
+            continue
+        call.name = obj["name"]
+        args = obj.get("arguments", {})
+        if isinstance(args, str):   # some models double-encode the arguments
+            try:
+                args = json.loads(args)
+            except json.JSONDecodeError as e:
+                args = None
+                call.error = f"Failed to decode tool call arguments: {e}"
+        if call.error is None and not isinstance(args, dict):
+            call.error = "Failed to decode tool call: arguments must be a JSON object"
+        if call.error is None:
+            code, stdin = args.get("code"), args.get("input", "")
+            if call.name != TOOL_NAME:
+                call.error, call.error_status = (f"Error when executing tool: unknown tool {call.name!r}; "
+                                                 f"the only tool is {TOOL_NAME!r}"), "invalid_request"
+            elif not isinstance(code, str) or not isinstance(stdin, (str, type(None))):
+                call.error, call.error_status = ("Error when executing tool: arguments need 'code' (string) and "
+                                                 "'input' (string)"), "invalid_request"
+            else:
+                call.code, call.stdin = code, stdin or ""
+        calls.append(call)
+    return calls
+
+
+def _failure_text(message: str) -> str:
+    return f"Tool call failure\nreason: {message}"
+
+
+class AgentLoop:
+    """Runs trajectories of one step on one engine. Safe to share between many concurrent `run` calls."""
+
+    def __init__(self, engine: Engine, tools: ToolRunner, tokenizer: Tokenizer, cfg: AgentConfig, *,
+                 max_response_length: int | None = None, max_turns: int | None = None,
+                 stop_token_id: int | None = None):
+        self.engine, self.tools, self.tok, self.cfg = engine, tools, tokenizer, cfg
+        self.max_response_length = max_response_length or cfg.max_response_length
+        self.max_turns = max_turns or cfg.max_turns
+        ids = tokenizer.encode(IM_END, add_special_tokens=False)
+        if len(ids) != 1:
+            raise ValueError(f"{IM_END!r} must be one token in the tokenizer (got ids {ids}); the rStar2 format "
+                             f"needs a ChatML tokenizer")
+        self.stop_token_id = ids[0] if stop_token_id is None else stop_token_id
+
+    def encode_prompt(self, question: str) -> tuple[list[int], str]:
+        text = render_prompt(question)
+        ids = self.tok.encode(text, add_special_tokens=False)
+        if len(ids) > self.cfg.max_prompt_length:
+            raise PromptTooLong(f"prompt has {len(ids)} tokens (system prompt with the tool schema included), over "
+                                f"rollout.agent.max_prompt_length={self.cfg.max_prompt_length}")
+        return ids, text
+
+    async def run(self, prompt_ids: Sequence[int], request_id: str, prompt_text: str = "") -> AgentResult:
+        t_start = time.perf_counter()
+        res = AgentResult(prompt_ids=list(prompt_ids), prompt_text=prompt_text)
+        budget = self.max_response_length
+        context = list(prompt_ids)
+        while True:
+            left = budget - len(res.response_ids)
+            t0 = time.perf_counter()
+            gen = await self.engine.generate(context, left, f"{request_id}-t{res.num_assistant_turns}")
+            res.timings.generate_s += time.perf_counter() - t0
+            res.num_cached_tokens += gen.num_cached_tokens
+            ids = list(gen.token_ids)[:left]
+            if len(gen.logprobs) < len(ids):
+                raise RuntimeError(f"{request_id}: engine returned {len(ids)} tokens but {len(gen.logprobs)} "
+                                   f"logprobs; request logprobs for every sampled token")
+            text = self.tok.decode(ids, skip_special_tokens=False)
+            self._append(res, "assistant", ids, text, mask=1, logprobs=list(gen.logprobs[:len(ids)]))
+            turn_index = len(res.turns) - 1
+            ended = bool(ids) and ids[-1] == self.stop_token_id
+            if len(res.response_ids) >= budget or (gen.finish_reason == "length" and not ended):
+                res.finish_reason = "length"
+                break
+            calls = parse_tool_calls(text)
+            if calls is None:
+                res.finish_reason = "stop"
+                break
+            if res.num_assistant_turns >= self.max_turns:
+                res.finish_reason = "max_turns"
+                break
+            t0 = time.perf_counter()
+            records = await self._execute(calls, request_id, turn_index)
+            res.timings.tool_s += time.perf_counter() - t0
+            # the assistant turn ended at <|im_end|>; the template puts "\n" after it before the user turn
+            tool_text = ("" if ended else IM_END) + "\n" + render_tool_responses([r.output for r in records])
+            tool_ids = self.tok.encode(tool_text, add_special_tokens=False)
+            res.tool_calls.extend(records)
+            if len(res.response_ids) + len(tool_ids) >= budget:
+                res.finish_reason = "tool_overflow"
+                break
+            self._append(res, "tool", tool_ids, tool_text, mask=0, logprobs=[0.0] * len(tool_ids))
+            context = list(prompt_ids) + res.response_ids
+        res.timings.total_s = time.perf_counter() - t_start
+        return res
+
+    @staticmethod
+    def _append(res: AgentResult, role: str, ids: list[int], text: str, *, mask: int, logprobs: list[float]) -> None:
+        start = len(res.response_ids)
+        res.response_ids.extend(ids)
+        res.loss_mask.extend([mask] * len(ids))
+        res.logprobs.extend(logprobs)
+        res.turns.append(Turn(role=role, start=start, end=start + len(ids), text=text))
+
+    async def _execute(self, calls: list[ParsedCall], request_id: str, turn: int) -> list[ToolCall]:
+        limit = self.cfg.max_parallel_calls
+        return list(await asyncio.gather(*(
+            self._one(c, turn) if i < limit else self._skipped(c, turn, limit) for i, c in enumerate(calls))))
+
+    async def _skipped(self, call: ParsedCall, turn: int, limit: int) -> ToolCall:
+        out = _failure_text(f"not executed: at most {limit} tool call(s) per turn")
+        return ToolCall(turn=turn, name=call.name, arguments=call.raw, status="invalid_request", wall_time_s=0.0,
+                        output=out)
+
+    async def _one(self, call: ParsedCall, turn: int) -> ToolCall:
+        max_chars = self.cfg.tool_output_max_chars
+        if call.error is not None:
+            text = call.error
+            return ToolCall(turn=turn, name=call.name, arguments=call.raw, status=call.error_status,
+                            wall_time_s=0.0, output=truncate_middle(text, max_chars), output_chars=len(text))
+        args = json.dumps({"code": call.code, "input": call.stdin})
+        try:
+            result = await asyncio.wait_for(self.tools.run(call.code, stdin=call.stdin,
+                                                           timeout_s=self.cfg.tool_timeout_s),
+                                            self.cfg.max_tool_wait_s)
+        except (asyncio.TimeoutError, ConnectionError, OSError) as e:
+            result = {"status": "unavailable", "reason": f"{type(e).__name__}: {e}".rstrip(": "), "wall_s": 0.0}
+        text = render_rstar2(result)
+        status = _SCHEMA_STATUS.get(result.get("status"), result.get("status"))
+        if status not in TOOL_STATUSES:
+            status = "error"
+        return ToolCall(turn=turn, name=call.name, arguments=args, status=status,
+                        wall_time_s=float(result.get("wall_s") or 0.0), output=truncate_middle(text, max_chars),
+                        output_chars=len(text))
+
+
+def worst_case_tokens(num_prompt_tokens: int, max_response_length: int) -> int:
+    """The KV tokens a trajectory can ever hold: the scheduler's admission budget (rStar2 §4.3)."""
+    return num_prompt_tokens + max_response_length

@@ -1,0 +1,200 @@
+"""The agent loop's logic against a scripted engine (a test double for the loop only; test_e2e uses vLLM)."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from rstar_hpc.config.rollout import AgentConfig
+from rstar_hpc.models.chat_format import IM_END, render_tool_call
+from rstar_hpc.rollout.agent import AgentLoop, Generation, PromptTooLong, parse_tool_calls
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+class ScriptedEngine:
+    """Answers turn k of a request with script[k] (text), logprob -0.5 - 0.001*i per token; records contexts."""
+
+    def __init__(self, tok, scripts: dict[str, list[str]], delay_s: float = 0.0):
+        self.tok, self.scripts, self.delay_s = tok, scripts, delay_s
+        self.calls: list[tuple[str, list[int], int, float]] = []
+
+    async def generate(self, prompt_ids, max_tokens, request_id):
+        traj, turn = request_id.rsplit("-t", 1)
+        self.calls.append((request_id, list(prompt_ids), max_tokens, asyncio.get_running_loop().time()))
+        await asyncio.sleep(self.delay_s)
+        ids = self.tok.encode(self.scripts[traj][int(turn)], add_special_tokens=False)
+        finish = "stop"
+        if len(ids) > max_tokens:
+            ids, finish = ids[:max_tokens], "length"
+        return Generation(ids, [-0.5 - 0.001 * i for i in range(len(ids))], finish)
+
+
+class FakeTools:
+    def __init__(self, latency_s: float = 0.0, stdout: str | None = None):
+        self.latency_s, self.stdout, self.codes = latency_s, stdout, []
+
+    async def run(self, code, stdin="", session=None, timeout_s=None):
+        self.codes.append(code)
+        await asyncio.sleep(self.latency_s)
+        if "raise" in code:
+            return {"status": "error", "stdout": "", "stderr": "ValueError at line 1: boom", "wall_s": 0.01}
+        return {"status": "ok", "stdout": self.stdout or f"ran {len(self.codes)}", "stderr": "", "wall_s": 0.02}
+
+
+def call(code: str) -> str:
+    return "<reason>let me compute " + render_tool_call(code) + IM_END
+
+
+ANSWER = "<reason>done</reason>\n<answer>\\boxed{42}</answer>" + IM_END
+
+
+def loop(tok, engine, tools=None, **cfg):
+    base = dict(max_turns=4, max_prompt_length=1024, max_response_length=512, tool_output_max_chars=256)
+    return AgentLoop(engine, tools or FakeTools(), tok, AgentConfig(**{**base, **cfg}))
+
+
+def run(agent, question="Compute 6 * 7.", rid="a"):
+    ids, text = agent.encode_prompt(question)
+    return asyncio.run(agent.run(ids, rid, text)), ids
+
+
+def test_tool_turn_then_answer(tok):
+    eng = ScriptedEngine(tok, {"a": [call("print(6 * 7)"), ANSWER]})
+    tools = FakeTools()
+    res, prompt = run(loop(tok, eng, tools))
+    assert res.finish_reason == "stop" and tools.codes == ["print(6 * 7)"]
+    assert [t.role for t in res.turns] == ["assistant", "tool", "assistant"]
+    a1, tool, a2 = res.turns
+    assert res.loss_mask == [1] * (a1.end - a1.start) + [0] * (tool.end - tool.start) + [1] * (a2.end - a2.start)
+    assert all(lp == 0.0 for lp in res.logprobs[tool.start:tool.end])
+    assert res.logprobs[a1.start] == -0.5 and res.logprobs[a2.start] == -0.5
+    # the tool turn is exactly the chat template's user turn + the next prefilled generation prompt
+    assert tool.text.startswith("\n<|im_start|>user\n<tool_response>\nTool call success\nstdout: ran 1\n")
+    assert tool.text.endswith("</tool_response><|im_end|>\n<|im_start|>assistant\n<reason>")
+    # turn 2 continues the exact token ids of turn 1 (prefix-cache hit), and gets what is left of the budget
+    (_, ctx1, max1, _), (_, ctx2, max2, _) = eng.calls
+    assert ctx1 == prompt and ctx2 == prompt + res.response_ids[:tool.end]
+    assert max1 == 512 and max2 == 512 - tool.end
+    assert res.tool_calls[0].status == "ok" and res.tool_calls[0].turn == 0
+    assert json.loads(res.tool_calls[0].arguments) == {"code": "print(6 * 7)", "input": ""}
+
+
+def test_malformed_and_unknown_calls_are_answered_not_dropped(tok):
+    bad_json = "<reason>x <tool_call>{\"name\": \"python_code_with_standard_io\", \"arguments\": {</tool_call>" + IM_END
+    unknown = '<reason>x <tool_call>{"name": "shell", "arguments": {"code": "ls"}}</tool_call>' + IM_END
+    eng = ScriptedEngine(tok, {"a": [bad_json, unknown, ANSWER]})
+    tools = FakeTools()
+    res, _ = run(loop(tok, eng, tools))
+    assert res.finish_reason == "stop" and tools.codes == []
+    assert [c.status for c in res.tool_calls] == ["parse_error", "invalid_request"]
+    assert res.tool_calls[0].output.startswith("Failed to decode tool call:")
+    assert "unknown tool 'shell'" in res.tool_calls[1].output
+    assert "Failed to decode tool call" in res.turns[1].text   # the model sees the failure
+
+
+def test_parse_tool_calls_edge_cases():
+    assert parse_tool_calls("no call <answer>1</answer>") is None
+    assert parse_tool_calls("<tool_call>{\"name\": 1}") is None            # unclosed: the rollout ends
+    double = json.dumps({"name": "python_code_with_standard_io", "arguments": json.dumps({"code": "1", "input": ""})})
+    (c,) = parse_tool_calls(f"<tool_call>{double}</tool_call>")
+    assert c.error is None and c.code == "1"
+    (c,) = parse_tool_calls('<tool_call>{"name": "python_code_with_standard_io", "arguments": {"code": 3}}'
+                            '</tool_call>')
+    assert c.error_status == "invalid_request"
+
+
+def test_max_turns(tok):
+    eng = ScriptedEngine(tok, {"a": [call(f"print({i})") for i in range(5)]})
+    tools = FakeTools()
+    res, _ = run(loop(tok, eng, tools, max_turns=3))
+    assert res.finish_reason == "max_turns" and res.num_assistant_turns == 3
+    assert len(tools.codes) == 2 and res.turns[-1].role == "assistant"   # the last turn's call is not run
+
+
+def test_length_budget_counts_tool_tokens(tok):
+    long_answer = "<reason>" + "think " * 400 + IM_END
+    eng = ScriptedEngine(tok, {"a": [call("print(1)"), long_answer]})
+    res, _ = run(loop(tok, eng, max_response_length=200))
+    assert res.finish_reason == "length" and len(res.response_ids) == 200
+    assert eng.calls[1][2] == 200 - res.turns[1].end
+
+
+def test_tool_overflow_drops_the_response(tok):
+    eng = ScriptedEngine(tok, {"a": [call("print(1)")]})
+    res, _ = run(loop(tok, eng, FakeTools(stdout="y" * 200), max_response_length=120))
+    assert res.finish_reason == "tool_overflow"
+    assert [t.role for t in res.turns] == ["assistant"] and res.loss_mask[-1] == 1
+    assert len(res.tool_calls) == 1   # it ran (and is recorded) but its tokens would not fit
+
+
+def test_parallel_calls_limit_and_truncation(tok):
+    two = "<reason>a " + render_tool_call("print(1)") + render_tool_call("raise ValueError") + IM_END
+    eng = ScriptedEngine(tok, {"a": [two, two, ANSWER]})
+    tools = FakeTools(stdout="H" * 300 + "T" * 300)
+    res, _ = run(loop(tok, eng, tools, max_parallel_calls=1, max_response_length=1500, tool_output_max_chars=64))
+    assert [c.status for c in res.tool_calls[:2]] == ["ok", "invalid_request"]
+    assert "at most 1 tool call" in res.tool_calls[1].output
+    out = res.tool_calls[0].output
+    assert len(out) <= 64 + len("...(truncated)...") and "...(truncated)..." in out
+    assert out.startswith("Tool call success") and out.endswith("execution time: 0.02s")
+    assert res.tool_calls[0].output_chars > 600
+
+    eng = ScriptedEngine(tok, {"a": [two, ANSWER]})
+    tools = FakeTools()
+    res, _ = run(loop(tok, eng, tools, max_parallel_calls=2))
+    assert sorted(tools.codes) == ["print(1)", "raise ValueError"]
+    assert [c.status for c in res.tool_calls] == ["ok", "error"]
+    assert res.turns[1].text.count("<tool_response>") == 2   # merged into one user turn
+
+
+def test_tool_wait_does_not_block_other_trajectories(tok):
+    # a: one slow tool call (1 s); b: five quick turns. b must finish while a waits.
+    eng = ScriptedEngine(tok, {"a": [call("print(1)"), ANSWER],
+                               "b": [call("print(2)")] * 4 + [ANSWER]}, delay_s=0.01)
+
+    class PerCodeTools(FakeTools):
+        async def run(self, code, stdin="", session=None, timeout_s=None):
+            await asyncio.sleep(1.0 if code == "print(1)" else 0.01)
+            return {"status": "ok", "stdout": "1", "stderr": "", "wall_s": 0.0}
+
+    agent = loop(tok, eng, PerCodeTools(), max_turns=6, max_response_length=1024)
+    ids, _ = agent.encode_prompt("q")
+
+    async def both():
+        t0 = asyncio.get_running_loop().time()
+        done = {}
+
+        async def one(rid):
+            r = await agent.run(ids, rid)
+            done[rid] = asyncio.get_running_loop().time() - t0
+            return r
+        ra, rb = await asyncio.gather(one("a"), one("b"))
+        return ra, rb, done
+
+    ra, rb, done = asyncio.run(both())
+    assert ra.finish_reason == rb.finish_reason == "stop" and rb.num_assistant_turns == 5
+    assert done["b"] < 0.6 < done["a"]
+    assert ra.timings.tool_s >= 1.0 and rb.timings.tool_s < 0.5
+
+
+def test_overlong_prompt_is_a_clear_error(tok):
+    agent = loop(tok, ScriptedEngine(tok, {}), max_prompt_length=64)
+    with pytest.raises(PromptTooLong, match="max_prompt_length=64"):
+        agent.encode_prompt("Compute 6 * 7.")
+
+
+def test_unreachable_sandbox_is_a_failure_response(tok):
+    class Down(FakeTools):
+        async def run(self, code, stdin="", session=None, timeout_s=None):
+            raise ConnectionRefusedError("no sandbox")
+
+    eng = ScriptedEngine(tok, {"a": [call("print(1)"), ANSWER]})
+    res, _ = run(loop(tok, eng, Down()))
+    assert res.finish_reason == "stop" and res.tool_calls[0].status == "error"
+    assert res.tool_calls[0].output.startswith("Tool call failure")
