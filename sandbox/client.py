@@ -37,7 +37,7 @@ class _Pending:
         self.fut = fut
         self.attempts = 0
         self.sent_before = False   # sent at least once to a service that then failed: it may have run
-        self.size = len(call.get("code") or "") + len(call.get("stdin") or "") + 128
+        self.size = sum(len(v) for v in (call.get("code"), call.get("stdin")) if isinstance(v, str)) + 128
 
 
 class _Node:
@@ -85,6 +85,8 @@ class SandboxClient:
         self._pinned: dict[str, str] = {}
         self._seq: collections.Counter = collections.Counter()
         self._closed = False
+        self.frames_sent = 0
+        self.largest_batch = 0
 
     # ------------------------------------------------------------ public API
     async def run(self, code: str, stdin: str = "", session: str | None = None, timeout_s: float | None = None,
@@ -97,9 +99,12 @@ class SandboxClient:
     def submit(self, call: dict) -> asyncio.Future:
         """Queue one call (a dict as in sandbox.protocol) now; the future resolves to its result."""
         fut = asyncio.get_running_loop().create_future()
+        if not isinstance(call, dict):
+            fut.set_result(make_result(None, "invalid_request", "a call must be a JSON object"))
+            return fut
         call = dict(call)
         sid = call.get("session")
-        if sid is not None:
+        if isinstance(sid, str):
             call["session_seq"] = self._seq[sid]
             self._seq[sid] += 1
         p = _Pending(call, fut)
@@ -244,6 +249,8 @@ class SandboxClient:
                 size += p.size
             rid = next(self._rid)
             node.inflight[rid] = batch
+            self.frames_sent += 1
+            self.largest_batch = max(self.largest_batch, len(batch))
             try:
                 node.writer.write(encode({"op": "exec", "rid": rid, "calls": [p.call for p in batch]}))
                 await node.writer.drain()
@@ -281,6 +288,7 @@ class SandboxClient:
                     del node.inflight[rid]
                 node.outstanding -= 1
                 node.failures = 0
+                frame["result"]["node"] = node.key
                 self._complete(p, frame["result"])
         except asyncio.CancelledError:
             raise

@@ -60,6 +60,7 @@ class Service:
         self._server: asyncio.base_events.Server | None = None
         self._tasks: list[asyncio.Task] = []
         self.connections = 0
+        self._writers: set[asyncio.StreamWriter] = set()
 
     @property
     def address(self) -> str:
@@ -78,6 +79,8 @@ class Service:
             t.cancel()
         if self._server is not None:
             self._server.close()
+        for w in list(self._writers):
+            w.close()
         if self.run_dir:
             try:
                 os.unlink(os.path.join(self.run_dir, "rendezvous", "sandbox", self.name + ".json"))
@@ -134,6 +137,7 @@ class Service:
     # ------------------------------------------------------------ connections
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
+        self._writers.add(writer)
 
         def send(obj: dict) -> None:
             if not writer.is_closing():
@@ -168,6 +172,7 @@ class Service:
             pass
         finally:
             self.connections -= 1
+            self._writers.discard(writer)
             writer.close()
 
     def _exec(self, rid: object, calls: object, send) -> None:
