@@ -3,6 +3,13 @@ import argparse
 import asyncio
 import logging
 import os
+import socket
+import sys
+
+# run as `python jobs/sandbox.py`, this file's directory heads sys.path and its name would shadow the
+# `sandbox` package
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
 
 
 def main() -> None:
@@ -29,7 +36,9 @@ def main() -> None:
     node = os.environ.get("SLURMD_NODENAME") or os.uname().nodename
     name = f"{node}-{os.environ.get('SLURM_JOB_ID', 'local')}-{os.environ.get('SLURM_PROCID', '0')}"
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {node} %(levelname)s %(name)s: %(message)s")
-    service = Service(limits, port=args.port, run_dir=args.run_dir, name=name, announce_host=node,
+    # clients connect to the host name this node resolves as (SLURMD_NODENAME need not resolve)
+    host = os.environ.get("RSTAR_SANDBOX_HOST") or socket.gethostname()
+    service = Service(limits, port=args.port, run_dir=args.run_dir, name=name, announce_host=host,
                       stats_interval_s=stats_interval)
     asyncio.run(service.serve_forever())
 
