@@ -14,6 +14,7 @@ the loop checks after each step; all ranks agree on it before saving (any rank's
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -44,6 +45,22 @@ class TrainState:
     scheduler: torch.optim.lr_scheduler.LRScheduler | None
     step: int = 0
     data_state: dict[str, Any] = field(default_factory=dict)
+
+
+@contextlib.contextmanager
+def _host_only_cuda_calls():
+    """megatron-core 0.16's torch_dist save path calls torch.cuda.synchronize() after staging tensors and puts
+    its failure flag on torch.cuda.current_device(), even for CPU tensors under gloo. On a torch without CUDA,
+    route exactly those two calls to the host for the duration of a save/load; with CUDA this does nothing."""
+    if torch.cuda.is_available():
+        yield
+        return
+    saved = torch.cuda.current_device, torch.cuda.synchronize
+    torch.cuda.current_device, torch.cuda.synchronize = (lambda: "cpu"), (lambda device=None: None)
+    try:
+        yield
+    finally:
+        torch.cuda.current_device, torch.cuda.synchronize = saved
 
 
 def _rank() -> int:
@@ -124,7 +141,8 @@ def save_checkpoint(state: TrainState, root: str | os.PathLike, *, keep_last: in
     if torch.distributed.is_initialized():
         torch.distributed.broadcast_object_list(holder, src=0)  # every rank writes into rank 0's fresh dir
     tmp = Path(holder[0])
-    dist_checkpointing.save(_sharded_state_dict(state, loading=False), str(tmp))
+    with _host_only_cuda_calls():
+        dist_checkpointing.save(_sharded_state_dict(state, loading=False), str(tmp))
     _barrier()
     if os.environ.get(DIE_IN_SAVE_ENV) == str(state.step):
         os._exit(137)
@@ -162,7 +180,8 @@ def load_checkpoint(state: TrainState, path: str | os.PathLike, *, reset_optimiz
     if common.get("format") != FORMAT:
         raise ValueError(f"{path}: format {common.get('format')!r}, expected {FORMAT!r}; not a trainer checkpoint")
     sd = _sharded_state_dict(state, loading=True, with_optimizer=not reset_optimizer)
-    loaded = dist_checkpointing.load(sd, str(path))
+    with _host_only_cuda_calls():
+        loaded = dist_checkpointing.load(sd, str(path))
     state.model.load_state_dict(loaded["model"], strict=False)
     state.step = int(loaded["step"])
     state.data_state = loaded["data"]
