@@ -56,4 +56,4 @@ What is not guaranteed
 from sandbox.limits import Limits
 from sandbox.results import STATUSES, make_result, render_rstar2, truncate_middle
 
-__all__ = ["Limits", "STATUSES", "make_result", "render_rstar2", "truncate_middle"]
+__all__ = ["STATUSES", "Limits", "make_result", "render_rstar2", "truncate_middle"]

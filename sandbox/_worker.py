@@ -577,7 +577,7 @@ class Server:
             h["sock"].settimeout(left)
             try:
                 data = h["sock"].recv(65536)
-            except (socket.timeout, OSError):
+            except (TimeoutError, OSError):
                 return None
             if not data:
                 return None
@@ -774,6 +774,11 @@ def main():
             __import__(name)
         except Exception as e:   # a missing library must not take the pool down
             sys.stderr.write(f"sandbox worker: preload {name} failed: {e!r}\n")
+    if init.get("warmup"):
+        try:   # fill the libraries' caches once, so forked cells start warm
+            exec(compile(init["warmup"], "<warmup>", "exec"), {"__name__": "__warmup__"})
+        except Exception as e:
+            sys.stderr.write(f"sandbox worker: warm-up failed: {e!r}\n")
     srv = Server(ctl_in, ctl_out, init)
     reseed()   # numpy's first seed() builds lazily-initialised state (seconds); pay it once, here
     gc.collect()

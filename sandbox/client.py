@@ -30,7 +30,7 @@ log = logging.getLogger("sandbox.client")
 
 
 class _Pending:
-    __slots__ = ("call", "fut", "attempts", "sent_before", "size")
+    __slots__ = ("attempts", "call", "fut", "sent_before", "size")
 
     def __init__(self, call: dict, fut: asyncio.Future):
         self.call = call
@@ -146,7 +146,7 @@ class SandboxClient:
                     p.fut.set_result(make_result(p.call.get("id"), "unavailable", "client closed",
                                                  maybe_executed=p.sent_before))
 
-    async def __aenter__(self) -> "SandboxClient":
+    async def __aenter__(self) -> SandboxClient:
         return self
 
     async def __aexit__(self, *exc: object) -> None:

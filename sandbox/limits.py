@@ -4,6 +4,15 @@ from __future__ import annotations
 import dataclasses
 import os
 
+# exercises the code paths model-written math cells hit first (sympy's parser, cache and polys; numpy's linalg)
+WARMUP = """
+import numpy, sympy
+x = sympy.Symbol("x")
+sympy.factor(x**2 - 1); sympy.simplify(sympy.sin(x)**2 + sympy.cos(x)**2); sympy.sympify("x + 1")
+sympy.solve(x**2 - 4, x); sympy.Rational(1, 3) + 1; sympy.isprime(97)
+numpy.linalg.det(numpy.eye(3)); numpy.arange(10).sum()
+"""
+
 
 @dataclasses.dataclass
 class Limits:
@@ -27,6 +36,7 @@ class Limits:
     start_timeout_s: float = 60.0     # a sandbox that is not ready by then is an error
     hang_grace_s: float = 5.0         # a sandbox silent this long past a call's deadline is replaced
     preload: tuple[str, ...] = ("numpy", "sympy")
+    warmup: str = WARMUP             # run once in each sandbox's interpreter before it forks any cell
     # sessions
     max_sessions_per_worker: int = 32
     session_idle_s: float = 600.0

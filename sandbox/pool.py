@@ -137,7 +137,8 @@ class Sandbox:
                 os.close(sec_r)
         self._stderr_task = asyncio.create_task(self._drain_stderr())
         self._send({"op": "init", "limits": self.limits.for_worker(), "uid": uid,
-                    "preload": list(self.limits.preload)})
+                    "preload": list(self.limits.preload),
+                    "warmup": self.limits.warmup if set(self.limits.preload) >= {"numpy", "sympy"} else ""})
         try:
             ready = await asyncio.wait_for(self._recv(), self.limits.start_timeout_s)
         except (asyncio.TimeoutError, SandboxDied) as e:
@@ -241,6 +242,7 @@ class _Slot:
         self.sessions: set[str] = set()
         self.task: asyncio.Task | None = None
         self.restarts = 0
+        self.idle_since = 0.0
 
 
 class Stats:
@@ -311,7 +313,7 @@ class Pool:
             if not job.fut.done():
                 job.fut.set_result(make_result(job.call.get("id"), "unavailable", "service shutting down"))
 
-    async def __aenter__(self) -> "Pool":
+    async def __aenter__(self) -> Pool:
         await self.start()
         return self
 
@@ -330,9 +332,9 @@ class Pool:
         sid = call.get("session")
         if sid is None:
             self.queue.append(job)
-            for s in self.slots:
-                if not s.busy:
-                    s.wake.set()
+            # longest-idle first: a sandbox that just answered is still sweeping and pre-forking its next cell
+            for s in sorted((s for s in self.slots if not s.busy), key=lambda s: s.idle_since):
+                s.wake.set()
         else:
             sess = self.sessions.get(sid)
             if sess is None:
@@ -409,6 +411,7 @@ class Pool:
                                                    maybe_executed=True))
             finally:
                 slot.busy = False
+                slot.idle_since = time.monotonic()
             if slot.sandbox.calls >= self.limits.recycle_after:
                 await self._restart(slot, f"recycled after {slot.sandbox.calls} calls")
 

@@ -88,8 +88,8 @@ async def _exec(lines: list[str], address: str | None, run_dir: str | None, work
         parsed.append((obj, None))
     if address or run_dir:
         from sandbox.client import SandboxClient
-        from sandbox.protocol import validate_call
         from sandbox.limits import Limits
+        from sandbox.protocol import validate_call
 
         async with SandboxClient([address] if address else None, run_dir=run_dir) as client:
             def go(obj):

@@ -111,7 +111,7 @@ def test_config_section_mirrors_limits():
 
     cfg_fields = set(SandboxConfig.model_fields) - {"stats_interval_s"}
     lim = Limits()
-    internal = {"start_timeout_s", "hang_grace_s", "root_uid_base"}   # operational, not run knobs
+    internal = {"start_timeout_s", "hang_grace_s", "root_uid_base", "warmup"}   # operational, not run knobs
     assert cfg_fields == {f.name for f in dataclasses.fields(Limits)} - internal
     converted = SandboxConfig().to_limits()
     for name in cfg_fields:

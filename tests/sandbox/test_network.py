@@ -52,7 +52,7 @@ def total_calls(lt, services):
 
 
 def test_services_announce_themselves_and_write_stats(cluster):
-    lt, services, run_dir = cluster
+    _, services, run_dir = cluster
     for svc in services:
         rec = json.loads((run_dir / "rendezvous" / "sandbox" / f"{svc.name}.json").read_text())
         for key in ("role", "name", "host", "port", "pid", "slurm_job_id", "started_at", "updated_at"):

@@ -1,0 +1,184 @@
+"""Sandbox service throughput and latency vs one fresh `python3` per call (the public rStar2 service's way).
+
+    python bench/sandbox.py [--workers N] [--quick]
+
+Ours: a real service (`rstar-hpc sandbox serve`, a separate process) called over TCP by the batching client.
+Baseline: code-judge's executor in miniature: per call, write the code behind a prelude that sets the same
+rlimits (soft = hard here, CPU, address space, processes, files, file size), run `python3 source.py` in a
+new session with a 4 s timeout, read its output; at most as many processes at once as the pool has
+sandboxes (code-judge runs one worker per core).
+
+Workloads: a trivial call (`print(1 + 1)`) and a numpy/sympy call (imports, sympy.factor, numpy.linalg).
+Levels: concurrency 1 (one call at a time), 64 and 2,048 calls queued at once. The baseline at 2,048 queued
+calls would take minutes (about 2,048 interpreter starts, with numpy and sympy imports for the math call), so
+its throughput there is the saturated rate measured at 64 and its latency is not measured ("null").
+Targets on the 2-core machine: throughput >= 10x the baseline, p50 <= 5 ms for a warm trivial call.
+The last stdout line is one JSON object with every figure.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from sandbox.client import SandboxClient
+from sandbox.limits import Limits
+
+WORKLOADS = {
+    "trivial": "print(1 + 1)",
+    "numpy_sympy": ("import numpy as np, sympy as sp\nx = sp.Symbol('x')\n"
+                    "print(sp.factor(x**3 - x), float(np.linalg.det(np.eye(3) * 2)))"),
+}
+PRELUDE = """import resource
+for _r, _v in {limits!r}.items():
+    resource.setrlimit(getattr(resource, _r), (_v, _v))
+"""
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return round(xs[min(len(xs) - 1, int(q * len(xs)))] * 1000, 3)
+
+
+async def run_level(submit, code: str, n: int, concurrency: int) -> dict:
+    """n calls, at most `concurrency` outstanding; latency = submit to result."""
+    lat: list[float] = []
+    bad = 0
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one() -> None:
+        nonlocal bad
+        async with sem:
+            t = time.perf_counter()
+            r = await submit(code)
+            lat.append(time.perf_counter() - t)
+            bad += r["status"] != "ok"
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one() for _ in range(n)))
+    wall = time.perf_counter() - t0
+    return {"calls": n, "throughput": round(n / wall, 1), "p50_ms": pct(lat, 0.5), "p99_ms": pct(lat, 0.99),
+            "failed": bad}
+
+
+class Baseline:
+    def __init__(self, limits: Limits, workers: int):
+        self.limits = limits
+        self.sem = asyncio.Semaphore(workers)
+        self.dir = tempfile.mkdtemp(prefix="bench-baseline-")
+        self.n = 0
+        self.rlimits = {"RLIMIT_CPU": int(limits.cpu_time_s), "RLIMIT_AS": (limits.memory_mb + 512) << 20,
+                        "RLIMIT_NPROC": 4096, "RLIMIT_NOFILE": limits.open_files,
+                        "RLIMIT_FSIZE": limits.file_size_mb << 20, "RLIMIT_CORE": 0}
+
+    async def submit(self, code: str) -> dict:
+        async with self.sem:
+            self.n += 1
+            d = os.path.join(self.dir, str(self.n))
+            os.mkdir(d)
+            src = os.path.join(d, "source.py")
+            with open(src, "w") as f:
+                f.write(PRELUDE.format(limits=self.rlimits) + code + "\n")
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, src, cwd=d, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE, start_new_session=True,
+                env={"PATH": "/usr/bin:/bin", "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"})
+            try:
+                out, _ = await asyncio.wait_for(proc.communicate(), self.limits.timeout_s)
+                status = "ok" if proc.returncode == 0 else "error"
+            except asyncio.TimeoutError:
+                proc.kill()
+                await proc.wait()
+                out, status = b"", "timeout"
+            return {"status": status, "stdout": out[:1000].decode(errors="replace")}
+
+
+def start_service(workers: int, run_dir: str) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([sys.executable, "-c", "from rstar_hpc.cli import main; main()", "sandbox", "serve",
+                             "--workers", str(workers), "--host", "127.0.0.1", "--run-dir", run_dir,
+                             "--name", "bench"], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ann = Path(run_dir) / "rendezvous" / "sandbox" / "bench.json"
+    deadline = time.monotonic() + 120
+    while not ann.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit("bench: the sandbox service did not start")
+        time.sleep(0.1)
+    rec = json.loads(ann.read_text())
+    return proc, f"{rec['host']}:{rec['port']}"
+
+
+async def main_async(args) -> dict:
+    workers = args.workers or Limits().workers()
+    limits = Limits()
+    levels = [(1, 1), (64, 64), (2048, 2048)]
+    if args.quick:
+        levels = [(1, 1), (64, 64), (256, 256)]
+    run_dir = tempfile.mkdtemp(prefix="bench-sandbox-")
+    proc, address = start_service(workers, run_dir)
+    figures: dict = {"workers": workers, "cores": os.cpu_count(), "ours": {}, "baseline": {}, "ratio": {}}
+    try:
+        async with SandboxClient([address]) as client:
+            async def ours(code: str) -> dict:
+                return await client.run(code)
+            for _ in range(2 * workers):   # warm: connections, pre-forked cells
+                await ours("0")
+            for name, code in WORKLOADS.items():
+                figures["ours"][name] = {}
+                for n, conc in (levels if not args.only_c1 else levels[:1]):
+                    figures["ours"][name][f"c{n}"] = r = await run_level(ours, code, n if n > 1 else 50, conc)
+                    print(f"ours     {name:12s} {n:5d} queued: {r['throughput']:8.1f} calls/s  p50 {r['p50_ms']} ms"
+                          f"  p99 {r['p99_ms']} ms  failed {r['failed']}", flush=True)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    base = Baseline(limits, workers)
+    for name, code in WORKLOADS.items():
+        figures["baseline"][name] = {}
+        per = {"trivial": (20, 64), "numpy_sympy": (4, 16)}[name]   # calls measured at c1 and at saturation
+        r1 = await run_level(base.submit, code, per[0], 1)
+        r64 = await run_level(base.submit, code, per[1], 64)
+        figures["baseline"][name] = {"c1": r1, "c64": r64,
+                                     f"c{levels[-1][0]}": {"throughput": r64["throughput"], "p50_ms": None,
+                                                           "p99_ms": None, "extrapolated": True}}
+        print(f"baseline {name:12s}     1 queued: {r1['throughput']:8.1f} calls/s  p50 {r1['p50_ms']} ms", flush=True)
+        print(f"baseline {name:12s} saturated: {r64['throughput']:8.1f} calls/s  ({per[1]} calls, p50 "
+              f"{r64['p50_ms']} ms)", flush=True)
+        figures["ratio"][name] = {}
+        for lvl, ours_r in figures["ours"][name].items():
+            b = figures["baseline"][name][lvl]["throughput"]
+            figures["ratio"][name][lvl] = round(ours_r["throughput"] / b, 1) if b else None
+        print(f"ratio    {name:12s} throughput ours/baseline: "
+              + "  ".join(f"{k}: {v}x" for k, v in figures["ratio"][name].items()), flush=True)
+    p50 = figures["ours"]["trivial"]["c1"]["p50_ms"]
+    figures["targets"] = {
+        "throughput_10x": {k: all((v or 0) >= 10 for lvl, v in r.items() if lvl != "c1")
+                           for k, r in figures["ratio"].items()},
+        "p50_trivial_le_5ms": p50 is not None and p50 <= 5.0,
+    }
+    figures["load_avg_1m"] = os.getloadavg()[0]
+    return figures
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workers", type=int, default=0, help="sandboxes (default: one per core)")
+    ap.add_argument("--quick", action="store_true", help="256 instead of 2,048 queued calls")
+    ap.add_argument("--only-c1", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    figures = asyncio.run(main_async(args))
+    print(json.dumps(figures, separators=(",", ":")))
+
+
+if __name__ == "__main__":
+    main()
