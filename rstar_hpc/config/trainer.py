@@ -19,6 +19,8 @@ class OptimizerConfig(Section):
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
     """Floor of the cosine schedule, as a fraction of lr."""
     grad_clip: float = Field(1.0, gt=0)
+    sft_schedule: Literal["constant", "cosine"] = "cosine"
+    """Schedule of `kind: sft` stages (the paper's SFT recipe decays); RL stages use `schedule`."""
 
 
 class CheckpointConfig(Section):
@@ -40,3 +42,13 @@ class TrainerConfig(Section):
     checkpoint: CheckpointConfig = CheckpointConfig()
     publish_keep_last: int = Field(2, ge=1)
     """Published policy versions kept for the rollout engines."""
+    publish_max_shard_gb: float = Field(5.0, gt=0)
+    """Size of one safetensors file of a published policy (Hugging Face's default sharding)."""
+    producers: list[str] = ["rollout"]
+    """Trajectory producers whose commit records make an RL step complete (the rollout role writes as
+    `rollout`)."""
+    trajectory_timeout_s: float = Field(3600.0, gt=0)
+    """How long an RL step waits for its trajectories before failing with the missing producers named."""
+    params_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Parameter dtype. The optimizer keeps no separate fp32 master copy, so bfloat16 trades update precision
+    for memory; keep float32 unless memory forces it."""

@@ -227,6 +227,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     model.train()
     optimizer.zero_grad(set_to_none=True)
     metrics = forward_backward(model, micro_batches, loss_fn)
+    t1 = time.perf_counter()
     params = [p for p in model.parameters() if p.requires_grad]
     grad_norm = clip_grad_norm(params, grad_clip)
     lr = optimizer.param_groups[0]["lr"]
@@ -234,6 +235,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         optimizer.step()
     if scheduler is not None:
         scheduler.step()
-    elapsed = time.perf_counter() - t0
+    t2 = time.perf_counter()
     tokens = sum(mb.num_tokens for mb in micro_batches)
-    return {**metrics, "grad_norm": grad_norm, "lr": lr, "tokens_per_s": tokens / elapsed, "step_time_s": elapsed}
+    return {**metrics, "grad_norm": grad_norm, "lr": lr, "tokens_per_s": tokens / (t2 - t0), "step_time_s": t2 - t0,
+            "time/forward_backward(s)": t1 - t0, "time/optimizer(s)": t2 - t1}

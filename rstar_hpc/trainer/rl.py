@@ -1,0 +1,266 @@
+"""The RL step of GRPO-RoC: one step's committed trajectories -> one AdamW update of the policy.
+
+    source = TrajectorySource(paths, stage, cfg)        # the exchange Consumer behind it
+    batch = source.next()                               # RLBatch: kept samples, advantages, step metrics
+    metrics = rl_step(model, optimizer, scheduler, batch, cfg)
+    ...save a checkpoint holding source.state_dict()...
+    source.commit(checkpoint_name)                      # only now is the step acked
+
+Per step: read every committed shard of the step (all ranks read it, the files are memory-mapped), keep what
+Resample-on-Correct kept (the rollout's decision when it made one, else RoC here, seeded by the step), give each
+kept trajectory its group-normalised advantage over the kept rollouts of its prompt, spread the kept ones over
+data-parallel ranks (token-balanced, deterministic), pack them into micro-batches of `trainer.micro_batch_tokens`,
+optionally recompute pi_old with the trainer (logging its gap to the engine's logprobs), then the GRPO-RoC loss,
+normalised by the step's trained tokens over all micro-batches and ranks (`step.train_step`).
+
+Exactly once, the rule: **the trainer checkpoint is the record of what was trained; the consumer cursor only
+follows it.** Steps are read ahead of the cursor and acked after the checkpoint that contains their update has
+committed. The crash windows:
+  * after reading/training step k, before the checkpoint commits: the cursor and `latest` both predate k, so
+    the restarted job retrains k from the older checkpoint (its update was never kept anywhere).
+  * after the checkpoint commits, before the ack: the checkpoint says `next_traj_step = k + 1`, the cursor
+    says less; on resume the source acks the missing steps (they are in the checkpoint).
+  * the cursor ahead of the checkpoint cannot arise from a crash; it means the checkpoint was rolled back by
+    hand, and resuming refuses (those steps' updates would be silently lost) and says how to proceed.
+A step whose every trajectory RoC dropped is consumed with no update (logged as `train/skipped_empty_step`).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+import torch
+from megatron.core import parallel_state
+
+from rstar_hpc.algo.advantage import group_advantages
+from rstar_hpc.algo.loss import LossStats, policy_loss
+from rstar_hpc.algo.metrics import loss_metrics, response_length_metrics, roc_metrics
+from rstar_hpc.algo.roc import RoCReason, RoCSelection, roc_downsample
+from rstar_hpc.config.schema import RunConfig
+from rstar_hpc.exchange.errors import ExchangeError
+from rstar_hpc.exchange.reader import Consumer, token_view
+from rstar_hpc.exchange.rundir import RunPaths
+from rstar_hpc.trainer.step import MicroBatch, pack, sequence_logprobs, train_step
+
+log = logging.getLogger(__name__)
+CONSUMER = "trainer"
+
+
+@dataclass
+class RLBatch:
+    """This rank's share of one trajectory step, ready to pack."""
+
+    step: int
+    samples: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (prompt+response ids, mask)
+    advantages: list[torch.Tensor] = field(default_factory=list)                    # per token, A_i everywhere
+    old_logprobs: list[torch.Tensor] = field(default_factory=list)                  # engine's, 0 on the prompt
+    num_kept: int = 0                                                               # over all ranks
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def empty(self) -> bool:
+        return self.num_kept == 0
+
+
+# --------------------------------------------------------------------------------------------------
+# trajectories -> kept samples
+
+
+def _selection(table: pa.Table, cfg: RunConfig, seed: int) -> RoCSelection:
+    """The rollout's RoC decision when the shards carry one, else RoC run here (same inputs, same result)."""
+    uids = np.asarray(table.column("prompt_uid").to_pylist())
+    rewards = table.column("reward").to_numpy()
+    p_err, p_format = table.column("p_err").to_numpy(), table.column("p_format").to_numpy()
+    kept = table.column("roc_kept")
+    if kept.null_count == len(kept):
+        return roc_downsample(uids, rewards, p_err, p_format, cfg.algo.roc, seed=seed)
+    if kept.null_count:
+        raise ValueError(f"{kept.null_count} of {len(kept)} trajectories have no RoC decision (roc_kept null) and "
+                         f"the others do; a step is down-sampled as a whole, by the rollout or by the trainer")
+    roc = cfg.algo.roc
+    reasons = [RoCReason[str(r).upper()] for r in table.column("roc_reason").to_pylist()]
+    _, group = np.unique(uids, return_inverse=True)
+    return RoCSelection(keep=kept.to_numpy(zero_copy_only=False).astype(bool),
+                        reason=np.asarray(reasons, dtype=np.int8),
+                        penalty=roc.roc_error_ratio * p_err + roc.roc_answer_format * p_format,
+                        group=group.reshape(-1))
+
+
+def _dp_share(lengths: np.ndarray, dp: int, dp_rank: int) -> list[int]:
+    """Indices (into `lengths`) this data-parallel rank trains: longest first to the least-loaded rank."""
+    load = [0] * dp
+    mine = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        r = min(range(dp), key=lambda r: (load[r], r))
+        load[r] += int(lengths[i])
+        if r == dp_rank:
+            mine.append(i)
+    return sorted(mine)
+
+
+def build_batch(table: pa.Table, cfg: RunConfig, step: int) -> RLBatch:
+    """RoC, advantages and this rank's samples of one step's rows (see the module docstring)."""
+    n = table.num_rows
+    if n == 0:
+        raise ValueError(f"step {step}: the committed shards hold no trajectories; the producer committed an "
+                         f"empty step")
+    selection = _selection(table, cfg, seed=cfg.run.seed * 1_000_003 + step)
+    rewards = table.column("reward").to_numpy().astype(np.float64)
+    uids = np.asarray(table.column("prompt_uid").to_pylist())
+    prompt, p_off = token_view(table, "prompt_ids")
+    resp, r_off = token_view(table, "response_ids")
+    mask, _ = token_view(table, "loss_mask")
+    engine_lp, _ = token_view(table, "logprobs")
+    resp_len = np.diff(r_off)
+    finish = np.asarray(table.column("finish_reason").to_pylist())
+    metrics = {"reward/mean": float(rewards.mean()),
+               **roc_metrics(selection, rewards, table.column("p_err").to_numpy(), table.column("p_format").to_numpy()),
+               **response_length_metrics(resp_len, finish == "length")}
+    keep = selection.indices
+    batch = RLBatch(step=step, num_kept=len(keep), metrics=metrics)
+    if not len(keep):
+        return batch
+    adv = group_advantages(rewards[keep], uids[keep], cfg.algo.loss)
+    total_len = np.diff(p_off)[keep] + resp_len[keep]
+    too_long = total_len > cfg.trainer.micro_batch_tokens
+    if too_long.any():
+        i = keep[np.flatnonzero(too_long)[0]]
+        raise ValueError(f"step {step}: trajectory {uids[i]!r} has {int(total_len[too_long][0])} tokens (prompt + "
+                         f"response), more than trainer.micro_batch_tokens={cfg.trainer.micro_batch_tokens}; raise it "
+                         f"to at least rollout.agent.max_prompt_length + max_response_length")
+    dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+    if len(keep) < dp:
+        raise ValueError(f"step {step}: {len(keep)} kept trajectories for {dp} data-parallel ranks; every rank "
+                         f"needs one. Generate more prompts per step or use fewer data-parallel ranks")
+    for j in _dp_share(total_len, dp, dp_rank):
+        i = keep[j]
+        p = torch.from_numpy(prompt[p_off[i]:p_off[i + 1]].astype(np.int64))
+        if p.numel() == 0:
+            raise ValueError(f"step {step}: trajectory {uids[i]!r} has an empty prompt; the first token of a sample "
+                             f"cannot be trained, so the rollout must record the prompt it fed the engine")
+        r = torch.from_numpy(resp[r_off[i]:r_off[i + 1]].astype(np.int64))
+        m = torch.from_numpy(mask[r_off[i]:r_off[i + 1]].astype(bool))
+        lp = torch.from_numpy(engine_lp[r_off[i]:r_off[i + 1]].astype(np.float32))
+        zeros = torch.zeros(p.numel())
+        batch.samples.append((torch.cat([p, r]), torch.cat([torch.zeros(p.numel(), dtype=torch.bool), m])))
+        batch.old_logprobs.append(torch.cat([zeros, lp]))
+        batch.advantages.append(torch.full((p.numel() + r.numel(),), float(adv[j])))
+    batch.metrics["train/advantage_abs_mean"] = float(np.abs(adv).mean())
+    return batch
+
+
+# --------------------------------------------------------------------------------------------------
+# the update
+
+
+def _dp_sum(values: list[float]) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    if parallel_state.get_data_parallel_world_size() > 1:
+        t = t.to("cuda" if torch.cuda.is_available() else "cpu")
+        torch.distributed.all_reduce(t, group=parallel_state.get_data_parallel_group())
+    return t.tolist()
+
+
+@torch.no_grad()
+def recompute_old_logprobs(model: torch.nn.Module, micro_batches: list[MicroBatch]) -> dict[str, float]:
+    """Replace each micro-batch's old_logprobs (the engine's) with the trainer's, before the update; returns
+    the gap between the two over trained tokens (engine minus trainer: numerics, stale weights, sampling)."""
+    model.eval()
+    device = next(model.parameters()).device
+    abs_sum, signed_sum, max_abs, count = 0.0, 0.0, 0.0, 0.0
+    for mb in micro_batches:
+        mine = sequence_logprobs(model, mb.to(device)).float().cpu()
+        d = (mb.old_logprobs - mine)[mb.loss_mask]
+        abs_sum, signed_sum, count = abs_sum + float(d.abs().sum()), signed_sum + float(d.sum()), count + d.numel()
+        max_abs = max(max_abs, float(d.abs().max()) if d.numel() else 0.0)
+        mb.old_logprobs = mine
+    model.train()
+    abs_sum, signed_sum, count = _dp_sum([abs_sum, signed_sum, count])
+    peak = torch.tensor([max_abs], device="cuda" if torch.cuda.is_available() else "cpu")
+    if parallel_state.get_data_parallel_world_size() > 1:
+        torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX,
+                                     group=parallel_state.get_data_parallel_group())
+    c = max(count, 1.0)
+    return {"train/old_logprob_gap_abs_mean": abs_sum / c, "train/old_logprob_gap_mean": signed_sum / c,
+            "train/old_logprob_gap_abs_max": float(peak.item())}
+
+
+def rl_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+            scheduler: torch.optim.lr_scheduler.LRScheduler | None, batch: RLBatch, cfg: RunConfig) -> dict[str, float]:
+    """One GRPO-RoC update on `batch` (collective over all trainer ranks); returns the step's metrics."""
+    metrics = dict(batch.metrics)
+    if batch.empty:
+        log.warning("step %d: RoC kept no trajectory (every group had equal rewards); no update this step",
+                    batch.step)
+        return {**metrics, "train/skipped_empty_step": 1.0}
+    micro_batches = pack(batch.samples, cfg.trainer.micro_batch_tokens, advantages=batch.advantages,
+                         old_logprobs=batch.old_logprobs)
+    if cfg.trainer.recompute_old_logprobs:
+        t0 = time.perf_counter()
+        metrics.update(recompute_old_logprobs(model, micro_batches))
+        metrics["time/recompute_old_logprobs(s)"] = time.perf_counter() - t0
+    stats: list[LossStats] = []
+
+    def loss_fn(logprobs: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        loss, s = policy_loss(logprobs, mb.old_logprobs, mb.advantages, mb.loss_mask, cfg.algo.loss,
+                              global_num_tokens=None)  # a sum: train_step divides by the step's global count
+        stats.append(s)
+        return loss, {}
+
+    out = train_step(model, optimizer, scheduler, micro_batches, loss_fn, grad_clip=cfg.trainer.optimizer.grad_clip)
+    keys = list(LossStats.__annotations__)
+    summed = dict(zip(keys, _dp_sum([sum(s[k] for s in stats) for k in keys])))
+    metrics.update(loss_metrics(LossStats(**summed), num_tokens=out["num_tokens"]))
+    return {**metrics, **out, "train/skipped_empty_step": 0.0}
+
+
+# --------------------------------------------------------------------------------------------------
+# the data source
+
+
+class TrajectorySource:
+    """An RL stage's trajectory steps, in order, each trained exactly once (the rule in the module docstring).
+
+    `next()` reads ahead of the durable cursor; `commit(checkpoint)` acks every step read so far once a
+    checkpoint holding their updates has committed (rank 0 writes the cursor; every rank reads).
+    """
+
+    def __init__(self, paths: RunPaths, stage: str, cfg: RunConfig, *, name: str = CONSUMER):
+        self.cfg, self.stage = cfg, stage
+        self.consumer = Consumer(paths, stage, name, cfg.trainer.producers)
+        self.next_step = self.consumer.next_step
+
+    def next(self) -> RLBatch:
+        reader, step = self.consumer.reader, self.next_step
+        records = reader.wait(step, self.consumer.producers, timeout_s=self.cfg.trainer.trajectory_timeout_s)
+        batch = build_batch(reader.read(step, records=records), self.cfg, step)
+        self.next_step += 1
+        return batch
+
+    def state_dict(self) -> dict:
+        return {"next_traj_step": self.next_step}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from a checkpoint's cursor, reconciling the consumer cursor with it."""
+        ckpt_next = int(state["next_traj_step"])
+        if self.consumer.next_step > ckpt_next:
+            raise ExchangeError(
+                f"{self.consumer.path} says trajectory steps up to {self.consumer.next_step - 1} of stage "
+                f"{self.stage!r} were trained, but the checkpoint being resumed only holds steps before {ckpt_next}. "
+                f"Was ckpt/{self.stage}/latest moved back by hand? To retrain from this checkpoint, set next_step to "
+                f"{ckpt_next} in that cursor file; otherwise restore the newer checkpoint.")
+        self.next_step = ckpt_next
+        if self.consumer.next_step < ckpt_next:
+            log.info("stage %s: checkpoint holds trajectory steps up to %d, cursor was at %d (crash before the ack); "
+                     "acking them now", self.stage, ckpt_next - 1, self.consumer.next_step)
+            self.commit(None)
+
+    def commit(self, checkpoint: str | None) -> None:
+        if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+            self.consumer.next_step = self.next_step
+            return
+        while self.consumer.next_step < self.next_step:
+            self.consumer.ack(self.consumer.next_step, state={"checkpoint": checkpoint})

@@ -1,0 +1,200 @@
+"""The RL step on hand-made trajectories: direction of the update, RoC, the logprob gap, exactly-once reads."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from rstar_hpc.config import load_config
+from rstar_hpc.exchange.errors import ExchangeError, StepNotReadyError
+from rstar_hpc.exchange.rundir import RunPaths
+from rstar_hpc.exchange.schema import Trajectory, Turn
+from rstar_hpc.exchange.writer import ShardWriter
+from rstar_hpc.trainer.checkpoint import TrainState, load_checkpoint, save_checkpoint
+from rstar_hpc.trainer.hf_convert import load_hf_checkpoint
+from rstar_hpc.trainer.model import Qwen3Arch, build_model
+from rstar_hpc.trainer.rl import TrajectorySource, build_batch, rl_step
+from rstar_hpc.trainer.step import MicroBatch, build_optimizer, build_scheduler, sequence_logprobs
+
+STAGE = "rl"
+
+
+def _cfg(tmp_path, hf_dir, *extra):
+    return load_config("tiny-cpu", [f"run.root={tmp_path}", f"model.path={hf_dir}", "trainer.micro_batch_tokens=256",
+                                    "trainer.optimizer.lr=0.002", "trainer.optimizer.warmup_steps=0", *extra])
+
+
+def _traj(step: int, uid: str, i: int, reward: float, gen: torch.Generator, *, roc_kept=None) -> Trajectory:
+    """Correct answers draw response tokens from one half of the vocabulary, wrong ones from the other, so
+    the two classes are told apart by the tokens themselves. Responses: model turn, tool turn, model turn."""
+    lo, hi = (10, 200) if reward else (200, 390)
+    prompt = torch.randint(10, 390, (6,), generator=gen)
+    n1, n2, n3 = 5, 3, 4
+    resp = torch.randint(lo, hi, (n1 + n2 + n3,), generator=gen)
+    mask = [1] * n1 + [0] * n2 + [1] * n3
+    return Trajectory(run="t", stage=STAGE, step=step, prompt_uid=uid, sample_index=i, policy_version=0,
+                      engine_rank=0, prompt_ids=prompt.tolist(), response_ids=resp.tolist(), loss_mask=mask,
+                      logprobs=[0.0] * len(mask),
+                      turns=[Turn("assistant", 0, n1), Turn("tool", n1, n1 + n2), Turn("assistant", n1 + n2, n1 + n2 + n3)],
+                      reward=reward, p_err=0.0, p_format=0.0, roc_kept=roc_kept,
+                      roc_reason=None if roc_kept is None else ("kept_positive" if reward else "kept_negative"))
+
+
+def _write(paths: RunPaths, step: int, trajs: list[Trajectory]) -> None:
+    with ShardWriter(paths, STAGE, step, "rollout") as w:
+        w.write(trajs)
+        w.commit()
+
+
+def _step_trajs(step: int, seed: int = 0, groups: int = 2, per_group: int = 8) -> list[Trajectory]:
+    gen = torch.Generator().manual_seed(seed * 1000 + step)
+    return [_traj(step, f"p{step}-{g}", i, float(i % 2), gen) for g in range(groups) for i in range(per_group)]
+
+
+def _model(hf_dir):
+    model = build_model(Qwen3Arch.from_hf_config(hf_dir))
+    load_hf_checkpoint(model, hf_dir)
+    return model
+
+
+def _sample_means(model, batch) -> list[float]:
+    """Mean logprob of each sample's trained tokens under `model`."""
+    out = []
+    with torch.no_grad():
+        for ids, mask in batch.samples:
+            lp = sequence_logprobs(model, MicroBatch(ids, [ids.numel()], mask))
+            out.append(float(lp[mask].mean()))
+    return out
+
+
+def test_rl_step_moves_positive_tokens_up_and_negative_down(dist1, tiny_hf_dir, tmp_path):
+    cfg = _cfg(tmp_path, tiny_hf_dir)
+    paths = RunPaths(cfg.run.dir)
+    model = _model(tiny_hf_dir)
+    trajs = _step_trajs(0)
+    # the engine's logprobs: the trainer's own plus a known offset, to check the logged gap
+    for t in trajs:
+        ids = torch.tensor(list(t.prompt_ids) + list(t.response_ids))
+        with torch.no_grad():
+            lp = sequence_logprobs(model, MicroBatch(ids, [ids.numel()], torch.zeros(ids.numel(), dtype=torch.bool)))
+        t.logprobs = [(float(x) + 0.05) if m else 0.0 for x, m in zip(lp[len(t.prompt_ids):], t.loss_mask)]
+    _write(paths, 0, trajs)
+
+    batch = TrajectorySource(paths, STAGE, cfg).next()
+    assert batch.num_kept == 8 and len(batch.samples) == 8  # RoC: 4 of 8 per prompt (tiny-cpu), run by the trainer
+    assert batch.metrics["roc/num_trajectories"] == 16 and batch.metrics["roc/num_kept"] == 8
+    adv = [float(a[0]) for a in batch.advantages]
+    assert sum(a > 0 for a in adv) == 4 and sum(a < 0 for a in adv) == 4  # min 1 per class, split 2/2 by rounding
+    before = _sample_means(model, batch)
+
+    opt = build_optimizer(model, lr=cfg.trainer.optimizer.lr, weight_decay=0.0)
+    metrics = rl_step(model, opt, build_scheduler(opt, 0, 10), batch, cfg)
+    after = _sample_means(model, batch)
+
+    assert metrics["train/skipped_empty_step"] == 0.0
+    assert metrics["train/old_logprob_gap_mean"] == pytest.approx(0.05, abs=1e-4)  # engine minus trainer
+    assert metrics["train/approx_kl"] == pytest.approx(0.0, abs=1e-6)  # pi_old recomputed: ratio 1 at the start
+    assert metrics["train/num_tokens"] == 8 * 9 and metrics["tokens_per_s"] > 0
+    for a, b0, b1 in zip(adv, before, after):
+        assert (b1 - b0) * a > 0, (a, b0, b1)  # every positive sample up, every negative one down
+
+
+def test_engine_logprobs_are_pi_old_without_recompute(dist1, tiny_hf_dir, tmp_path):
+    cfg = _cfg(tmp_path, tiny_hf_dir, "trainer.recompute_old_logprobs=false")
+    paths = RunPaths(cfg.run.dir)
+    _write(paths, 0, _step_trajs(0))  # engine logprobs 0.0: ratio = p(token) < 1, so negatives get clipped
+    model = _model(tiny_hf_dir)
+    opt = build_optimizer(model, lr=1e-3)
+    m = rl_step(model, opt, None, TrajectorySource(paths, STAGE, cfg).next(), cfg)
+    assert "train/old_logprob_gap_mean" not in m
+    assert m["train/clip_frac_low"] > 0.4 and m["train/approx_kl"] > 1.0
+
+
+def test_rollout_roc_decisions_are_used_and_an_all_dropped_step_is_skipped(dist1, tiny_hf_dir, tmp_path):
+    cfg = _cfg(tmp_path, tiny_hf_dir)
+    gen = torch.Generator().manual_seed(0)
+    kept = [_traj(0, "a", i, float(i % 2), gen, roc_kept=i < 4) for i in range(8)]
+    for t in kept[4:]:
+        t.roc_reason = "dropped_positive" if t.reward else "dropped_negative"
+    table_batch = build_batch(_table(kept), cfg, 0)
+    assert table_batch.num_kept == 4  # the rollout's choice, not a fresh RoC (which would keep others)
+
+    same = [_traj(0, "b", i, 1.0, gen) for i in range(8)]  # all correct: RoC drops the group
+    model = _model(tiny_hf_dir)
+    batch = build_batch(_table(same), cfg, 0)
+    assert batch.empty and batch.metrics["roc/groups_rejected_equal"] == 1
+    opt = build_optimizer(model, lr=1e-3)
+    w = [p.detach().clone() for p in model.parameters()]
+    m = rl_step(model, opt, None, batch, cfg)
+    assert m["train/skipped_empty_step"] == 1.0
+    assert all(torch.equal(a, b) for a, b in zip(w, model.parameters()))
+
+    mixed = kept[:4] + [_traj(0, "c", i, float(i % 2), gen) for i in range(4)]
+    with pytest.raises(ValueError, match="no RoC decision"):
+        build_batch(_table(mixed), cfg, 0)
+
+
+def _table(trajs):
+    from rstar_hpc.exchange.writer import to_table
+
+    return to_table(trajs)
+
+
+def test_too_long_and_missing_steps_are_named(dist1, tiny_hf_dir, tmp_path):
+    cfg = _cfg(tmp_path, tiny_hf_dir, "trainer.micro_batch_tokens=64", "trainer.trajectory_timeout_s=0.2")
+    gen = torch.Generator().manual_seed(0)
+    long = [_traj(0, "a", i, float(i % 2), gen) for i in range(8)]
+    for t in long:
+        t.response_ids = list(t.response_ids) * 6
+        t.loss_mask, t.logprobs = list(t.loss_mask) * 6, list(t.logprobs) * 6
+        t.turns = [Turn("assistant", 0, len(t.response_ids))]
+    with pytest.raises(ValueError, match="micro_batch_tokens=64"):
+        build_batch(_table(long), cfg, 0)
+    with pytest.raises(StepNotReadyError, match="rollout"):
+        TrajectorySource(RunPaths(cfg.run.dir), STAGE, cfg).next()
+
+
+def test_each_step_is_trained_exactly_once_across_restarts(dist1, tiny_hf_dir, tmp_path):
+    cfg = _cfg(tmp_path, tiny_hf_dir)
+    paths = RunPaths(cfg.run.dir)
+    for s in range(4):
+        _write(paths, s, _step_trajs(s))
+    root = paths.ckpt_root(STAGE)
+
+    def job():
+        model = _model(tiny_hf_dir)
+        opt = build_optimizer(model, lr=1e-3)
+        state = TrainState(model, opt, None)
+        source = TrajectorySource(paths, STAGE, cfg)
+        if (root / "latest").exists():
+            load_checkpoint(state, root)
+            source.load_state_dict(state.data_state)
+        return state, source
+
+    def train(state, source) -> int:
+        batch = source.next()
+        rl_step(state.model, state.optimizer, None, batch, cfg)
+        state.step += 1
+        state.data_state = source.state_dict()
+        return batch.step
+
+    state, source = job()
+    assert train(state, source) == 0
+    save_checkpoint(state, root)
+    source.commit("step-00000001")
+    assert source.consumer.next_step == 1
+    assert train(state, source) == 1  # ...then the job dies before its next checkpoint
+
+    state, source = job()
+    assert source.next_step == 1 and train(state, source) == 1  # step 1 again: its update was never kept
+    save_checkpoint(state, root)  # ...and this job dies between the checkpoint and the ack
+    assert source.consumer.next_step == 1
+
+    state, source = job()
+    assert source.consumer.next_step == 2  # reconciled: the checkpoint holds step 1
+    assert train(state, source) == 2
+
+    # a checkpoint moved back by hand while the cursor says more was trained: refuse, do not lose updates
+    (root / "latest").write_text("step-00000001\n")
+    with pytest.raises(ExchangeError, match="moved back by hand"):
+        job()
