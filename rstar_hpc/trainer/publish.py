@@ -1,0 +1,65 @@
+"""Publishing the policy for the rollout engines: a Hugging Face directory per version, committed atomically.
+
+    <run>/policy/v-00000007/   config.json, model(-0000i-of-0000n).safetensors (+ index), tokenizer files,
+                               COMMITTED.json {step, files, stage, trainer_step, format, ...}
+    <run>/policy/latest        "v-00000007", moved only after the directory is complete
+
+What the rollout side watches: `RunPaths.policies().latest()` (the `policy/latest` pointer, through the exchange's
+`CommittedDirs`, which never returns an incomplete directory), and loads it in place when its version is newer
+than the engine's (`rollout.engine.Engine.maybe_load_latest` does exactly this). `stages/<stage>/state.json`
+mirrors the newest version in `policy_version` for `rstar-hpc run` and the launcher; it is not the signal.
+
+Versions are run-global and increase by one per publish (the newest committed version + 1), across stages and
+restarts: a restarted trainer retrains from its checkpoint and publishes the next number, never rewriting one
+that engines may already be running. The last `trainer.publish_keep_last` versions are kept (the one `latest`
+names always), so an engine still loading the previous version is not pulled from under it.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from megatron.core import parallel_state
+
+from rstar_hpc.exchange.rundir import RunPaths
+from rstar_hpc.trainer.hf_convert import export_hf_checkpoint
+
+FORMAT = "hf-safetensors"
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def publish_policy(model: torch.nn.Module, paths: RunPaths, *, source_dir: str | os.PathLike, keep_last: int,
+                   max_shard_bytes: int = 5 * 2**30, **meta: object) -> tuple[int, Path]:
+    """Write `model` as the run's next policy version and move `policy/latest` to it. Collective: every rank
+    calls; the tensor-parallel group of data-parallel rank 0 gathers, global rank 0 writes and commits.
+
+    `source_dir` is the Hugging Face directory the policy came from (config and tokenizer files are copied);
+    `meta` goes into COMMITTED.json. Returns (version, directory) on every rank.
+    """
+    dirs = paths.policies()
+    holder: list[object] = [None, None]
+    if _rank() == 0:
+        latest = dirs.latest()
+        version = (latest[0] if latest else 0) + 1
+        holder = [version, str(dirs.begin(version))]
+    if torch.distributed.is_initialized():
+        torch.distributed.broadcast_object_list(holder, src=0)
+    version, tmp = int(holder[0]), Path(str(holder[1]))
+    if parallel_state.get_data_parallel_rank() == 0:  # one replica is enough; its tp ranks gather to tp rank 0
+        export_hf_checkpoint(model, tmp, source_dir=source_dir, max_shard_bytes=max_shard_bytes)
+    _barrier()
+    final = dirs.path(version)
+    if _rank() == 0:
+        final = dirs.commit(version, tmp, format=FORMAT, **meta)
+        dirs.retain(keep_last)
+    _barrier()
+    return version, final
