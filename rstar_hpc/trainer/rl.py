@@ -264,3 +264,28 @@ class TrajectorySource:
             return
         while self.consumer.next_step < self.next_step:
             self.consumer.ack(self.consumer.next_step, state={"checkpoint": checkpoint})
+
+
+class RLStageData:
+    """An RL stage for the trainer role (`rstar_hpc.trainer.main`): trajectory steps in, GRPO-RoC updates."""
+
+    initial_state = {"next_traj_step": 0}
+
+    def __init__(self, cfg: RunConfig, stage, paths: RunPaths):
+        self.cfg = cfg
+        self.source = TrajectorySource(paths, stage.name, cfg)
+
+    def next(self) -> RLBatch:
+        return self.source.next()
+
+    def train(self, model, optimizer, scheduler, batch: RLBatch) -> dict[str, float]:
+        return rl_step(model, optimizer, scheduler, batch, self.cfg)
+
+    def state_dict(self) -> dict:
+        return self.source.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.source.load_state_dict(state)
+
+    def commit(self, checkpoint: str) -> None:
+        self.source.commit(checkpoint)

@@ -244,3 +244,43 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+class SFTStageData:
+    """An SFT stage for the trainer role (`rstar_hpc.trainer.main`): `stages[].data` served `prompts_per_step`
+    samples per step, split over data-parallel ranks; the cursor lives in the checkpoint."""
+
+    def __init__(self, cfg, stage, model_dir: str | Path):
+        from megatron.core import parallel_state
+        from transformers import AutoTokenizer
+
+        if stage.data is None:
+            raise ValueError(f"stage {stage.name!r} (sft) has no `data`; set stages[].data to a chat JSONL file "
+                             f"(the demo set: `python -m rstar_hpc.trainer.sft_data PATH`)")
+        self.cfg, self.stage = cfg, stage
+        self.dp, self.dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+        if stage.prompts_per_step < self.dp:
+            raise ValueError(f"stage {stage.name!r}: prompts_per_step={stage.prompts_per_step} samples per step cannot "
+                             f"be split over {self.dp} data-parallel ranks; raise it to at least {self.dp}")
+        self.data = SFTData.from_jsonl(stage.data, AutoTokenizer.from_pretrained(model_dir), seed=cfg.run.seed,
+                                       max_tokens=cfg.trainer.micro_batch_tokens)
+        self.initial_state = self.data.state_dict()
+
+    def next(self):
+        # every rank draws the step's samples (same cursor everywhere) and trains its slice
+        return pack(self.data.next_samples(self.stage.prompts_per_step)[self.dp_rank::self.dp],
+                    self.cfg.trainer.micro_batch_tokens)
+
+    def train(self, model, optimizer, scheduler, micro_batches) -> dict[str, float]:
+        from rstar_hpc.trainer.step import train_step
+
+        return train_step(model, optimizer, scheduler, micro_batches, grad_clip=self.cfg.trainer.optimizer.grad_clip)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.data.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.data.load_state_dict(state)
+
+    def commit(self, checkpoint: str) -> None:  # noqa: ARG002  (the cursor is in the checkpoint already)
+        pass

@@ -1,0 +1,111 @@
+"""`rstar-hpc train`: one trainer stage (SFT or RL), here or as a Slurm job, with a progress bar."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import click
+
+from rstar_hpc.config.loader import DEFAULT_CONFIG
+
+
+@click.command("train")
+@click.argument("config", default=DEFAULT_CONFIG)
+@click.argument("overrides", nargs=-1)
+@click.option("--stage", "stage_name", default=None,
+              help="Stage to train [the first sft/rl stage of the config that is not DONE].")
+@click.option("--submit", is_flag=True,
+              help="Submit sbatch/trainer.sbatch (resources from launch.trainer) and follow the job, instead of "
+                   "training in this process.")
+def command(config: str, overrides: tuple[str, ...], stage_name: str | None, submit: bool) -> None:
+    """Train one stage of CONFIG: resume its latest checkpoint (or carry the previous stage's policy over),
+    train to the stage's num_steps, publish policies for the rollout engines, save on USR2 and exit 75 for a
+    requeue. Under srun every task is one rank (one GPU); alone it is a world of one.
+
+    CONFIG is a name in configs/ or a YAML path; OVERRIDES are dotted key=value pairs.
+    """
+    from rstar_hpc.config import load_config
+
+    cfg = load_config(config, overrides)
+    stage = _pick_stage(cfg, stage_name)
+    if submit:
+        _submit_and_follow(cfg, config, overrides, stage)
+        return
+
+    import logging
+    import warnings
+
+    from tqdm import tqdm
+
+    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")  # megatron-core's import-time notes
+
+    from rstar_hpc.trainer.main import main
+
+    rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format=f"%(asctime)s [trainer {rank}] %(message)s", datefmt="%H:%M:%S")
+    # the bar only on an interactive terminal of rank 0; batch logs get the fixed-field step lines
+    bar = tqdm(total=stage.num_steps, desc=f"train {stage.name}", unit="step", disable=None if rank == 0 else True)
+
+    def on_step(step: int, metrics: dict) -> None:
+        bar.n = step
+        bar.set_postfix(loss=f"{metrics.get('loss', float('nan')):.4f}", refresh=False)
+        bar.refresh()
+
+    try:
+        code = main(cfg, stage.name, on_step=on_step)
+    finally:
+        bar.close()
+    sys.exit(code)
+
+
+def _pick_stage(cfg, name: str | None):
+    from rstar_hpc.exchange.rundir import RunPaths
+    from rstar_hpc.exchange.state import read_stage_state
+
+    if name is not None:
+        try:
+            return cfg.stage(name)
+        except KeyError as e:
+            raise click.BadParameter(str(e.args[0]), param_hint="--stage") from None
+    for s in cfg.stages:
+        if s.kind in ("sft", "rl") and read_stage_state(RunPaths(cfg.run.dir), s.name).status != "DONE":
+            return s
+    raise click.UsageError("no sft/rl stage left to train in this config (all DONE, or none); pass --stage")
+
+
+def _submit_and_follow(cfg, config: str, overrides: tuple[str, ...], stage) -> None:
+    from tqdm import tqdm
+
+    from rstar_hpc.exchange.rundir import RunPaths
+    from rstar_hpc.launch import submit, wait_for_job
+
+    res, paths = cfg.launch.trainer, RunPaths(cfg.run.dir)
+    paths.create()
+    sbatch_args = [f"--partition={res.partition}", f"--nodes={res.num_nodes}",
+                   f"--ntasks-per-node={res.tasks_per_node}", f"--cpus-per-task={res.cpus_per_task}",
+                   f"--time={res.time_min}", f"--signal=B:USR2@{cfg.launch.signal_lead_s}",
+                   f"--output={paths.logs}/trainer-{stage.name}-%j.out"]
+    if res.gpus_per_node:
+        sbatch_args.append(f"--gpus-per-node={res.gpus_per_node}")
+    job = submit("trainer", [config, *overrides, "--stage", stage.name], sbatch_args=sbatch_args)
+    click.echo(f"submitted job {job}: stage {stage.name}; log {paths.logs}/trainer-{stage.name}-{job}.out")
+    metrics = paths.metrics("trainer")
+    bar = tqdm(total=stage.num_steps, desc=f"job {job} {stage.name}", unit="step")
+
+    def poll(fields: dict) -> None:
+        bar.set_postfix(state=fields.get("JobState", "?"), refresh=False)
+        for line in metrics.read_text().splitlines()[-20:] if metrics.exists() else []:
+            row = json.loads(line)
+            if row.get("stage") == stage.name:
+                bar.n = max(bar.n, row["step"])
+        bar.refresh()
+        time.sleep(1.5)
+
+    try:
+        wait_for_job(job, timeout_s=res.time_min * 60 * (cfg.launch.max_restarts + 1) + 600, on_poll=poll)
+    finally:
+        bar.close()
+    click.echo(f"job {job} completed; stage {stage.name} at step {bar.n}/{stage.num_steps}")

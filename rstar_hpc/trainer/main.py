@@ -1,0 +1,234 @@
+"""The trainer role: one stage (SFT or RL) of a run, one process per GPU, resumable.
+
+    rstar-hpc train CONFIG [key=value ...] --stage NAME          # here (a world of one), with a progress bar
+    sbatch sbatch/trainer.sbatch CONFIG [key=value ...] --stage NAME   # srun: one task per GPU
+
+Where a stage starts: its own latest checkpoint (a requeued or restarted job); else the latest checkpoint of the
+nearest earlier sft/rl stage (weights, plus AdamW moments unless the stage says `reset_optimizer`, the paper's
+stage 3; this stage's lr and schedule start afresh); else the Hugging Face model of `model`.
+What it writes: ckpt/<stage>/ (checkpoints), policy/ (a version after each RL update and at the end of SFT),
+metrics/trainer.jsonl (one JSON object per step), stages/<stage>/state.json (RUNNING, DONE or FAILED).
+Returns 0 when the stage is done, EXIT_REQUEUE after saving on USR2 (Slurm's pre-timeout signal); raises on
+failure, after marking the stage FAILED.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from rstar_hpc.config import RunConfig, StageConfig, dump_config
+from rstar_hpc.exchange.atomic import atomic_write_text
+from rstar_hpc.exchange.rundir import RunPaths
+from rstar_hpc.exchange.state import read_stage_state, write_stage_state
+from rstar_hpc.trainer.checkpoint import SaveOnSignal, TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
+from rstar_hpc.trainer.hf_convert import load_hf_checkpoint
+from rstar_hpc.trainer.model import Qwen3Arch, build_model, destroy_distributed, init_distributed
+from rstar_hpc.trainer.publish import publish_policy
+from rstar_hpc.trainer.step import build_optimizer, build_scheduler
+
+log = logging.getLogger("rstar_hpc.trainer")
+EXIT_REQUEUE = 75  # EX_TEMPFAIL: saved on the pre-timeout signal; the sbatch script requeues the job
+TRAINER_KINDS = ("sft", "rl")
+
+
+def main(cfg: RunConfig, stage_name: str, *, on_step: Callable[[int, dict], None] | None = None) -> int:
+    stage = cfg.stage(stage_name)
+    if stage.kind not in TRAINER_KINDS:
+        raise ValueError(f"stage {stage.name!r} is kind {stage.kind!r}; the trainer runs {TRAINER_KINDS} stages")
+    paths, tcfg = RunPaths(cfg.run.dir), cfg.trainer
+    backend = tcfg.backend if tcfg.backend != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+
+    # -- setup
+    init_distributed(tp=tcfg.tensor_parallel_size, pp=tcfg.pipeline_parallel_size, backend=backend,
+                     seed=cfg.run.seed)
+    rank0 = torch.distributed.get_rank() == 0
+    signal_save = SaveOnSignal()
+    metrics_out = None
+    try:
+        if rank0:
+            _prepare_run(cfg, paths)
+            metrics_out = open(paths.metrics("trainer"), "a")
+        torch.distributed.barrier()  # the run directory and the model exist before anyone reads them
+        if read_stage_state(paths, stage.name).status == "DONE":
+            log.info("stage %s is DONE already; nothing to train (rerun it under a new stage name)", stage.name)
+            return 0
+        model_dir = _model_dir(cfg)
+        model = build_model(Qwen3Arch.from_hf_config(model_dir), backend=backend, seed=cfg.run.seed,
+                            params_dtype=getattr(torch, tcfg.params_dtype))
+        load_hf_checkpoint(model, model_dir)
+        opt_cfg, lr = tcfg.optimizer, stage.lr or tcfg.optimizer.lr
+        optimizer = build_optimizer(model, lr, opt_cfg.betas, opt_cfg.weight_decay)
+        schedule = opt_cfg.sft_schedule if stage.kind == "sft" else opt_cfg.schedule
+        scheduler = build_scheduler(optimizer, opt_cfg.warmup_steps, stage.num_steps, schedule, opt_cfg.min_lr_ratio)
+        state = TrainState(model, optimizer, scheduler)
+        data = _stage_data(cfg, stage, paths, model_dir)
+        log.info("stage %s (%s): %s", stage.name, stage.kind, _restore(state, data, cfg, stage, paths))
+        _set_state(paths, stage, rank0, "RUNNING", step=state.step)
+
+        # -- loop
+        while state.step < stage.num_steps:
+            timer = _Timer()
+            with timer("read"):
+                batch = data.next()
+            metrics = data.train(model, optimizer, scheduler, batch)
+            state.step += 1
+            state.data_state = data.state_dict()
+            stop = signal_save.should_save()
+            if _publishes(stage, state.step, metrics):
+                with timer("publish"):
+                    version, _ = publish_policy(model, paths, source_dir=model_dir, keep_last=tcfg.publish_keep_last,
+                                                max_shard_bytes=int(tcfg.publish_max_shard_gb * 2**30),
+                                                stage=stage.name, trainer_step=state.step)
+                metrics["policy_version"] = version
+            if stop or state.step == stage.num_steps or state.step % tcfg.checkpoint.save_every_steps == 0:
+                with timer("checkpoint"):
+                    saved = save_checkpoint(state, paths.ckpt_root(stage.name), keep_last=tcfg.checkpoint.keep_last,
+                                            stage=stage.name)
+                    data.commit(saved.name)  # acks the trajectory steps this checkpoint holds
+                    _set_state(paths, stage, rank0, "RUNNING", step=state.step)
+            metrics.update(timer.metrics())
+            _log_step(metrics_out, stage, state.step, metrics, backend, model)
+            if on_step is not None:
+                on_step(state.step, metrics)
+            if stop and state.step < stage.num_steps:
+                log.info("USR2: saved at step %d; exiting for requeue", state.step)
+                _set_state(paths, stage, rank0, "RUNNING", message=f"saved at step {state.step} on USR2; requeued")
+                return EXIT_REQUEUE
+        _set_state(paths, stage, rank0, "DONE", step=state.step)
+        return 0
+    except BaseException as e:
+        if not isinstance(e, KeyboardInterrupt):
+            _set_state(paths, stage, rank0, "FAILED", message=f"{type(e).__name__}: {e}"[:500])
+        raise
+    finally:
+        signal_save.close()
+        if metrics_out is not None:
+            metrics_out.close()
+        destroy_distributed()
+
+
+# --------------------------------------------------------------------------------------------------
+# setup pieces
+
+
+def _prepare_run(cfg: RunConfig, paths: RunPaths) -> None:
+    """Rank 0: the run directory, its resolved config, the (tiny) model built if the config asks for one."""
+    from rstar_hpc.models.resolve import resolve_model
+
+    paths.create()
+    atomic_write_text(paths.config, dump_config(cfg))
+    resolve_model(cfg)
+
+
+def _model_dir(cfg: RunConfig) -> Path:
+    from rstar_hpc.models.resolve import resolve_model
+
+    return resolve_model(cfg, build=False)
+
+
+def _stage_data(cfg: RunConfig, stage: StageConfig, paths: RunPaths, model_dir: Path):
+    if stage.kind == "sft":
+        from rstar_hpc.trainer.sft import SFTStageData
+
+        return SFTStageData(cfg, stage, model_dir)
+    from rstar_hpc.trainer.rl import RLStageData
+
+    return RLStageData(cfg, stage, paths)
+
+
+def _restore(state: TrainState, data, cfg: RunConfig, stage: StageConfig, paths: RunPaths) -> str:
+    """Resume the stage, or carry the previous trainer stage's policy over, or start from the model."""
+    own = latest_checkpoint(paths.ckpt_root(stage.name))
+    if own is not None:
+        load_checkpoint(state, own)
+        data.load_state_dict(state.data_state)
+        return f"resumed from {own} (step {state.step})"
+    data.load_state_dict(data.initial_state)  # a fresh stage: checks that the data's own cursor agrees
+    names = [s.name for s in cfg.stages]
+    earlier = [s for s in cfg.stages[: names.index(stage.name)] if s.kind in TRAINER_KINDS]
+    if not earlier:
+        return "starting from the model's weights"
+    prev = earlier[-1]
+    path = latest_checkpoint(paths.ckpt_root(prev.name))
+    if path is None:
+        raise FileNotFoundError(f"stage {stage.name!r} follows trainer stage {prev.name!r}, which has no checkpoint in "
+                                f"{paths.ckpt_root(prev.name)}; train it first (rstar-hpc train CONFIG --stage "
+                                f"{prev.name}) or remove it from `stages`")
+    # the earlier stage's optimizer state carries its lr and schedule; this stage's hyper-parameters apply
+    hyper = [{k: v for k, v in g.items() if k != "params"} for g in state.optimizer.param_groups]
+    scheduler, state.scheduler = state.scheduler, None
+    load_checkpoint(state, path, reset_optimizer=stage.reset_optimizer)
+    for g, h in zip(state.optimizer.param_groups, hyper):
+        g.update(h)
+    state.scheduler, state.step, state.data_state = scheduler, 0, {}
+    return (f"weights {'' if stage.reset_optimizer else 'and AdamW moments '}from {path} "
+            f"(stage {prev.name}){'; optimizer reset' if stage.reset_optimizer else ''}")
+
+
+def _publishes(stage: StageConfig, step: int, metrics: dict) -> bool:
+    """RL: after every update (engines load it for the next steps); SFT: once, the policy RL starts from."""
+    if stage.kind == "rl":
+        return not metrics.get("train/skipped_empty_step")
+    return step == stage.num_steps
+
+
+def _set_state(paths: RunPaths, stage: StageConfig, rank0: bool, status: str, **changes) -> None:
+    if not rank0:
+        return
+    current = read_stage_state(paths, stage.name)
+    latest = paths.policies().latest()
+    write_stage_state(paths, current.advance(status, policy_version=latest[0] if latest else 0, **changes))
+
+
+# --------------------------------------------------------------------------------------------------
+# logging
+
+
+class _Timer:
+    def __init__(self):
+        self.start, self.phases = time.perf_counter(), {}
+
+    @contextmanager
+    def __call__(self, phase: str):
+        t0 = time.perf_counter()
+        yield
+        self.phases[phase] = self.phases.get(phase, 0.0) + time.perf_counter() - t0
+
+    def metrics(self) -> dict[str, float]:
+        return {**{f"time/{k}(s)": v for k, v in self.phases.items()}, "time/step(s)": time.perf_counter() - self.start}
+
+
+def _mfu(model: torch.nn.Module, metrics: dict) -> float | None:
+    """Model FLOPs utilisation of the training phases on this GPU: 6 x parameters x tokens (dense matmuls)
+    over the peak (RSTAR_HPC_PEAK_TFLOPS, default: H100/H200 dense bf16, 989)."""
+    if not torch.cuda.is_available() or "time/optimizer(s)" not in metrics:
+        return None
+    params = sum(p.numel() for p in model.parameters())
+    seconds = metrics["time/forward_backward(s)"] + metrics["time/optimizer(s)"]
+    tokens = metrics["tokens_per_s"] * metrics["step_time_s"]
+    return 6 * params * tokens / seconds / (float(os.environ.get("RSTAR_HPC_PEAK_TFLOPS", 989)) * 1e12)
+
+
+def _log_step(out, stage: StageConfig, step: int, metrics: dict, backend: str, model: torch.nn.Module) -> None:
+    if out is None:
+        return
+    mfu = _mfu(model, metrics) if backend == "cuda" else None
+    if mfu is not None:
+        metrics["perf/mfu"] = mfu
+    clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
+    out.write(json.dumps({"stage": stage.name, "step": step, "time": time.time(), **clean}) + "\n")
+    out.flush()
+    extra = (f" | reward {metrics['reward/mean']:.3f} | kept {metrics['roc/num_kept']:.0f}"
+             f"/{metrics['roc/num_trajectories']:.0f}" if stage.kind == "rl" else "")
+    log.info("%s step %*d/%d | loss %8.4f | grad_norm %7.3f | lr %.2e | tok/s %8.0f%s | step %.2fs", stage.name,
+             len(str(stage.num_steps)), step, stage.num_steps, metrics.get("loss", float("nan")),
+             metrics.get("grad_norm", float("nan")), metrics.get("lr", float("nan")), metrics.get("tokens_per_s", 0.0),
+             extra, metrics["time/step(s)"])

@@ -1,0 +1,71 @@
+"""The trainer as a real Slurm job: sbatch/trainer.sbatch runs an SFT stage; Slurm's pre-timeout USR2 (sent to
+the batch shell, as `--signal=B:USR2@...` does) makes it save, exit 75 and requeue; the requeued run resumes
+from that checkpoint and finishes the stage."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rstar_hpc.launch import job_state, submit, wait_for_job
+from rstar_hpc.trainer.sft_data import make_samples, write_jsonl
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+REPO = Path(__file__).resolve().parents[2]
+NUM_STEPS = 16
+
+
+def _config(tmp_path: Path, model_dir: Path) -> Path:
+    data = write_jsonl(make_samples(64, seed=0, system=""), tmp_path / "train.jsonl")
+    tree = yaml.safe_load((REPO / "configs" / "tiny-cpu.yaml").read_text())
+    tree["run"]["root"] = str(tmp_path / "runs")
+    tree["model"] = {"path": str(model_dir)}
+    tree["trainer"].update(micro_batch_tokens=512, checkpoint={"save_every_steps": 100, "keep_last": 2})
+    tree["stages"] = [{"name": "sft", "kind": "sft", "num_steps": NUM_STEPS, "prompts_per_step": 2, "lr": 2e-3,
+                       "data": str(data)}]
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    return path
+
+
+def _rows(metrics: Path) -> list[dict]:
+    return [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
+
+
+def test_sft_stage_as_a_slurm_job_saves_on_usr2_requeues_and_resumes(slurm_cluster, tiny_hf_dir, tmp_path):
+    cfg = _config(tmp_path, tiny_hf_dir)
+    run = tmp_path / "runs" / "tiny-cpu"
+    env = {**slurm_cluster.env, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+           "RSTAR_HPC_ROOT": str(REPO), "OMP_NUM_THREADS": "1"}
+    job = submit("trainer", [str(cfg), "--stage", "sft"], sbatch_args=[f"--output={tmp_path}/trainer-%j.out",
+                                                                        "--time=10"], env=env)
+    log = tmp_path / f"trainer-{job}.out"
+    try:
+        deadline = time.monotonic() + 240
+        while not _rows(run / "metrics" / "trainer.jsonl") and time.monotonic() < deadline:
+            assert job_state(job, env).get("JobState") not in ("FAILED", "CANCELLED", "COMPLETED"), job_state(job, env)
+            time.sleep(0.2)
+        assert _rows(run / "metrics" / "trainer.jsonl"), "no step logged in 240 s"
+        # what Slurm does `signal_lead_s` before the time limit: USR2 to the batch shell only
+        subprocess.run(["scancel", "--batch", "--signal=USR2", job], env=env, check=True)
+        wait_for_job(job, timeout_s=400, env=env)
+    finally:
+        print(log.read_text()[-4000:] if log.exists() else "no log")
+    text = log.read_text()
+    assert "saved on USR2; requeueing" in text
+    steps = [r["step"] for r in _rows(run / "metrics" / "trainer.jsonl")]
+    assert steps == list(range(1, NUM_STEPS + 1)), steps  # every step trained once: none lost, none repeated
+    k = int(re.search(r"USR2: saved at step (\d+)", text).group(1))
+    assert 1 <= k < NUM_STEPS
+    assert f"resumed from {run}/ckpt/sft/step-{k:08d} (step {k})" in text  # the requeued run
+    state = json.loads((run / "stages" / "sft" / "state.json").read_text())
+    assert state["status"] == "DONE" and state["step"] == NUM_STEPS and state["slurm_job_id"] == job
+    assert (run / "ckpt" / "sft" / "latest").read_text().strip() == f"step-{NUM_STEPS:08d}"
+    assert (run / "policy" / "latest").read_text().strip() == "v-00000001"  # SFT publishes its final policy
