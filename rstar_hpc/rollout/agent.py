@@ -142,6 +142,16 @@ def _failure_text(message: str) -> str:
     return f"Tool call failure\nreason: {message}"
 
 
+def encode_prompt(tokenizer: Tokenizer, question: str, max_prompt_length: int) -> tuple[list[int], str]:
+    """The rStar2 prompt's ids; PromptTooLong past the limit (the tool schema counts, as in the reference)."""
+    text = render_prompt(question)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if len(ids) > max_prompt_length:
+        raise PromptTooLong(f"prompt has {len(ids)} tokens (system prompt with the tool schema included), over "
+                            f"rollout.agent.max_prompt_length={max_prompt_length}")
+    return ids, text
+
+
 class AgentLoop:
     """Runs trajectories of one step on one engine. Safe to share between many concurrent `run` calls."""
 
@@ -158,12 +168,7 @@ class AgentLoop:
         self.stop_token_id = ids[0] if stop_token_id is None else stop_token_id
 
     def encode_prompt(self, question: str) -> tuple[list[int], str]:
-        text = render_prompt(question)
-        ids = self.tok.encode(text, add_special_tokens=False)
-        if len(ids) > self.cfg.max_prompt_length:
-            raise PromptTooLong(f"prompt has {len(ids)} tokens (system prompt with the tool schema included), over "
-                                f"rollout.agent.max_prompt_length={self.cfg.max_prompt_length}")
-        return ids, text
+        return encode_prompt(self.tok, question, self.cfg.max_prompt_length)
 
     async def run(self, prompt_ids: Sequence[int], request_id: str, prompt_text: str = "") -> AgentResult:
         t_start = time.perf_counter()

@@ -1,0 +1,131 @@
+"""The rollout role's process entry: one MPI rank of a rollout step (rank 0 schedules, ranks 1.. run engines).
+
+Launched by sbatch/rollout.sbatch (`srun --mpi=pmix` or `mpirun`), by `rstar-hpc rollout` (which starts
+mpirun itself), or directly: `mpirun -n 3 python jobs/rollout.py --config tiny-cpu --step 0`.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+
+from rstar_hpc.rollout.scheduler import env_rank
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="rollout-rank", description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="tiny-cpu")
+    ap.add_argument("--stage", default=None, help="stage name (default: the first rl stage)")
+    ap.add_argument("--step", type=int, action="append", required=True, help="step to run (repeatable)")
+    ap.add_argument("--sandbox", action="append", default=[], help="HOST:PORT of a sandbox service (default: "
+                    "the run directory's announcements)")
+    ap.add_argument("--progress", action="store_true", help="progress bar on rank 0")
+    ap.add_argument("overrides", nargs="*")
+    return ap.parse_args(argv)
+
+
+def _stage(cfg, name: str | None) -> str:
+    if name:
+        cfg.stage(name)
+        return name
+    for s in cfg.stages:
+        if s.kind == "rl":
+            return s.name
+    raise ValueError("no rl stage in the config; pass --stage")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rollout[{env_rank()}] %(levelname)s %(message)s")
+    from rstar_hpc.config import load_config
+    from rstar_hpc.exchange.rundir import RunPaths
+    from rstar_hpc.models.resolve import resolve_model
+
+    cfg = load_config(args.config, list(args.overrides))
+    stage = _stage(cfg, args.stage)
+    paths = RunPaths(cfg.run.dir)
+    rank = env_rank()
+    if rank == 0:
+        paths.create()
+        model_dir = resolve_model(cfg)
+    else:
+        model_dir = _wait_for_model(cfg)
+    if rank == 0:
+        code = _scheduler(cfg, paths, stage, args, model_dir)
+    else:
+        code = _engine(cfg, paths, stage, args, model_dir, rank)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # MPI_Finalize waits on every rank, a dead one included: a rank that is done leaves without it
+    os._exit(code)
+
+
+def _wait_for_model(cfg, timeout_s: float = 600.0):
+    """Rank 0 builds a tiny model; the others wait for it instead of racing to build it too."""
+    import time
+
+    from rstar_hpc.models.resolve import ModelNotFoundError, resolve_model
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return resolve_model(cfg, build=False)
+        except ModelNotFoundError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(1.0)
+
+
+def _scheduler(cfg, paths, stage, args, model_dir) -> int:
+    from transformers import AutoTokenizer
+
+    from rstar_hpc.rollout.scheduler import init_mpi, run_scheduler, step_items
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    MPI = init_mpi()
+    comm = MPI.COMM_WORLD
+    for step in args.step:
+        items, dropped = step_items(cfg, stage, step, tok)
+        bar = None
+        if args.progress:
+            from tqdm import tqdm
+            bar = tqdm(total=len(items), desc=f"rollout step {step}", unit="traj", file=sys.stderr)
+        summary = run_scheduler(comm, MPI, cfg, paths, stage, step, items, dropped=dropped,
+                                progress=bar.update if bar else None)
+        if bar:
+            bar.close()
+        print(json.dumps(summary), flush=True)
+    return 0
+
+
+def _engine(cfg, paths, stage, args, model_dir, rank) -> int:
+    from rstar_hpc.rollout.engine import VLLMEngine
+
+    engine = VLLMEngine(cfg, model_dir, seed=cfg.run.seed * 1000 + rank)   # before MPI (kv-balancing.md §4.6)
+    from rstar_hpc.rollout.scheduler import init_mpi, run_engine_rank
+    MPI = init_mpi()
+    comm = MPI.COMM_WORLD
+    from sandbox.client import SandboxClient
+
+    async def steps() -> None:
+        client = SandboxClient(addresses=args.sandbox or None, run_dir=None if args.sandbox else str(paths.dir))
+        try:
+            for step in args.step:
+                if await engine.maybe_load_latest(paths):
+                    logging.info("engine rank %d: loaded policy v%d", rank, engine.policy_version)
+                await run_engine_rank(comm, MPI, cfg, engine, client, stage, step)
+        finally:
+            await client.close()
+
+    try:
+        asyncio.run(steps())
+    finally:
+        engine.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    main()
