@@ -36,6 +36,11 @@ class Limits:
     start_timeout_s: float = 60.0     # a sandbox that is not ready by then is an error
     hang_grace_s: float = 5.0         # a sandbox silent this long past a call's deadline is replaced
     preload: tuple[str, ...] = ("numpy", "sympy")
+    # light sandboxes: stdlib-only interpreters (cheap to fork) for stateless calls that import nothing
+    # heavy (sandbox.route); -1 = as many as the math sandboxes, 0 = none (every call runs in a math one)
+    light_workers: int = -1
+    light_preload: tuple[str, ...] = ("math", "cmath", "fractions", "decimal", "itertools", "functools",
+                                      "collections", "statistics", "random", "re", "heapq", "bisect", "string")
     warmup: str = WARMUP             # run once in each sandbox's interpreter before it forks any cell
     # sessions
     max_sessions_per_worker: int = 32
@@ -48,6 +53,8 @@ class Limits:
     def __post_init__(self) -> None:
         if isinstance(self.preload, list):
             self.preload = tuple(self.preload)
+        if isinstance(self.light_preload, list):
+            self.light_preload = tuple(self.light_preload)
         for name in ("timeout_s", "max_timeout_s", "cpu_time_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"Limits.{name} must be > 0, got {getattr(self, name)!r}")
@@ -63,6 +70,9 @@ class Limits:
             return max(1, len(os.sched_getaffinity(0)))
         except AttributeError:
             return max(1, os.cpu_count() or 1)
+
+    def light(self) -> int:
+        return self.workers() if self.light_workers < 0 else self.light_workers
 
     def nproc(self) -> int:
         # RLIMIT_NPROC counts every process of the sandbox's uid in its namespace, including pid 1 and the

@@ -33,6 +33,7 @@ import time
 
 from sandbox.limits import Limits
 from sandbox.results import STATUSES, make_result
+from sandbox.route import LIGHT, MATH, route
 
 log = logging.getLogger("sandbox")
 WORKER_PY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_worker.py")
@@ -108,8 +109,9 @@ def bwrap_argv(limits: Limits, seccomp_fd: int | None, as_root: bool) -> list[st
 class Sandbox:
     """One bwrap sandbox and its pid-1 fork server; one request at a time."""
 
-    def __init__(self, index: int, limits: Limits, seccomp_bpf: bytes | None):
+    def __init__(self, index: int, limits: Limits, seccomp_bpf: bytes | None, kind: str = MATH):
         self.index = index
+        self.kind = kind
         self.limits = limits
         self.seccomp_bpf = seccomp_bpf
         self.proc: asyncio.subprocess.Process | None = None
@@ -136,9 +138,13 @@ class Sandbox:
             if sec_r is not None:
                 os.close(sec_r)
         self._stderr_task = asyncio.create_task(self._drain_stderr())
-        self._send({"op": "init", "limits": self.limits.for_worker(), "uid": uid,
-                    "preload": list(self.limits.preload),
-                    "warmup": self.limits.warmup if set(self.limits.preload) >= {"numpy", "sympy"} else ""})
+        if self.kind == LIGHT:
+            preload, warmup = list(self.limits.light_preload), ""
+        else:
+            preload = list(self.limits.preload)
+            warmup = self.limits.warmup if set(preload) >= {"numpy", "sympy"} else ""
+        self._send({"op": "init", "limits": self.limits.for_worker(), "uid": uid, "preload": preload,
+                    "warmup": warmup})
         try:
             ready = await asyncio.wait_for(self._recv(), self.limits.start_timeout_s)
         except (asyncio.TimeoutError, SandboxDied) as e:
@@ -236,6 +242,7 @@ class _Slot:
     def __init__(self, index: int, sandbox: Sandbox):
         self.index = index
         self.sandbox = sandbox
+        self.kind = sandbox.kind
         self.pinned: collections.deque[_Job] = collections.deque()
         self.wake = asyncio.Event()
         self.busy = False
@@ -278,8 +285,9 @@ class Pool:
     def __init__(self, limits: Limits | None = None, *, seccomp: bool = True):
         self.limits = limits or Limits()
         self.use_seccomp = seccomp
-        self.slots: list[_Slot] = []
-        self.queue: collections.deque[_Job] = collections.deque()
+        self.slots: list[_Slot] = []       # math sandboxes first (sessions live there), then light ones
+        self.queue: collections.deque[_Job] = collections.deque()         # stateless calls for math sandboxes
+        self.light_queue: collections.deque[_Job] = collections.deque()   # ... and for light ones
         self.sessions: dict[str, Session] = {}
         self.stats = Stats()
         self.started = time.time()
@@ -292,14 +300,15 @@ class Pool:
         if self.use_seccomp:
             from sandbox.seccomp import build_filter
             bpf = build_filter()
-        n = self.limits.workers()
-        self.slots = [_Slot(i, Sandbox(i, self.limits, bpf)) for i in range(n)]
+        n, m = self.limits.workers(), self.limits.light()
+        self.slots = [_Slot(i, Sandbox(i, self.limits, bpf, MATH if i < n else LIGHT)) for i in range(n + m)]
+        self.math_slots, self.light_slots = self.slots[:n], self.slots[n:]
         await asyncio.gather(*(s.sandbox.start() for s in self.slots))
         for s in self.slots:
             s.task = asyncio.create_task(self._slot_loop(s))
         self._housekeeper = asyncio.create_task(self._housekeeping())
-        log.info("sandbox pool: %d sandboxes ready (uid %s, preloaded %s)", n,
-                 self.slots[0].sandbox.info.get("uid"), self.slots[0].sandbox.info.get("preloaded"))
+        log.info("sandbox pool: %d math sandboxes (preloaded %s) and %d light ones ready (uid %s)", n,
+                 self.slots[0].sandbox.info.get("preloaded"), m, self.slots[0].sandbox.info.get("uid"))
 
     async def close(self) -> None:
         self._closing = True
@@ -309,7 +318,7 @@ class Pool:
         if self._housekeeper:
             self._housekeeper.cancel()
         await asyncio.gather(*(s.sandbox.kill() for s in self.slots), return_exceptions=True)
-        for job in list(self.queue) + [j for s in self.slots for j in s.pinned]:
+        for job in list(self.queue) + list(self.light_queue) + [j for s in self.slots for j in s.pinned]:
             if not job.fut.done():
                 job.fut.set_result(make_result(job.call.get("id"), "unavailable", "service shutting down"))
 
@@ -331,9 +340,12 @@ class Pool:
         job = _Job(call, fut, time.monotonic())
         sid = call.get("session")
         if sid is None:
-            self.queue.append(job)
+            # sessions stay in math sandboxes: a later cell may import numpy, and state cannot move
+            light = self.light_slots and route(call["code"], self.limits.preload) == LIGHT
+            queue, slots = (self.light_queue, self.light_slots) if light else (self.queue, self.math_slots)
+            queue.append(job)
             # longest-idle first: a sandbox that just answered is still sweeping and pre-forking its next cell
-            for s in sorted((s for s in self.slots if not s.busy), key=lambda s: s.idle_since):
+            for s in sorted((s for s in slots if not s.busy), key=lambda s: s.idle_since):
                 s.wake.set()
         else:
             sess = self.sessions.get(sid)
@@ -352,7 +364,7 @@ class Pool:
         return await self.submit(call)
 
     def _place(self, sess: Session) -> None:
-        slot = min(self.slots, key=lambda s: (len(s.sessions), len(s.pinned), s.busy))
+        slot = min(self.math_slots, key=lambda s: (len(s.sessions), len(s.pinned), s.busy))
         if len(slot.sessions) >= self.limits.max_sessions_per_worker:
             victims = sorted((self.sessions[x] for x in slot.sessions if self.sessions[x].pending == 0),
                              key=lambda x: x.last_used)
@@ -383,8 +395,9 @@ class Pool:
     def _take(self, slot: _Slot) -> _Job | None:
         if slot.pinned:
             return slot.pinned.popleft()
-        if self.queue:
-            return self.queue.popleft()
+        queue = self.light_queue if slot.kind == LIGHT else self.queue
+        if queue:
+            return queue.popleft()
         return None
 
     async def _slot_loop(self, slot: _Slot) -> None:
@@ -497,6 +510,7 @@ class Pool:
         result["queue_s"] = round(started - job.submitted, 6)
         result["session"] = session_info
         result["worker"] = slot.index
+        result["sandbox"] = slot.kind
         self.stats.record(result, time.monotonic() - job.submitted)
         job.fut.set_result(result)
 
@@ -553,7 +567,8 @@ class Pool:
             await asyncio.sleep(1.0)
             self.evict_now()
             for slot in self.slots:
-                if not slot.busy and not slot.sandbox.alive and not slot.pinned and not self.queue:
+                queue = self.light_queue if slot.kind == LIGHT else self.queue
+                if not slot.busy and not slot.sandbox.alive and not slot.pinned and not queue:
                     slot.wake.set()   # the loop restarts it before its next job; nudge it so it is ready
 
     def evict_now(self) -> None:
@@ -580,8 +595,10 @@ class Pool:
         st = self.stats
         p50, p99 = st.quantile(0.5), st.quantile(0.99)
         return {
-            "workers": len(self.slots), "workers_alive": sum(s.sandbox.alive for s in self.slots),
-            "queue_depth": len(self.queue) + sum(len(s.pinned) for s in self.slots),
+            "workers": len(self.math_slots), "workers_alive": sum(s.sandbox.alive for s in self.math_slots),
+            "light_workers": len(self.light_slots),
+            "light_workers_alive": sum(s.sandbox.alive for s in self.light_slots),
+            "queue_depth": len(self.queue) + len(self.light_queue) + sum(len(s.pinned) for s in self.slots),
             "in_flight": sum(s.busy for s in self.slots), "calls": st.calls, "by_status": dict(st.by_status),
             "latency_ms_buckets": list(LATENCY_BUCKETS_MS) + ["inf"], "latency_hist": list(st.hist),
             "p50_ms": None if p50 is None else round(p50 * 1000, 3),

@@ -42,7 +42,12 @@ class SandboxConfig(Section):
     recycle_after: int = Field(1000, ge=1)
     """Calls before a sandbox is replaced by a fresh one."""
     preload: list[str] = ["numpy", "sympy"]
-    """Modules imported once in every sandbox (calls fork from the warm interpreter)."""
+    """Modules imported once in every math sandbox (calls fork from the warm interpreter)."""
+    light_workers: int = Field(-1, ge=-1)
+    """Light sandboxes (stdlib-only, cheap to fork) for stateless calls importing nothing heavy; -1 = as many as num_workers, 0 = none."""
+    light_preload: list[str] = ["math", "cmath", "fractions", "decimal", "itertools", "functools", "collections",
+                                "statistics", "random", "re", "heapq", "bisect", "string"]
+    """Standard-library modules imported once in every light sandbox."""
     max_sessions_per_worker: int = Field(32, ge=1)
     """Live sessions one sandbox holds; the least recently used goes beyond it."""
     session_idle_s: float = Field(600.0, gt=0)
@@ -59,4 +64,5 @@ class SandboxConfig(Section):
 
         fields = self.model_dump(exclude={"stats_interval_s"})
         fields["preload"] = tuple(fields["preload"])
+        fields["light_preload"] = tuple(fields["light_preload"])
         return Limits(**fields)

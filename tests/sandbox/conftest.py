@@ -23,6 +23,9 @@ TEST_LIMITS = dict(num_workers=2, timeout_s=2.0, cpu_time_s=2.0, memory_mb=512, 
                    max_code_bytes=1 << 16, max_sessions_per_worker=8)
 
 
+PER_SANDBOX = 2   # processes a sandbox keeps between calls besides session holders
+
+
 class LoopThread:
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
@@ -104,18 +107,20 @@ def healthy(sb):
     """Yields the pool; afterwards the service must be unaffected: every sandbox alive, an ordinary call
     correct and fast, and nothing the hostile call started still running."""
     yield sb
-    for _ in range(2):   # both sandboxes
-        r = sb.run("print(6 * 7)")
-        assert r["status"] == "ok" and r["stdout"] == "42\n", r
+    for code, kind in (("print(6 * 7)", "light"), ("import sympy\nprint(6 * 7)", "math")) * 2:   # every sandbox
+        r = sb.run(code)
+        assert r["status"] == "ok" and r["stdout"] == "42\n" and r["sandbox"] == kind, r
         assert r["wall_s"] < 0.5, r
     snap = sb.snapshot()
     assert snap["workers_alive"] == snap["workers"] == 2, snap
+    assert snap["light_workers_alive"] == snap["light_workers"] == 2, snap
     if os.geteuid() == 0:
-        # pid 1, the pre-forked next cell and live session holders of each sandbox: nothing else
+        # per sandbox pid 1, its fork server and the pre-forked next cell, and live session holders: nothing else
+        most = PER_SANDBOX * 4 + snap["sessions_live"]
         deadline = time.monotonic() + 2
         while True:
             procs = host_processes(sb.uids())
-            if len(procs) <= 2 * 2 + snap["sessions_live"] or time.monotonic() > deadline:
+            if len(procs) <= most or time.monotonic() > deadline:
                 break
             time.sleep(0.05)
-        assert len(procs) <= 2 * 2 + snap["sessions_live"], procs
+        assert len(procs) <= most, procs

@@ -1,0 +1,63 @@
+"""Light (stdlib-only) vs math (numpy/sympy) sandboxes: which calls go where, and that the choice never
+changes what a call sees."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from sandbox.route import LIGHT, MATH, route
+
+HEAVY = ("numpy", "sympy")
+
+
+@pytest.mark.parametrize("code, kind", [
+    ("print(1 + 1)", LIGHT),
+    ("import math, itertools\nfrom fractions import Fraction\nprint(Fraction(1, 3))", LIGHT),
+    ("import os.path\nimport collections.abc", LIGHT),
+    ("def f(:", LIGHT),                                   # fails the same way in both
+    ("import numpy as np\nnp.zeros(3)", MATH),
+    ("from sympy import symbols", MATH),
+    ("import scipy.optimize", MATH),                      # not stdlib: imports numpy itself
+    ("def f():\n    import networkx\n    return 1", MATH),
+    ("m = __import__('nu' 'mpy')", LIGHT),               # not detectable; still correct, just slower
+    ("import importlib\nimportlib.import_module('sympy')", MATH),   # the name appears in the text
+    ("x = 1; import scipy", MATH),
+    ("from . import x", LIGHT),                           # relative: fails the same way in both
+    ("import os, json as j, \\\n    re", LIGHT),
+    ("import os, networkx as nx", MATH),
+    ("from os import (path,\n    sep)", LIGHT),
+    ('s = "import torch"', LIGHT),                      # not at a line start: text, not an import
+    ('s = """\nimport torch\n"""', MATH),              # a false positive only costs speed
+])
+def test_route(code, kind):
+    assert route(code, HEAVY) == kind
+
+
+def test_routing_is_linear_on_hostile_input():
+    for code in ("import os\n" + "not " * 4000 + "1", "import os\n" + "[" * 5000, "import " + "a." * 200000):
+        t = time.perf_counter()
+        route(code, HEAVY)
+        assert time.perf_counter() - t < 0.05
+
+
+def test_calls_land_in_the_right_kind_of_sandbox(healthy):
+    light = healthy.run("print(sum(range(10)))")
+    math = healthy.run("import sympy\nprint(sympy.factor(sympy.Symbol('x')**2 - 1))")
+    assert light["sandbox"] == "light" and light["stdout"] == "45\n", light
+    assert math["sandbox"] == "math" and math["stdout"] == "(x - 1)*(x + 1)\n", math
+    s = healthy.run("x = 1", session="routing-s")
+    assert s["sandbox"] == "math", s   # sessions always: a later cell may import numpy
+
+
+def test_a_light_cell_that_imports_numpy_dynamically_still_gets_it(healthy):
+    r = healthy.run("m = __import__('nu' + 'mpy')\nprint(m.arange(4).sum())", timeout_s=10)
+    assert r["sandbox"] == "light" and r["status"] == "ok" and r["stdout"] == "6\n", r
+
+
+def test_light_and_math_cells_see_the_same_fresh_globals(healthy):
+    code = "print(sorted(k for k in globals() if not k.startswith('__')))"
+    light = healthy.run(code)
+    math = healthy.run(code + "  # numpy")
+    assert light["sandbox"] == "light" and math["sandbox"] == "math"
+    assert light["stdout"] == math["stdout"] == "[]\n", (light, math)
