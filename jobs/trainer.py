@@ -1,7 +1,7 @@
 """Job entry: one trainer rank (see sbatch/trainer.sbatch); the arguments of `rstar-hpc train`.
 
 Ranks come from SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID (srun) or RANK / WORLD_SIZE (torchrun); no launcher
-wrapper is needed. Exit 75 means: saved on USR2, requeue the job.
+wrapper is needed. After a save on USR2 every rank exits 0; the sbatch script, which sent the USR2, requeues.
 """
 from rstar_hpc.cli.train import command
 

@@ -21,8 +21,9 @@ from rstar_hpc.config.loader import DEFAULT_CONFIG
                    "training in this process.")
 def command(config: str, overrides: tuple[str, ...], stage_name: str | None, submit: bool) -> None:
     """Train one stage of CONFIG: resume its latest checkpoint (or carry the previous stage's policy over),
-    train to the stage's num_steps, publish policies for the rollout engines, save on USR2 and exit 75 for a
-    requeue. Under srun every task is one rank (one GPU); alone it is a world of one.
+    train to the stage's num_steps, publish policies for the rollout engines; on USR2 save and exit 0 before
+    the end (sbatch/trainer.sbatch then requeues). Under srun every task is one rank (one GPU); alone it is a
+    world of one.
 
     CONFIG is a name in configs/ or a YAML path; OVERRIDES are dotted key=value pairs.
     """
@@ -41,7 +42,7 @@ def command(config: str, overrides: tuple[str, ...], stage_name: str | None, sub
 
     warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")  # megatron-core's import-time notes
 
-    from rstar_hpc.trainer.main import main
+    from rstar_hpc.trainer.main import EXIT_REQUEUE, main
 
     rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
@@ -58,6 +59,13 @@ def command(config: str, overrides: tuple[str, ...], stage_name: str | None, sub
         code = main(cfg, stage.name, on_step=on_step)
     finally:
         bar.close()
+    if code == EXIT_REQUEUE:
+        # exit 0 on every rank: under `srun --kill-on-bad-exit` one rank's non-zero exit kills the others; the
+        # sbatch script knows it sent USR2 and requeues
+        if rank == 0:
+            click.echo(f"stage {stage.name}: saved on USR2 before the end; run the same command again to continue",
+                       err=True)
+        code = 0
     sys.exit(code)
 
 

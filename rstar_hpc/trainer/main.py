@@ -8,8 +8,8 @@ nearest earlier sft/rl stage (weights, plus AdamW moments unless the stage says 
 stage 3; this stage's lr and schedule start afresh); else the Hugging Face model of `model`.
 What it writes: ckpt/<stage>/ (checkpoints), policy/ (a version after each RL update and at the end of SFT),
 metrics/trainer.jsonl (one JSON object per step), stages/<stage>/state.json (RUNNING, DONE or FAILED).
-Returns 0 when the stage is done, EXIT_REQUEUE after saving on USR2 (Slurm's pre-timeout signal); raises on
-failure, after marking the stage FAILED.
+Returns 0 when the stage is done, EXIT_REQUEUE after saving on USR2 (Slurm's pre-timeout signal; the CLI exits 0
+then, and sbatch/trainer.sbatch requeues the job); raises on failure, after marking the stage FAILED.
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ from rstar_hpc.trainer.publish import publish_policy
 from rstar_hpc.trainer.step import build_optimizer, build_scheduler
 
 log = logging.getLogger("rstar_hpc.trainer")
-EXIT_REQUEUE = 75  # EX_TEMPFAIL: saved on the pre-timeout signal; the sbatch script requeues the job
+EXIT_REQUEUE = 75  # EX_TEMPFAIL: saved on the pre-timeout signal, the stage is not done
 TRAINER_KINDS = ("sft", "rl")
 
 

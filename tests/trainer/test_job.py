@@ -44,8 +44,9 @@ def test_sft_stage_as_a_slurm_job_saves_on_usr2_requeues_and_resumes(slurm_clust
     run = tmp_path / "runs" / "tiny-cpu"
     env = {**slurm_cluster.env, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
            "RSTAR_HPC_ROOT": str(REPO), "OMP_NUM_THREADS": "1"}
-    job = submit("trainer", [str(cfg), "--stage", "sft"], sbatch_args=[f"--output={tmp_path}/trainer-%j.out",
-                                                                        "--time=10"], env=env)
+    # two ranks (data parallel) in one srun step, as on a node with two GPUs
+    job = submit("trainer", [str(cfg), "--stage", "sft"], env=env,
+                 sbatch_args=[f"--output={tmp_path}/trainer-%j.out", "--time=10", "--ntasks-per-node=2"])
     log = tmp_path / f"trainer-{job}.out"
     try:
         deadline = time.monotonic() + 240
@@ -69,3 +70,4 @@ def test_sft_stage_as_a_slurm_job_saves_on_usr2_requeues_and_resumes(slurm_clust
     assert state["status"] == "DONE" and state["step"] == NUM_STEPS and state["slurm_job_id"] == job
     assert (run / "ckpt" / "sft" / "latest").read_text().strip() == f"step-{NUM_STEPS:08d}"
     assert (run / "policy" / "latest").read_text().strip() == "v-00000001"  # SFT publishes its final policy
+    assert text.count("[trainer 1]") == 0 and text.count("sft step 16/16") == 1  # rank 0 alone reports
