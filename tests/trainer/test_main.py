@@ -1,0 +1,78 @@
+"""The trainer role end to end in one process per stage: SFT, then an RL stage that carries the SFT policy and
+AdamW moments over (with its own lr and schedule), consumes trajectory steps, skips an all-dropped step, publishes
+a version per update and acks the cursor after its checkpoint."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from conftest import free_port
+from rstar_hpc.exchange.rundir import RunPaths
+from rstar_hpc.exchange.writer import ShardWriter
+from rstar_hpc.trainer.sft_data import make_samples, write_jsonl
+from test_rl import _step_trajs, _traj
+
+REPO = Path(__file__).resolve().parents[2]
+SFT_LR, RL_LR, RL_WARMUP = 2e-3, 1e-4, 2
+
+
+def _train(cfg: Path, stage: str, tmp_path: Path) -> str:
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(REPO / "jobs" / "trainer.py"), str(cfg), "--stage", stage], env=env,
+                          capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc.stderr
+
+
+def test_sft_then_rl_stage(tiny_hf_dir, tmp_path):
+    data = write_jsonl(make_samples(16, seed=0, system=""), tmp_path / "train.jsonl")
+    tree = yaml.safe_load((REPO / "configs" / "tiny-cpu.yaml").read_text())
+    tree["run"]["root"] = str(tmp_path / "runs")
+    tree["model"] = {"path": str(tiny_hf_dir)}
+    tree["trainer"].update(micro_batch_tokens=512, publish_keep_last=2,
+                           optimizer={"lr": RL_LR, "warmup_steps": RL_WARMUP, "schedule": "constant"},
+                           checkpoint={"save_every_steps": 2, "keep_last": 2})
+    tree["stages"] = [{"name": "sft", "kind": "sft", "num_steps": 2, "prompts_per_step": 2, "lr": SFT_LR,
+                       "data": str(data)},
+                      {"name": "rl", "kind": "rl", "num_steps": 3, "prompts_per_step": 2}]
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump(tree))
+    paths = RunPaths(tmp_path / "runs" / "tiny-cpu")
+
+    _train(cfg, "sft", tmp_path)
+    assert paths.policies().complete_steps() == [1]
+
+    gen = torch.Generator().manual_seed(0)
+    steps = {0: _step_trajs(0), 1: [_traj(1, "all-right", i, 1.0, gen) for i in range(8)], 2: _step_trajs(2)}
+    for s, trajs in steps.items():
+        with ShardWriter(paths, "rl", s, "rollout") as w:
+            w.write(trajs)
+            w.commit()
+    log = _train(cfg, "rl", tmp_path)
+    assert "weights and AdamW moments from" in log and "ckpt/sft/step-00000002 (stage sft)" in log
+    assert "RoC kept no trajectory" in log
+
+    rows = [json.loads(x) for x in paths.metrics("trainer").read_text().splitlines()]
+    rl = [r for r in rows if r["stage"] == "rl"]
+    assert [r["step"] for r in rl] == [1, 2, 3]
+    assert rl[0]["lr"] == pytest.approx(RL_LR / RL_WARMUP)  # this stage's lr and warm-up, not SFT's decayed lr
+    assert rl[0]["policy_version"] == 2 and "policy_version" not in rl[1] and rl[2]["policy_version"] == 3
+    assert rl[1]["train/skipped_empty_step"] == 1.0 and rl[1]["roc/groups_rejected_equal"] == 1
+    for r in rl:
+        assert r["time/read(s)"] >= 0 and r["time/step(s)"] > 0
+    assert "time/checkpoint(s)" in rl[1] and "time/publish(s)" in rl[2] and rl[0]["tokens_per_s"] > 0
+    assert paths.policies().complete_steps() == [2, 3]  # publish_keep_last=2
+    cursor = json.loads(paths.cursor("rl", "trainer").read_text())
+    assert cursor["next_step"] == 3 and cursor["state"] == {"checkpoint": "step-00000003"}
+    state = json.loads(paths.stage_state("rl").read_text())
+    assert state["status"] == "DONE" and state["step"] == 3 and state["policy_version"] == 3
+
+    # a DONE stage is not trained again
+    assert "is DONE already" in _train(cfg, "rl", tmp_path)
