@@ -12,7 +12,10 @@ Retries: only infrastructure failures are retried (connection refused/reset, a s
 sandbox that died mid-call), on another service, at most `max_attempts` times in all. User-code failures
 (error, timeout, memory, ...) are results and never retried. A call that may have run before its retry
 comes back with `attempts` > 1 and `maybe_executed_before: true`; a call that was never sent is retried
-silently (it cannot have run). A session whose service died continues elsewhere with fresh state, flagged
+silently (it cannot have run). A service that is alive but frozen (SIGSTOPped, wedged, unreachable behind a
+live TCP connection) counts as failed, like a dead one, once a call sent to it outlives its deadline: its own
+time limit (`timeout_s`, or the service's announced default) plus `reply_margin_s`, counted from the later of
+its send and the service's last reply (a busy service answering its queue is not frozen). A session whose service died continues elsewhere with fresh state, flagged
 by that service as state "lost" (the client sends each cell's `session_seq`).
 """
 from __future__ import annotations
@@ -30,19 +33,22 @@ log = logging.getLogger("sandbox.client")
 
 
 class _Pending:
-    __slots__ = ("attempts", "call", "fut", "sent_before", "size")
+    __slots__ = ("attempts", "call", "fut", "sent_at", "sent_before", "size")
 
     def __init__(self, call: dict, fut: asyncio.Future):
         self.call = call
         self.fut = fut
         self.attempts = 0
+        self.sent_at = 0.0
         self.sent_before = False   # sent at least once to a service that then failed: it may have run
         self.size = sum(len(v) for v in (call.get("code"), call.get("stdin")) if isinstance(v, str)) + 128
 
 
 class _Node:
-    def __init__(self, host: str, port: int, workers: int = 1):
+    def __init__(self, host: str, port: int, workers: int = 1, timeout_s: float | None = None):
         self.host, self.port, self.workers = host, int(port), max(1, int(workers or 1))
+        self.timeout_s = timeout_s          # the service's default call time limit, if announced
+        self.last_reply = 0.0
         self.key = f"{host}:{port}"
         self.queue: collections.deque[_Pending] = collections.deque()
         self.inflight: dict[int, list] = {}
@@ -67,7 +73,8 @@ class _Node:
 class SandboxClient:
     def __init__(self, addresses: list[str] | None = None, run_dir: str | None = None, *,
                  max_batch: int = MAX_BATCH, max_attempts: int = 3, max_frame_bytes: int = 16 << 20,
-                 connect_timeout_s: float = 5.0, refresh_s: float = 10.0):
+                 connect_timeout_s: float = 5.0, refresh_s: float = 10.0, default_timeout_s: float = 4.0,
+                 reply_margin_s: float = 30.0):
         if not addresses and not run_dir:
             raise ValueError("SandboxClient needs addresses=[host:port, ...] or run_dir= (announcements)")
         self.max_batch = min(max_batch, MAX_BATCH)
@@ -75,6 +82,11 @@ class SandboxClient:
         self.max_frame_bytes = max_frame_bytes
         self.connect_timeout_s = connect_timeout_s
         self.refresh_s = refresh_s
+        # a call's time limit when neither it nor the service's announcement says (the services' default)
+        self.default_timeout_s = default_timeout_s
+        # beyond a call's limit: the service's hang grace, a sandbox restart, a loaded node
+        self.reply_margin_s = reply_margin_s
+        self._watchdog: asyncio.Task | None = None
         self.run_dir = run_dir
         self.nodes: dict[str, _Node] = {}
         for a in addresses or []:
@@ -135,6 +147,8 @@ class SandboxClient:
 
     async def close(self) -> None:
         self._closed = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         for node in self.nodes.values():
             for t in (node.sender, node.reader):
                 if t is not None:
@@ -153,13 +167,14 @@ class SandboxClient:
         await self.close()
 
     # ------------------------------------------------------------ placement
-    def _add(self, host: str, port: int, workers: int = 1) -> _Node:
+    def _add(self, host: str, port: int, workers: int = 1, timeout_s: float | None = None) -> _Node:
         key = f"{host}:{port}"
         node = self.nodes.get(key)
         if node is None:
-            node = self.nodes[key] = _Node(host, port, workers)
+            node = self.nodes[key] = _Node(host, port, workers, timeout_s)
         else:
             node.workers = max(1, int(workers or node.workers))
+            node.timeout_s = timeout_s or node.timeout_s
         return node
 
     def _maybe_refresh(self, force: bool = False) -> None:
@@ -172,7 +187,7 @@ class SandboxClient:
         except ImportError:
             records = _read_announcements(self.run_dir)
         for rec in records:
-            self._add(rec["host"], rec["port"], rec.get("workers", 1))
+            self._add(rec["host"], rec["port"], rec.get("workers", 1), rec.get("timeout_s"))
 
     def _choose(self, p: _Pending) -> _Node | None:
         self._maybe_refresh(force=not self.nodes)
@@ -203,6 +218,8 @@ class SandboxClient:
         node.wake.set()
         if node.sender is None or node.sender.done():
             node.sender = asyncio.create_task(self._sender(node))
+        if self._watchdog is None or self._watchdog.done():
+            self._watchdog = asyncio.create_task(self._watch())
 
     def _give_up(self, p: _Pending, why: str) -> None:
         if p.fut.done():
@@ -245,6 +262,7 @@ class SandboxClient:
             while node.queue and len(batch) < self.max_batch and size + node.queue[0].size <= self.max_frame_bytes:
                 p = node.queue.popleft()
                 p.attempts += 1
+                p.sent_at = time.monotonic()
                 batch.append(p)
                 size += p.size
             rid = next(self._rid)
@@ -264,6 +282,7 @@ class SandboxClient:
                 if frame is None:
                     raise ConnectionError("service closed the connection")
                 rid = frame.get("rid")
+                node.last_reply = time.monotonic()
                 if rid in node.control:
                     fut = node.control.pop(rid)
                     if not fut.done():
@@ -295,6 +314,26 @@ class SandboxClient:
         except (OSError, ConnectionError, ValueError, asyncio.IncompleteReadError) as e:
             if node.writer is writer:
                 self._node_failed(node, f"connection to {node.key} lost: {e!r}")
+
+    def _deadline(self, node: _Node, p: _Pending) -> float:
+        limit = p.call.get("timeout_s")
+        if not isinstance(limit, (int, float)) or isinstance(limit, bool):
+            limit = node.timeout_s or self.default_timeout_s
+        return max(p.sent_at, node.last_reply) + float(limit) + self.reply_margin_s
+
+    async def _watch(self) -> None:
+        """Fail a service that holds a call past its deadline without answering anything (frozen)."""
+        tick = max(0.05, min(1.0, self.reply_margin_s / 4))
+        while not self._closed:
+            await asyncio.sleep(tick)
+            now = time.monotonic()
+            for node in list(self.nodes.values()):
+                late = next((p for b in node.inflight.values() for p in b
+                             if p is not None and now > self._deadline(node, p)), None)
+                if late is not None:
+                    quiet = now - max(late.sent_at, node.last_reply)
+                    self._node_failed(node, f"{node.key} sent nothing for {quiet:.1f} s while holding a call past "
+                                            "its time limit + reply_margin_s: frozen?")
 
     def _complete(self, p: _Pending, result: dict) -> None:
         status = result.get("status")

@@ -112,7 +112,7 @@ class Service:
             return
         snap = self.pool.snapshot()
         _announce(self.run_dir, self.name, self.announce_host, self.port, workers=snap["workers"],
-                  queue_depth=snap["queue_depth"], in_flight=snap["in_flight"])
+                  queue_depth=snap["queue_depth"], in_flight=snap["in_flight"], timeout_s=self.limits.timeout_s)
         folder = os.path.join(self.run_dir, "sandbox", "stats")
         os.makedirs(folder, exist_ok=True)
         _atomic_write(os.path.join(folder, self.name + ".json"), json.dumps(self.stats(), indent=1) + "\n")

@@ -215,3 +215,60 @@ def test_killed_service_calls_move_to_another_node_and_say_so(cluster, tmp_path)
     if os.geteuid() == 0:
         time.sleep(0.5)
         assert host_processes({victim_uid}) == []   # --die-with-parent took its sandbox down
+
+
+def _start_victim(run_dir, name):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-c", "from rstar_hpc.cli import main; main()", "sandbox", "serve",
+                             "--workers", "1", "--host", "127.0.0.1", "--name", name, "--run-dir", str(run_dir)],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ann = run_dir / "rendezvous" / "sandbox" / f"{name}.json"
+    deadline = time.monotonic() + 60
+    while not ann.exists():
+        assert time.monotonic() < deadline and proc.poll() is None, f"{name} service did not start"
+        time.sleep(0.1)
+    return proc, ann, f"127.0.0.1:{json.loads(ann.read_text())['port']}"
+
+
+def test_frozen_service_calls_move_to_another_node_and_say_so(cluster):
+    """A service SIGSTOPped mid-batch (alive, connection open, silent): once a call it holds outlives its time
+    limit + reply_margin_s, the client treats it as failed; every call still gets a result from a live node,
+    and the ones that were in flight on the frozen node are flagged maybe_executed_before."""
+    lt, services, run_dir = cluster
+    proc, ann, victim = _start_victim(run_dir, "frozen")
+    try:
+        async def go(c):
+            import asyncio
+            await c.run("0")   # connected to every node
+            futs = [c.submit({"id": i, "code": "import time\ntime.sleep(0.4)\nprint('done')", "timeout_s": 1.0})
+                    for i in range(12)]
+            await asyncio.sleep(0.6)
+            os.kill(proc.pid, signal.SIGSTOP)
+            t = time.monotonic()
+            rs = await asyncio.gather(*futs)
+            return rs, time.monotonic() - t
+        rs, waited = with_client(lt, go, addresses=[victim] + [f"127.0.0.1:{s.port}" for s in services],
+                                 reply_margin_s=1.0)
+    finally:
+        proc.kill()   # SIGKILL works on a stopped process
+        proc.wait()
+        ann.unlink(missing_ok=True)
+    assert all(r["status"] == "ok" and r["stdout"] == "done\n" for r in rs), rs
+    moved = [r for r in rs if r["attempts"] > 1]
+    assert moved, "some calls must have been on the frozen node"
+    assert all(r["node"] != victim for r in moved)
+    assert any(r.get("maybe_executed_before") for r in moved)
+    assert not any(r.get("maybe_executed_before") for r in rs if r["attempts"] == 1)
+    assert waited < 1.0 + 1.0 + 10, waited   # limit + margin, plus the reruns on two loaded nodes
+
+
+def test_a_busy_service_is_not_taken_for_a_frozen_one(cluster):
+    """Calls queued behind others on one node wait longer than their own limit + margin, but the service keeps
+    answering: nothing may be retried."""
+    lt, services, run_dir = cluster
+
+    async def go(c):
+        return await c.run_many([{"code": "import time\ntime.sleep(0.3)", "timeout_s": 0.5} for _ in range(16)])
+    rs = with_client(lt, go, addresses=[f"127.0.0.1:{services[0].port}"], reply_margin_s=1.0)
+    # one node, one light sandbox: about 16 x 0.3 s in a row, far past 0.5 + 1 s for the last ones
+    assert all(r["status"] == "ok" and r["attempts"] == 1 for r in rs), rs
