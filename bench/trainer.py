@@ -1,10 +1,16 @@
-"""Tokens/s of one trainer step: the Megatron policy vs plain PyTorch (Hugging Face Qwen3ForCausalLM), same run.
+"""Tokens/s of trainer steps: the Megatron policy vs plain PyTorch (Hugging Face Qwen3ForCausalLM), same run.
 
-Both models start from the same tiny checkpoint, take the same packed micro-batches and the same token-mean
-masked NLL with AdamW and clipping; the reference runs each sample as its own unpadded sequence (no packing
-support in plain HF). The last stdout line is one JSON object of the figures.
+SFT step: both models start from the same tiny checkpoint, take the same packed micro-batches and the same
+token-mean masked NLL with AdamW and clipping.
+RL step: synthetic trajectory steps (paper-shaped: prompt, model turns, masked tool turns) are committed with
+the exchange's ShardWriter; the trainer's path reads them (RoC, group advantages, packing) and runs `rl_step`:
+pi_old recomputed with the trainer, the GRPO-RoC loss (`rstar_hpc.algo.policy_loss`) normalised by the step's
+trained tokens, AdamW, clipping. The reference runs the same kept samples through the same recompute, the same
+loss function and the same optimizer. Reading the shards is timed separately (`rl_read_s_per_step`).
+The reference runs each sample as its own unpadded sequence (no packing support in plain HF).
+The last stdout line is one JSON object of the figures.
 
-    python bench/trainer.py [--steps 5] [--samples 16] [--tokens 1024]
+    python bench/trainer.py [--steps 5] [--samples 16] [--tokens 1024] [--rl-prompts 4] [--rl-response-tokens 300]
 """
 from __future__ import annotations
 
@@ -20,11 +26,30 @@ import torch
 warnings.filterwarnings("ignore")
 
 
+def interleaved(a, b, batches) -> tuple[tuple[float, list[float]], tuple[float, list[float]]]:
+    """Run `a` and `b` (step functions returning (loss, tokens)) on every batch, alternating which goes first,
+    and return each one's median tokens/s over the timed steps and its losses: on a shared, loaded machine both
+    see the same contention, which back-to-back runs of one then the other do not."""
+    import statistics
+
+    out = {a: ([], []), b: ([], [])}
+    for i, batch in enumerate(batches):
+        for fn in ((a, b) if i % 2 else (b, a)):
+            t0 = time.perf_counter()
+            loss, tokens = fn(batch)
+            if i:  # the first batch warms up (allocator, kernels), untimed
+                out[fn][0].append(tokens / (time.perf_counter() - t0))
+            out[fn][1].append(loss)
+    return tuple((statistics.median(tps), losses) for tps, losses in (out[a], out[b]))  # type: ignore[return-value]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=7, help="timed steps (plus one warm-up)")
     ap.add_argument("--samples", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=1024, help="micro-batch token budget")
+    ap.add_argument("--rl-prompts", type=int, default=4, help="prompts per RL step (8 rollouts each, RoC keeps 4)")
+    ap.add_argument("--rl-response-tokens", type=int, default=300, help="mean response length of a rollout")
     args = ap.parse_args()
 
     from transformers import Qwen3ForCausalLM
@@ -70,29 +95,99 @@ def main() -> None:
         ref_opt.step()
         return total, sum(ids.numel() for ids, _ in batch)
 
-    def timed(fn) -> tuple[float, list[float]]:
-        fn(batches[0])  # warm-up step, not timed
-        tokens, t0, losses = 0, time.perf_counter(), []
-        for b in batches[1:]:
-            loss, n = fn(b)
-            tokens += n
-            losses.append(loss)
-        return tokens / (time.perf_counter() - t0), losses
-
     def meg_step(batch):
         m = train_step(meg, meg_opt, None, pack(batch, args.tokens), grad_clip=1.0)
         return m["loss"], sum(ids.numel() for ids, _ in batch)
 
-    meg_tps, meg_losses = timed(meg_step)
-    ref_tps, ref_losses = timed(ref_step)
-    destroy_distributed()
+    (meg_tps, meg_losses), (ref_tps, ref_losses) = interleaved(meg_step, ref_step, batches)
     figures = {"bench": "trainer_step", "device": "cpu", "threads": torch.get_num_threads(),
                "steps": args.steps, "samples_per_step": args.samples, "micro_batch_tokens": args.tokens,
                "megatron_tokens_per_s": round(meg_tps, 1), "reference_tokens_per_s": round(ref_tps, 1),
                "ratio": round(meg_tps / ref_tps, 3),
                "first_loss_megatron": round(meg_losses[0], 5), "first_loss_reference": round(ref_losses[0], 5)}
-    print(f"megatron {meg_tps:.0f} tok/s, reference {ref_tps:.0f} tok/s, ratio {meg_tps / ref_tps:.2f}")
+    print(f"SFT step: megatron {meg_tps:.0f} tok/s, reference {ref_tps:.0f} tok/s, ratio {meg_tps / ref_tps:.2f}")
+    figures.update(bench_rl(args, model_dir, tmp))
+    destroy_distributed()
     print(json.dumps(figures))
+
+
+def bench_rl(args, model_dir: str, tmp: str) -> dict:
+    """The RL step (see the module docstring); needs the process group of main()."""
+    import numpy as np
+    from transformers import Qwen3ForCausalLM
+
+    from rstar_hpc.algo.loss import policy_loss
+    from rstar_hpc.config import load_config
+    from rstar_hpc.exchange.rundir import RunPaths
+    from rstar_hpc.exchange.synthetic import make_step
+    from rstar_hpc.exchange.writer import ShardWriter
+    from rstar_hpc.trainer.hf_convert import load_hf_checkpoint
+    from rstar_hpc.trainer.model import Qwen3Arch, build_model
+    from rstar_hpc.trainer.rl import TrajectorySource, rl_step
+    from rstar_hpc.trainer.step import build_optimizer
+
+    budget = max(args.tokens, 4 * args.rl_response_tokens)
+    cfg = load_config("tiny-cpu", [f"run.root={tmp}", f"model.path={model_dir}", f"trainer.micro_batch_tokens={budget}",
+                                   "trainer.optimizer.lr=1e-4", "trainer.optimizer.weight_decay=0.0"])
+    vocab = Qwen3Arch.from_hf_config(model_dir).vocab_size
+    paths = RunPaths(cfg.run.dir)
+    rng = np.random.default_rng(0)
+    for step in range(args.steps + 1):
+        trajs = make_step("bench", "rl", step, args.rl_prompts, cfg.algo.num_samples_per_prompt,
+                          mean_tokens=args.rl_response_tokens, seed=1, text=False)
+        for t in trajs:  # the tiny vocabulary; shorter prompts; RoC left to the trainer; rewards mixed per group
+            t.prompt_ids = np.asarray(t.prompt_ids[:64]) % vocab
+            t.response_ids = np.asarray(t.response_ids) % vocab
+            t.roc_kept = t.roc_reason = None
+            t.reward = float(t.sample_index % 2 == 0 or rng.random() < 0.3)
+        with ShardWriter(paths, "rl", step, "rollout") as w:
+            w.write(trajs)
+            w.commit()
+    source = TrajectorySource(paths, "rl", cfg)
+    t0 = time.perf_counter()
+    batches = [source.next() for _ in range(args.steps + 1)]
+    read_s = (time.perf_counter() - t0) / len(batches)
+
+    meg = build_model(Qwen3Arch.from_hf_config(model_dir))
+    load_hf_checkpoint(meg, model_dir)
+    meg_opt = build_optimizer(meg, lr=1e-4, weight_decay=0.0)
+    ref = Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-4, weight_decay=0.0)
+
+    def ref_logprobs(ids: torch.Tensor) -> torch.Tensor:
+        lp = torch.log_softmax(ref(ids[None]).logits[0, :-1].float(), -1).gather(-1, ids[1:, None])[:, 0]
+        return torch.cat([lp.new_zeros(1), lp])  # token-aligned, as the trainer's
+
+    def ref_step(batch) -> tuple[float, int]:
+        ref.eval()
+        with torch.no_grad():  # pi_old recomputed, as trainer.recompute_old_logprobs asks
+            old = [ref_logprobs(ids) for ids, _ in batch.samples]
+        ref.train()
+        ref_opt.zero_grad(set_to_none=True)
+        n = sum(int(m.sum()) for _, m in batch.samples)
+        pg = 0.0
+        for (ids, mask), o, adv in zip(batch.samples, old, batch.advantages):
+            loss, stats = policy_loss(ref_logprobs(ids), o, adv, mask, cfg.algo.loss, global_num_tokens=n)
+            loss.backward()
+            pg += stats["pg_loss_sum"] / n
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), cfg.trainer.optimizer.grad_clip)
+        ref_opt.step()
+        return pg, sum(ids.numel() for ids, _ in batch.samples)
+
+    def meg_step(batch) -> tuple[float, int]:
+        m = rl_step(meg, meg_opt, None, batch, cfg)
+        return m["train/pg_loss"], sum(ids.numel() for ids, _ in batch.samples)
+
+    (meg_tps, meg_pg), (ref_tps, ref_pg) = interleaved(meg_step, ref_step, batches)
+    kept_tokens = [sum(ids.numel() for ids, _ in b.samples) for b in batches]
+    print(f"RL step: megatron {meg_tps:.0f} tok/s, reference {ref_tps:.0f} tok/s, ratio {meg_tps / ref_tps:.2f}; "
+          f"read {read_s * 1e3:.1f} ms/step")
+    return {"rl_trajectories_per_step": args.rl_prompts * cfg.algo.num_samples_per_prompt,
+            "rl_kept_per_step": batches[0].num_kept, "rl_tokens_per_step": round(float(np.mean(kept_tokens)), 1),
+            "rl_micro_batch_tokens": budget, "rl_megatron_tokens_per_s": round(meg_tps, 1),
+            "rl_reference_tokens_per_s": round(ref_tps, 1), "rl_ratio": round(meg_tps / ref_tps, 3),
+            "rl_read_s_per_step": round(read_s, 4),
+            "rl_first_pg_loss_megatron": round(meg_pg[0], 6), "rl_first_pg_loss_reference": round(ref_pg[0], 6)}
 
 
 if __name__ == "__main__":
