@@ -34,6 +34,7 @@ _IGNORED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal
             signal.SIGPIPE, signal.SIGALRM, signal.SIGXCPU, signal.SIGXFSZ, signal.SIGTSTP, signal.SIGTTIN,
             signal.SIGTTOU)
 _TICK = os.sysconf("SC_CLK_TCK")
+_exit = os._exit   # bound before any cell runs: a cell that replaces os._exit cannot keep a spare going
 
 
 # ---------------------------------------------------------------- framing
@@ -64,6 +65,14 @@ def write_all(fd, data):
 def write_frame(fd, obj):
     body = json.dumps(obj).encode()
     write_all(fd, _HDR.pack(len(body)) + body)
+
+
+def _read_proc(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return os.read(fd, 4096)
+    finally:
+        os.close(fd)
 
 
 # ---------------------------------------------------------------- output capture
@@ -142,8 +151,11 @@ def enter_cell(stdin_fd, out_w, err_w, keep_fds, lim, base_vm, cwd):
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     set_limits(lim, base_vm)
     try:
-        with open("/proc/self/oom_score_adj", "w") as f:
-            f.write("1000")   # the cell, not the server, is the OOM killer's first choice
+        fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY)
+        try:
+            os.write(fd, b"1000")   # the cell, not the server, is the OOM killer's first choice
+        finally:
+            os.close(fd)
     except OSError:
         pass
     reseed()
@@ -273,6 +285,7 @@ class Server:
         self.spare = None          # the pre-forked next stateless cell
         self.cleanup_later = None  # (pid, pidfd) of the last stateless cell, ended after its reply
         self.dirty = None          # why this sandbox must not run another call
+        self.null = None           # /dev/null, the stdin of pre-forked cells
 
     # -- bookkeeping
     def vm_size(self):
@@ -317,7 +330,10 @@ class Server:
                 if path in keep:
                     continue
                 if os.path.isdir(path) and not os.path.islink(path):
-                    shutil.rmtree(path, ignore_errors=True)
+                    try:
+                        os.rmdir(path)   # the usual case: the call left its directory empty
+                    except OSError:
+                        shutil.rmtree(path, ignore_errors=True)
                 else:
                     try:
                         os.unlink(path)
@@ -455,8 +471,11 @@ class Server:
 
     def scratch(self, name):
         path = f"/tmp/{name}"
-        shutil.rmtree(path, ignore_errors=True)
-        os.mkdir(path, 0o700)
+        try:
+            os.mkdir(path, 0o700)   # usually gone already: the sweep's wipe removed it
+        except FileExistsError:
+            shutil.rmtree(path, ignore_errors=True)
+            os.mkdir(path, 0o700)
         return path
 
     def prefork(self):
@@ -469,18 +488,19 @@ class Server:
         err_r, err_w = os.pipe()
         res_r, res_w = os.pipe()
         go_r, go_w = os.pipe()
-        null = os.open("/dev/null", os.O_RDONLY)
+        if self.null is None:
+            self.null = os.open("/dev/null", os.O_RDONLY)
         pid = os.fork()
         if pid == 0:
             try:
-                enter_cell(null, out_w, err_w, (res_w, go_r), self.lim, self.base_vm, cwd)
+                enter_cell(self.null, out_w, err_w, (res_w, go_r), self.lim, self.base_vm, cwd)
                 # take the copy-on-write page faults of the parse/compile/exec/report path now, while idle
                 exec_cell("_ = None", {"__builtins__": __builtins__})
                 json.loads(json.dumps({"exc_type": None, "code": "", "pid": 1}))
                 req = read_frame(go_r)
                 os.close(go_r)
                 if req is None:
-                    os._exit(0)
+                    _exit(0)
                 if req.get("stdin"):
                     fd = os.memfd_create("stdin", 0)   # a file, not a pipe: any size, no writer needed
                     write_all(fd, req["stdin"].encode("utf-8", "replace"))
@@ -489,12 +509,12 @@ class Server:
                     os.close(fd)
             except BaseException as e:
                 send_report(res_w, {"internal": f"cell setup failed: {e!r}"})
-                os._exit(70)
+                _exit(70)
             try:
                 send_report(res_w, exec_cell(req["code"], {"__name__": "__main__", "__builtins__": __builtins__}))
             finally:
-                os._exit(0)
-        for fd in (out_w, err_w, res_w, go_r, null):
+                _exit(0)
+        for fd in (out_w, err_w, res_w, go_r):
             os.close(fd)
         for fd in (out_r, err_r, res_r):
             os.set_blocking(fd, False)
@@ -674,17 +694,16 @@ class Server:
     @staticmethod
     def cpu_of(pid):
         """CPU seconds of a live (or zombie) process: its threads' schedstat (ns) plus reaped children."""
-        total = 0.0
         try:
+            fields = _read_proc(f"/proc/{pid}/stat").rsplit(b")", 1)[1].split()
+            total = (int(fields[13]) + int(fields[14])) / _TICK
+            if int(fields[17]) == 1:   # one thread (the usual cell): its schedstat is the process's
+                return total + int(_read_proc(f"/proc/{pid}/schedstat").split()[0]) / 1e9
             for tid in os.listdir(f"/proc/{pid}/task"):
-                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                    total += int(f.read().split()[0]) / 1e9
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            total += (int(fields[13]) + int(fields[14])) / _TICK
+                total += int(_read_proc(f"/proc/{pid}/task/{tid}/schedstat").split()[0]) / 1e9
+            return total
         except (OSError, ValueError, IndexError):
-            pass
-        return total
+            return 0.0
 
     def classify(self, out, err, report, wall, why, status, cpu):
         lim = self.lim

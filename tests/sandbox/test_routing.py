@@ -61,3 +61,27 @@ def test_light_and_math_cells_see_the_same_fresh_globals(healthy):
     math = healthy.run(code + "  # numpy")
     assert light["sandbox"] == "light" and math["sandbox"] == "math"
     assert light["stdout"] == math["stdout"] == "[]\n", (light, math)
+
+
+@pytest.mark.parametrize("threads", [0, 2])
+def test_cpu_time_is_measured_for_the_cell_and_its_threads(healthy, threads):
+    """pid 1 reads the cell's CPU time from /proc (one thread: its schedstat; more: every live thread's)."""
+    code = f"""
+import threading, time
+def spin(done=None):
+    t = time.thread_time()
+    while time.thread_time() - t < 0.15:
+        pass
+    if done is not None:
+        done.release()
+        time.sleep(30)   # still alive when the cell reports
+sems = [threading.Semaphore(0) for _ in range({threads})]
+for s in sems:
+    threading.Thread(target=spin, args=(s,), daemon=True).start()
+spin()
+for s in sems:
+    s.acquire()
+"""
+    r = healthy.run(code, timeout_s=10)
+    assert r["status"] == "ok", r
+    assert 0.15 * (threads + 1) - 0.02 <= r["cpu_s"] <= 0.15 * (threads + 1) + 1.0, r
