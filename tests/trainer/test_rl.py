@@ -198,3 +198,47 @@ def test_each_step_is_trained_exactly_once_across_restarts(dist1, tiny_hf_dir, t
     (root / "latest").write_text("step-00000001\n")
     with pytest.raises(ExchangeError, match="moved back by hand"):
         job()
+
+
+def test_data_parallel_2_takes_the_same_step_as_one_rank(dist1, tiny_hf_dir, tmp_path):
+    """Two gloo ranks each train half the kept trajectories; token normalisation over both ranks and the
+    summed gradients make it the same update as one rank training all of them."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from conftest import free_port
+
+    worker = Path(__file__).with_name("dp_worker.py")
+    cfg = _cfg(tmp_path, tiny_hf_dir)
+    trajs = _step_trajs(0)
+    for t in trajs:  # uneven lengths, so the two ranks hold different token counts
+        extra = [int(t.response_ids[0])] * (t.sample_index % 3)
+        t.response_ids, t.loss_mask = list(t.response_ids) + extra, list(t.loss_mask) + [1] * len(extra)
+        t.logprobs = [-0.5 * m for m in t.loss_mask]  # engine logprobs differ from the trainer's: ratios != 1
+        t.turns[-1].end = len(t.response_ids)
+    _write(RunPaths(cfg.run.dir), 0, trajs)
+
+    out = tmp_path / "dp2.pt"
+    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path.cwd())}
+    procs = [subprocess.Popen([sys.executable, str(worker), str(tmp_path), str(tiny_hf_dir), str(out)],
+                              env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for r in range(2)]
+    logs = [p.communicate(timeout=240)[0].decode()[-3000:] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(logs)
+    dp2 = torch.load(out)
+    sys.path.insert(0, str(worker.parent))
+    import dp_worker
+
+    dp1 = dp_worker.run(str(tmp_path), str(tiny_hf_dir))
+    assert dp1["num_local"] == 8 and dp2["num_local"] == 4
+    m1, m2 = dp1["metrics"], dp2["metrics"]
+    for key in ("loss", "num_tokens", "grad_norm", "train/pg_loss", "train/clip_frac_low", "train/approx_kl",
+                "train/num_tokens", "train/old_logprob_gap_mean", "train/old_logprob_gap_abs_max"):
+        assert m2[key] == pytest.approx(m1[key], rel=1e-5, abs=1e-7), key
+    assert m1["train/old_logprob_gap_abs_mean"] > 0.1
+    for name, g in dp1["grads"].items():
+        assert g.abs().sum() > 0, name
+        torch.testing.assert_close(dp2["grads"][name], g, rtol=1e-4, atol=1e-7, msg=name)

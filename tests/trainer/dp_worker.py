@@ -1,0 +1,43 @@
+"""One rank of the data-parallel RL test: `python dp_worker.py RUN_ROOT HF_DIR OUT.pt` with RANK/WORLD_SIZE set.
+
+Reads trajectory step 0 of stage `rl` under RUN_ROOT, takes one RL step (this rank's share of the kept
+trajectories), and (rank 0) saves the step's metrics and the (clipped) gradients of the update in HF layout. Run by test_rl.py,
+never collected by pytest (no test_ prefix).
+"""
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+import torch
+
+warnings.filterwarnings("ignore")
+
+
+def run(run_root: str, hf_dir: str) -> dict:
+    from rstar_hpc.config import load_config
+    from rstar_hpc.exchange.rundir import RunPaths
+    from rstar_hpc.trainer.hf_convert import gather_hf_state, load_hf_checkpoint
+    from rstar_hpc.trainer.model import Qwen3Arch, build_model, init_distributed
+    from rstar_hpc.trainer.rl import TrajectorySource, rl_step
+    from rstar_hpc.trainer.step import build_optimizer
+
+    init_distributed(tp=1)
+    cfg = load_config("tiny-cpu", [f"run.root={run_root}", f"model.path={hf_dir}", "trainer.micro_batch_tokens=64"])
+    model = build_model(Qwen3Arch.from_hf_config(hf_dir))
+    load_hf_checkpoint(model, hf_dir)
+    batch = TrajectorySource(RunPaths(cfg.run.dir), "rl", cfg).next()
+    metrics = rl_step(model, build_optimizer(model, lr=1e-3), None, batch, cfg)
+    # gradients, not updated weights: AdamW's first step is lr * sign(g), which turns rounding noise in the
+    # near-zero gradients into lr-sized differences
+    return {"metrics": metrics, "num_local": len(batch.samples), "grads": gather_hf_state(model, grads=True)}
+
+
+if __name__ == "__main__":
+    from rstar_hpc.trainer.model import destroy_distributed
+
+    result = run(sys.argv[1], sys.argv[2])
+    if int(os.environ["RANK"]) == 0:
+        torch.save(result, sys.argv[3])
+    destroy_distributed()
