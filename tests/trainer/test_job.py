@@ -1,6 +1,6 @@
-"""The trainer as a real Slurm job: sbatch/trainer.sbatch runs an SFT stage; Slurm's pre-timeout USR2 (sent to
-the batch shell, as `--signal=B:USR2@...` does) makes it save, exit 75 and requeue; the requeued run resumes
-from that checkpoint and finishes the stage."""
+"""The trainer as a real Slurm job: `rstar-hpc train --submit` sends an SFT stage through sbatch/trainer.sbatch and
+follows it; Slurm's pre-timeout USR2 (sent to the batch shell, as `--signal=B:USR2@...` does) makes every rank
+save and exit, the script requeues the job, and the requeued run resumes from that checkpoint to the end."""
 from __future__ import annotations
 
 import json
@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rstar_hpc.launch import job_state, submit, wait_for_job
 from rstar_hpc.trainer.sft_data import make_samples, write_jsonl
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -39,26 +38,36 @@ def _rows(metrics: Path) -> list[dict]:
     return [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
 
 
-def test_sft_stage_as_a_slurm_job_saves_on_usr2_requeues_and_resumes(slurm_cluster, tiny_hf_dir, tmp_path):
+def test_train_submits_an_sft_stage_that_saves_on_usr2_requeues_and_resumes(slurm_cluster, tiny_hf_dir, tmp_path):
     cfg = _config(tmp_path, tiny_hf_dir)
     run = tmp_path / "runs" / "tiny-cpu"
-    env = {**slurm_cluster.env, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-           "RSTAR_HPC_ROOT": str(REPO), "OMP_NUM_THREADS": "1"}
-    # two ranks (data parallel) in one srun step, as on a node with two GPUs
-    job = submit("trainer", [str(cfg), "--stage", "sft"], env=env,
-                 sbatch_args=[f"--output={tmp_path}/trainer-%j.out", "--time=10", "--ntasks-per-node=2"])
-    log = tmp_path / f"trainer-{job}.out"
+    env = {**os.environ, **slurm_cluster.env, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+           "RSTAR_HPC_ROOT": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    # `rstar-hpc train CFG --stage sft --submit`, sized from launch.trainer: two ranks (data parallel) in one srun
+    # step, as on a node with two GPUs
+    cli_out = tmp_path / "cli.out"
+    with open(cli_out, "w") as out:
+        cli = subprocess.Popen([sys.executable, "-c", "from rstar_hpc.cli.train import command; command()", str(cfg),
+                                "launch.trainer.tasks_per_node=2", "launch.trainer.cpus_per_task=2",
+                                "launch.trainer.time_min=10", "--stage", "sft", "--submit"],
+                               env=env, stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path)
+    log = None
     try:
         deadline = time.monotonic() + 240
-        while not _rows(run / "metrics" / "trainer.jsonl") and time.monotonic() < deadline:
-            assert job_state(job, env).get("JobState") not in ("FAILED", "CANCELLED", "COMPLETED"), job_state(job, env)
+        while time.monotonic() < deadline and not _rows(run / "metrics" / "trainer.jsonl"):
+            assert cli.poll() is None, cli_out.read_text()
             time.sleep(0.2)
-        assert _rows(run / "metrics" / "trainer.jsonl"), "no step logged in 240 s"
+        assert _rows(run / "metrics" / "trainer.jsonl"), f"no step logged in 240 s: {cli_out.read_text()}"
+        job = re.search(r"submitted job (\d+)", cli_out.read_text()).group(1)
+        log = run / "logs" / f"trainer-sft-{job}.out"
         # what Slurm does `signal_lead_s` before the time limit: USR2 to the batch shell only
         subprocess.run(["scancel", "--batch", "--signal=USR2", job], env=env, check=True)
-        wait_for_job(job, timeout_s=400, env=env)
+        assert cli.wait(timeout=400) == 0, cli_out.read_text()
     finally:
-        print(log.read_text()[-4000:] if log.exists() else "no log")
+        if cli.poll() is None:
+            cli.kill()
+        print(log.read_text()[-4000:] if log is not None and log.exists() else "no job log")
+    assert f"job {job} completed; stage sft at step {NUM_STEPS}/{NUM_STEPS}" in cli_out.read_text()
     text = log.read_text()
     assert "saved on USR2; requeueing" in text
     steps = [r["step"] for r in _rows(run / "metrics" / "trainer.jsonl")]
