@@ -163,9 +163,12 @@ def enter_cell(stdin_fd, out_w, err_w, keep_fds, lim, base_vm, cwd):
 
 
 def reseed():
-    # a fork copies the parent's RNG state: without this every call would draw the same "random" numbers
-    import random
-    random.seed()
+    # a fork copies the parent's RNG state: without this every call would draw the same "random" numbers.
+    # Modules not loaded yet seed themselves when a cell imports them (light sandboxes do not load random:
+    # its own at-fork reseed alone costs every forked cell ~40 page faults)
+    rnd = sys.modules.get("random")
+    if rnd is not None:
+        rnd.seed()
     np = sys.modules.get("numpy")
     if np is not None:
         np.random.seed()
@@ -693,15 +696,23 @@ class Server:
 
     @staticmethod
     def cpu_of(pid):
-        """CPU seconds of a live (or zombie) process: its threads' schedstat (ns) plus reaped children."""
+        """CPU seconds of a live (or zombie) process and its reaped children. Precise (schedstat, ns) for
+        the live threads; a cell that already began to exit has lost its other threads from /proc/<pid>/task,
+        so the process-wide utime + stime (ticks, dead threads included) is the floor."""
         try:
             fields = _read_proc(f"/proc/{pid}/stat").rsplit(b")", 1)[1].split()
-            total = (int(fields[13]) + int(fields[14])) / _TICK
+            children = (int(fields[13]) + int(fields[14])) / _TICK
+            ticks = (int(fields[11]) + int(fields[12])) / _TICK
             if int(fields[17]) == 1:   # one thread (the usual cell): its schedstat is the process's
-                return total + int(_read_proc(f"/proc/{pid}/schedstat").split()[0]) / 1e9
-            for tid in os.listdir(f"/proc/{pid}/task"):
-                total += int(_read_proc(f"/proc/{pid}/task/{tid}/schedstat").split()[0]) / 1e9
-            return total
+                live = int(_read_proc(f"/proc/{pid}/schedstat").split()[0]) / 1e9
+            else:
+                live = 0.0
+                for tid in os.listdir(f"/proc/{pid}/task"):
+                    try:
+                        live += int(_read_proc(f"/proc/{pid}/task/{tid}/schedstat").split()[0]) / 1e9
+                    except OSError:
+                        pass   # that thread just ended: the ticks floor below still counts it
+            return children + max(live, ticks)
         except (OSError, ValueError, IndexError):
             return 0.0
 
@@ -806,7 +817,8 @@ def main():
     srv.base_anon = srv.anon_bytes(os.getpid())
     srv.prefork()
     write_frame(ctl_out, {"op": "ready", "pid": os.getpid(), "uid": os.getuid(), "vm_size": srv.base_vm,
-                          "preloaded": [m for m in init.get("preload", []) if m in sys.modules]})
+                          "preloaded": [m for m in init.get("preload", []) if m in sys.modules],
+                          "modules": sorted({m.partition(".")[0] for m in sys.modules})})
     srv.serve()
 
 

@@ -293,6 +293,7 @@ class Pool:
         self.started = time.time()
         self._closing = False
         self._housekeeper: asyncio.Task | None = None
+        self.light_modules: frozenset[str] = frozenset()
 
     # ------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -304,6 +305,8 @@ class Pool:
         self.slots = [_Slot(i, Sandbox(i, self.limits, bpf, MATH if i < n else LIGHT)) for i in range(n + m)]
         self.math_slots, self.light_slots = self.slots[:n], self.slots[n:]
         await asyncio.gather(*(s.sandbox.start() for s in self.slots))
+        if self.light_slots:   # what a light cell can import for free (the same in every light sandbox)
+            self.light_modules = frozenset(self.light_slots[0].sandbox.info.get("modules") or ())
         for s in self.slots:
             s.task = asyncio.create_task(self._slot_loop(s))
         self._housekeeper = asyncio.create_task(self._housekeeping())
@@ -341,7 +344,7 @@ class Pool:
         sid = call.get("session")
         if sid is None:
             # sessions stay in math sandboxes: a later cell may import numpy, and state cannot move
-            light = self.light_slots and route(call["code"], self.limits.preload) == LIGHT
+            light = self.light_slots and route(call["code"], self.limits.preload, self.light_modules) == LIGHT
             queue, slots = (self.light_queue, self.light_slots) if light else (self.queue, self.math_slots)
             queue.append(job)
             # longest-idle first: a sandbox that just answered is still sweeping and pre-forking its next cell

@@ -8,8 +8,9 @@ imports numpy after all (e.g. through `exec` of a built string) gets it, just sl
 
 A call is "math" when its code
 - mentions a pre-imported module's name anywhere (catches `__import__("sympy")`, `importlib`, strings), or
-- has an import statement (at the start of a line or after `;`) of a module outside the standard library
-  (scipy, networkx, ... import numpy themselves).
+- has an import statement (at the start of a line or after `;`) of a module the light interpreter has not
+  loaded (numpy, scipy, networkx, but also random or datetime): a light cell seldom pays for an import, and
+  the math interpreter has much of the standard library loaded already (sympy and numpy pull it in).
 Imports are found with regular expressions, not the parser: ast.parse can spend 100+ ms on 16 KB of
 hostile nesting, on the service's event loop; these scans are linear. A false "import" inside a string
 only sends the call to a math sandbox, which runs anything.
@@ -17,10 +18,8 @@ only sends the call to a math sandbox, which runs anything.
 from __future__ import annotations
 
 import re
-import sys
 
 LIGHT, MATH = "light", "math"
-_STDLIB = frozenset(sys.stdlib_module_names)
 _IMPORT = re.compile(r"(?:^|;)[ \t]*import[ \t]+([^\n#;]*)", re.MULTILINE)
 _FROM = re.compile(r"(?:^|;)[ \t]*from[ \t]+([\w.]*)[ \t]+import\b", re.MULTILINE)
 _NAME = re.compile(r"[ \t(\\]*([\w.]+)")
@@ -30,18 +29,20 @@ def _top(name: str) -> str:
     return name.partition(".")[0]
 
 
-def route(code: str, heavy: tuple[str, ...]) -> str:
+def route(code: str, heavy: tuple[str, ...], light_modules: frozenset[str]) -> str:
+    """LIGHT or MATH for `code`; `heavy`: the math sandboxes' preload, `light_modules`: top-level names
+    of the modules a light sandbox's interpreter has loaded."""
     if any(name in code for name in heavy):
         return MATH
     if "import" not in code:
         return LIGHT
     for m in _FROM.finditer(code):
         mod = m.group(1)
-        if mod and not mod.startswith(".") and _top(mod) not in _STDLIB:
+        if mod and not mod.startswith(".") and _top(mod) not in light_modules:
             return MATH
     for m in _IMPORT.finditer(code):
         for part in m.group(1).split(","):
             n = _NAME.match(part)
-            if n and _top(n.group(1)) not in _STDLIB:
+            if n and _top(n.group(1)) not in light_modules:
                 return MATH
     return LIGHT

@@ -46,7 +46,7 @@ class SandboxConfig(Section):
     light_workers: int = Field(-1, ge=-1)
     """Light sandboxes (stdlib-only, cheap to fork) for stateless calls importing nothing heavy; -1 = as many as num_workers, 0 = none."""
     light_preload: list[str] = ["math", "cmath", "fractions", "decimal", "itertools", "functools", "collections",
-                                "statistics", "random", "re", "heapq", "bisect", "string"]
+                                "re", "heapq", "bisect", "string"]
     """Standard-library modules imported once in every light sandbox."""
     max_sessions_per_worker: int = Field(32, ge=1)
     """Live sessions one sandbox holds; the least recently used goes beyond it."""

@@ -9,6 +9,7 @@ import pytest
 from sandbox.route import LIGHT, MATH, route
 
 HEAVY = ("numpy", "sympy")
+LOADED = frozenset({"math", "os", "sys", "json", "re", "itertools", "fractions", "collections"})   # a light one's
 
 
 @pytest.mark.parametrize("code, kind", [
@@ -18,7 +19,9 @@ HEAVY = ("numpy", "sympy")
     ("def f(:", LIGHT),                                   # fails the same way in both
     ("import numpy as np\nnp.zeros(3)", MATH),
     ("from sympy import symbols", MATH),
-    ("import scipy.optimize", MATH),                      # not stdlib: imports numpy itself
+    ("import scipy.optimize", MATH),                      # imports numpy itself
+    ("import random", MATH),                              # not loaded in light sandboxes: loaded in math ones
+    ("from datetime import date", MATH),
     ("def f():\n    import networkx\n    return 1", MATH),
     ("m = __import__('nu' 'mpy')", LIGHT),               # not detectable; still correct, just slower
     ("import importlib\nimportlib.import_module('sympy')", MATH),   # the name appears in the text
@@ -31,13 +34,13 @@ HEAVY = ("numpy", "sympy")
     ('s = """\nimport torch\n"""', MATH),              # a false positive only costs speed
 ])
 def test_route(code, kind):
-    assert route(code, HEAVY) == kind
+    assert route(code, HEAVY, LOADED) == kind
 
 
 def test_routing_is_linear_on_hostile_input():
     for code in ("import os\n" + "not " * 4000 + "1", "import os\n" + "[" * 5000, "import " + "a." * 200000):
         t = time.perf_counter()
-        route(code, HEAVY)
+        route(code, HEAVY, LOADED)
         assert time.perf_counter() - t < 0.05
 
 
@@ -53,6 +56,16 @@ def test_calls_land_in_the_right_kind_of_sandbox(healthy):
 def test_a_light_cell_that_imports_numpy_dynamically_still_gets_it(healthy):
     r = healthy.run("m = __import__('nu' + 'mpy')\nprint(m.arange(4).sum())", timeout_s=10)
     assert r["sandbox"] == "light" and r["status"] == "ok" and r["stdout"] == "6\n", r
+
+
+def test_light_sandboxes_have_no_random_loaded_and_both_kinds_draw_fresh_numbers(healthy):
+    light = healthy.pool.light_modules
+    assert {"math", "fractions", "itertools"} <= light and "random" not in light and "numpy" not in light
+    code = "import random\nprint(random.random())"
+    rs = [healthy.run(code), healthy.run(code), healthy.run("x = __import__('ran' + 'dom').random()\nprint(x)"),
+          healthy.run("x = __import__('ran' + 'dom').random()\nprint(x)")]
+    assert [r["sandbox"] for r in rs] == ["math", "math", "light", "light"], rs
+    assert all(r["status"] == "ok" for r in rs) and len({r["stdout"] for r in rs}) == 4, rs
 
 
 def test_light_and_math_cells_see_the_same_fresh_globals(healthy):
