@@ -81,7 +81,11 @@ def _selection(table: pa.Table, cfg: RunConfig, seed: int) -> RoCSelection:
         raise ValueError(f"{kept.null_count} of {len(kept)} trajectories have no RoC decision (roc_kept null) and "
                          f"the others do; a step is down-sampled as a whole, by the rollout or by the trainer")
     roc = cfg.algo.roc
-    reasons = [RoCReason[str(r).upper()] for r in table.column("roc_reason").to_pylist()]
+    try:
+        reasons = [RoCReason[str(r).upper()] for r in table.column("roc_reason").to_pylist()]
+    except KeyError as e:
+        raise ValueError(f"roc_reason {e.args[0].lower()!r} is not one of {[r.name.lower() for r in RoCReason]}; "
+                         f"the rollout records a reason with every roc_kept") from None
     _, group = np.unique(uids, return_inverse=True)
     return RoCSelection(keep=kept.to_numpy(zero_copy_only=False).astype(bool),
                         reason=np.asarray(reasons, dtype=np.int8),
@@ -245,6 +249,9 @@ class TrajectorySource:
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from a checkpoint's cursor, reconciling the consumer cursor with it."""
+        if "next_traj_step" not in state:
+            raise ValueError(f"stage {self.stage!r}: the checkpoint's data cursor {state!r} is not an RL stage's "
+                             f"(no next_traj_step); was ckpt/{self.stage}/ written by a stage of another kind?")
         ckpt_next = int(state["next_traj_step"])
         if self.consumer.next_step > ckpt_next:
             raise ExchangeError(

@@ -242,3 +242,14 @@ def test_data_parallel_2_takes_the_same_step_as_one_rank(dist1, tiny_hf_dir, tmp
     for name, g in dp1["grads"].items():
         assert g.abs().sum() > 0, name
         torch.testing.assert_close(dp2["grads"][name], g, rtol=1e-4, atol=1e-7, msg=name)
+
+
+def test_bad_roc_records_and_cursors_are_named(dist1, tiny_hf_dir, tmp_path):
+    cfg = _cfg(tmp_path, tiny_hf_dir)
+    gen = torch.Generator().manual_seed(0)
+    trajs = [_traj(0, "a", i, float(i % 2), gen, roc_kept=True) for i in range(4)]
+    trajs[0].roc_reason = None
+    with pytest.raises(ValueError, match="roc_reason 'none'"):
+        build_batch(_table(trajs), cfg, 0)
+    with pytest.raises(ValueError, match="not an RL stage's"):
+        TrajectorySource(RunPaths(cfg.run.dir), STAGE, cfg).load_state_dict({"epoch": 0, "pos": 3})
