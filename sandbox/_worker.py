@@ -12,6 +12,7 @@ Session holders form a fork chain: holder H forks C for a cell; if C finishes th
 holder (its state includes the cell) and H is killed; if C dies (timeout, signal, os._exit, memory kill),
 H is still there with the state from before the cell: the cell is rolled back, and the result says so.
 """
+import _signal
 import ast
 import ctypes
 import gc
@@ -33,6 +34,12 @@ _HDR = struct.Struct(">I")
 _IGNORED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
             signal.SIGPIPE, signal.SIGALRM, signal.SIGXCPU, signal.SIGXFSZ, signal.SIGTSTP, signal.SIGTTIN,
             signal.SIGTTOU)
+# a cell's dispositions, as plain ints for _signal: signal.signal's enum round trips touch dozens of
+# copy-on-write pages in every forked cell. What plain python does: KeyboardInterrupt on SIGINT, EPIPE/EFBIG
+# errors instead of SIGPIPE/SIGXFSZ deaths, default for the rest
+_CELL_SIGNALS = tuple((int(s), {signal.SIGINT: signal.default_int_handler, signal.SIGPIPE: 1,
+                                signal.SIGXFSZ: 1}.get(s, 0)) for s in _IGNORED)
+_LIMIT_PLAN = None   # set_limits' (resource, (soft, hard)) pairs, computed once in pid 1
 _TICK = os.sysconf("SC_CLK_TCK")
 _exit = os._exit   # bound before any cell runs: a cell that replaces os._exit cannot keep a spare going
 
@@ -118,18 +125,21 @@ def set_dumpable(flag):
     _libc().prctl(4, int(flag), 0, 0, 0)   # PR_SET_DUMPABLE
 
 
-def set_limits(lim, base_vm):
-    def hard(res, soft, hard_=None):
-        resource.setrlimit(res, (soft, soft if hard_ is None else hard_))
+def limit_plan(lim, base_vm):
     cpu = max(1, int(lim["cpu_time_s"] + 0.999))
-    hard(resource.RLIMIT_CPU, cpu, cpu + 1)   # SIGXCPU at soft, SIGKILL at hard even if SIGXCPU is caught
-    hard(resource.RLIMIT_AS, base_vm + lim["memory_mb"] * 2**20)
-    hard(resource.RLIMIT_NPROC, lim["nproc"])
-    hard(resource.RLIMIT_NOFILE, lim["open_files"])
-    hard(resource.RLIMIT_FSIZE, lim["file_size_mb"] * 2**20)
-    hard(resource.RLIMIT_CORE, 0)
-    hard(resource.RLIMIT_MEMLOCK, 0)
-    hard(resource.RLIMIT_MSGQUEUE, 0)
+    plan = [(resource.RLIMIT_CPU, (cpu, cpu + 1))]   # SIGXCPU at soft, SIGKILL at hard even if SIGXCPU is caught
+    for res, value in ((resource.RLIMIT_AS, base_vm + lim["memory_mb"] * 2**20),
+                       (resource.RLIMIT_NPROC, lim["nproc"]), (resource.RLIMIT_NOFILE, lim["open_files"]),
+                       (resource.RLIMIT_FSIZE, lim["file_size_mb"] * 2**20), (resource.RLIMIT_CORE, 0),
+                       (resource.RLIMIT_MEMLOCK, 0), (resource.RLIMIT_MSGQUEUE, 0)):
+        plan.append((res, (value, value)))
+    return tuple(plan)
+
+
+def set_limits(lim, base_vm):
+    setrlimit = resource.setrlimit
+    for res, values in _LIMIT_PLAN or limit_plan(lim, base_vm):
+        setrlimit(res, values)
 
 
 def enter_cell(stdin_fd, out_w, err_w, keep_fds, lim, base_vm, cwd):
@@ -143,12 +153,9 @@ def enter_cell(stdin_fd, out_w, err_w, keep_fds, lim, base_vm, cwd):
         if fd > lo:
             os.closerange(lo, fd)
         lo = fd + 1
-    for sig in _IGNORED:
-        signal.signal(sig, signal.SIG_DFL)
-    # what plain python does: KeyboardInterrupt on SIGINT, EPIPE/EFBIG errors instead of SIGPIPE/SIGXFSZ deaths
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    sig_set = _signal.signal
+    for sig, handler in _CELL_SIGNALS:
+        sig_set(sig, handler)
     set_limits(lim, base_vm)
     try:
         fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY)
@@ -815,6 +822,8 @@ def main():
     gc.freeze()   # children then never touch the pre-imported objects' GC headers: fewer copy-on-write pages
     srv.base_vm = srv.vm_size()
     srv.base_anon = srv.anon_bytes(os.getpid())
+    global _LIMIT_PLAN
+    _LIMIT_PLAN = limit_plan(srv.lim, srv.base_vm)
     srv.prefork()
     write_frame(ctl_out, {"op": "ready", "pid": os.getpid(), "uid": os.getuid(), "vm_size": srv.base_vm,
                           "preloaded": [m for m in init.get("preload", []) if m in sys.modules],

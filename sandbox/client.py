@@ -15,8 +15,9 @@ comes back with `attempts` > 1 and `maybe_executed_before: true`; a call that wa
 silently (it cannot have run). A service that is alive but frozen (SIGSTOPped, wedged, unreachable behind a
 live TCP connection) counts as failed, like a dead one, once a call sent to it outlives its deadline: its own
 time limit (`timeout_s`, or the service's announced default) plus `reply_margin_s`, counted from the later of
-its send and the service's last reply (a busy service answering its queue is not frozen). A session whose service died continues elsewhere with fresh state, flagged
-by that service as state "lost" (the client sends each cell's `session_seq`).
+its send and the service's last reply (a busy service answering its queue is not frozen).
+A session whose service died continues elsewhere with fresh state, flagged by that service as state "lost"
+(the client sends each cell's `session_seq`).
 """
 from __future__ import annotations
 
