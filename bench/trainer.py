@@ -52,7 +52,7 @@ def main() -> None:
     ap.add_argument("--rl-response-tokens", type=int, default=300, help="mean response length of a rollout")
     args = ap.parse_args()
 
-    from transformers import Qwen3ForCausalLM
+    from transformers import AutoTokenizer, Qwen3ForCausalLM
 
     from rstar_hpc.config.schema import TinyModelSpec
     from rstar_hpc.models.tiny import make_tiny_model
@@ -61,7 +61,6 @@ def main() -> None:
     from rstar_hpc.trainer.sft import SFTData
     from rstar_hpc.trainer.sft_data import make_samples, write_jsonl
     from rstar_hpc.trainer.step import build_optimizer, pack, train_step
-    from transformers import AutoTokenizer
 
     tmp = tempfile.mkdtemp(prefix="bench-trainer-")
     model_dir = make_tiny_model(os.path.join(tmp, "tiny"), TinyModelSpec())

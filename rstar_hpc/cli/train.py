@@ -44,7 +44,7 @@ def command(config: str, overrides: tuple[str, ...], stage_name: str | None, sub
 
     from rstar_hpc.trainer.main import EXIT_REQUEUE, main
 
-    rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
+    rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format=f"%(asctime)s [trainer {rank}] %(message)s", datefmt="%H:%M:%S")
     # the bar only on an interactive terminal of rank 0; batch logs get the fixed-field step lines

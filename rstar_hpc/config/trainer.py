@@ -44,7 +44,7 @@ class TrainerConfig(Section):
     """Published policy versions kept for the rollout engines."""
     publish_max_shard_gb: float = Field(5.0, gt=0)
     """Size of one safetensors file of a published policy (Hugging Face's default sharding)."""
-    producers: list[str] = ["rollout"]
+    producers: list[str] = Field(default_factory=lambda: ["rollout"])
     """Trajectory producers whose commit records make an RL step complete (the rollout role writes as
     `rollout`)."""
     trajectory_timeout_s: float = Field(3600.0, gt=0)

@@ -26,8 +26,7 @@ import numpy as np
 import torch
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject
-from megatron.core.dist_checkpointing.optimizer import (get_param_id_to_sharded_param_map,
-                                                        optim_state_to_sharding_state)
+from megatron.core.dist_checkpointing.optimizer import get_param_id_to_sharded_param_map, optim_state_to_sharding_state
 
 from rstar_hpc.exchange.checkpoints import CommittedDirs
 
@@ -209,7 +208,7 @@ class SaveOnSignal:
         self._previous = signal.signal(sig, self._handle)
         self._sig = sig
 
-    def _handle(self, signum, frame) -> None:  # noqa: ARG002
+    def _handle(self, signum, frame) -> None:
         self.requested = True
 
     def should_save(self) -> bool:

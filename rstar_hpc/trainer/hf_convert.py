@@ -145,7 +145,7 @@ def read_hf_weights(hf_dir: Path | str) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for f in files:
         with safe_open(str(f), framework="pt") as fh:
-            for k in fh.keys():
+            for k in fh.keys():  # noqa: SIM118  (safe_open handles are not mappings)
                 out[k] = fh.get_tensor(k)
     return out
 

@@ -18,9 +18,9 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -55,7 +55,7 @@ def main(cfg: RunConfig, stage_name: str, *, on_step: Callable[[int, dict], None
     try:
         if rank0:
             _prepare_run(cfg, paths)
-            metrics_out = open(paths.metrics("trainer"), "a")
+            metrics_out = open(paths.metrics("trainer"), "a")  # noqa: SIM115  (open for the whole loop)
         torch.distributed.barrier()  # the run directory and the model exist before anyone reads them
         if read_stage_state(paths, stage.name).status == "DONE":
             log.info("stage %s is DONE already; nothing to train (rerun it under a new stage name)", stage.name)
@@ -71,7 +71,7 @@ def main(cfg: RunConfig, stage_name: str, *, on_step: Callable[[int, dict], None
         state = TrainState(model, optimizer, scheduler)
         data = _stage_data(cfg, stage, paths, model_dir)
         log.info("stage %s (%s): %s", stage.name, stage.kind, _restore(state, data, cfg, stage, paths))
-        _set_state(paths, stage, rank0, "RUNNING", step=state.step)
+        _set_state(paths, stage, rank0, "RUNNING", step=state.step, message="")
 
         # -- loop
         while state.step < stage.num_steps:
@@ -207,14 +207,12 @@ class _Timer:
 
 
 def _mfu(model: torch.nn.Module, metrics: dict) -> float | None:
-    """Model FLOPs utilisation of the training phases on this GPU: 6 x parameters x tokens (dense matmuls)
-    over the peak (RSTAR_HPC_PEAK_TFLOPS, default: H100/H200 dense bf16, 989)."""
-    if not torch.cuda.is_available() or "time/optimizer(s)" not in metrics:
+    """Model FLOPs utilisation of this GPU in the update: 6 x its parameters (its tensor-parallel shard) x its
+    tokens/s, dense matmuls only, over the peak (RSTAR_HPC_PEAK_TFLOPS; default H100/H200 dense bf16, 989)."""
+    if "tokens_per_s" not in metrics:  # a skipped (empty) RL step
         return None
     params = sum(p.numel() for p in model.parameters())
-    seconds = metrics["time/forward_backward(s)"] + metrics["time/optimizer(s)"]
-    tokens = metrics["tokens_per_s"] * metrics["step_time_s"]
-    return 6 * params * tokens / seconds / (float(os.environ.get("RSTAR_HPC_PEAK_TFLOPS", 989)) * 1e12)
+    return 6 * params * metrics["tokens_per_s"] / (float(os.environ.get("RSTAR_HPC_PEAK_TFLOPS", "989")) * 1e12)
 
 
 def _log_step(out, stage: StageConfig, step: int, metrics: dict, backend: str, model: torch.nn.Module) -> None:

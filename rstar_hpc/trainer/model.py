@@ -52,7 +52,7 @@ class Qwen3Arch:
     tie_word_embeddings: bool = False
 
     @classmethod
-    def from_hf_config(cls, config: dict | Path | str) -> "Qwen3Arch":
+    def from_hf_config(cls, config: dict | Path | str) -> Qwen3Arch:
         """Read a Hugging Face `config.json` (a dict, the file, or its directory)."""
         if not isinstance(config, dict):
             path = Path(config)
@@ -261,8 +261,8 @@ def layer_spec(backend: Backend) -> ModuleSpec:
     """Transformer-layer spec: Transformer Engine on CUDA, local modules + SDPA attention on CPU."""
     if backend == "cuda":
         try:
-            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
             import transformer_engine  # noqa: F401  (fail here with a clear message, not deep in a build)
+            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
         except ImportError as e:
             raise ImportError("backend 'cuda' needs Transformer Engine: pip install -e '.[gpu]' on a CUDA "
                               "machine, or set trainer.backend: cpu") from e

@@ -276,11 +276,10 @@ class TrajectorySource:
 class RLStageData:
     """An RL stage for the trainer role (`rstar_hpc.trainer.main`): trajectory steps in, GRPO-RoC updates."""
 
-    initial_state = {"next_traj_step": 0}
-
     def __init__(self, cfg: RunConfig, stage, paths: RunPaths):
         self.cfg = cfg
         self.source = TrajectorySource(paths, stage.name, cfg)
+        self.initial_state = {"next_traj_step": 0}  # a fresh stage: no trajectory step trained yet
 
     def next(self) -> RLBatch:
         return self.source.next()

@@ -14,8 +14,9 @@ import argparse
 import json
 import logging
 import random
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -94,7 +95,7 @@ class SFTData:
         self._order = self._shuffle()
 
     @classmethod
-    def from_jsonl(cls, path: str | Path, tokenizer, **kwargs) -> "SFTData":
+    def from_jsonl(cls, path: str | Path, tokenizer, **kwargs) -> SFTData:
         return cls([tokenize_conversation(m, tokenizer) for m in load_chat_jsonl(path)], **kwargs)
 
     def _shuffle(self) -> list[int]:
@@ -156,8 +157,13 @@ def run_sft(*, model_dir: str | Path, data: str | Path, num_steps: int, samples_
     """
     from transformers import AutoTokenizer
 
-    from rstar_hpc.trainer.checkpoint import (SaveOnSignal, TrainState, latest_checkpoint, load_checkpoint,
-                                              save_checkpoint)
+    from rstar_hpc.trainer.checkpoint import (
+        SaveOnSignal,
+        TrainState,
+        latest_checkpoint,
+        load_checkpoint,
+        save_checkpoint,
+    )
     from rstar_hpc.trainer.hf_convert import load_hf_checkpoint
     from rstar_hpc.trainer.model import Qwen3Arch, build_model, init_distributed
     from rstar_hpc.trainer.step import build_optimizer, build_scheduler, train_step
@@ -282,5 +288,5 @@ class SFTStageData:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.data.load_state_dict(state)
 
-    def commit(self, checkpoint: str) -> None:  # noqa: ARG002  (the cursor is in the checkpoint already)
+    def commit(self, checkpoint: str) -> None:
         pass

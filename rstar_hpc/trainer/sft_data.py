@@ -53,8 +53,7 @@ def write_jsonl(samples: list[dict], path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:
-        for s in samples:
-            f.write(json.dumps(s) + "\n")
+        f.writelines(json.dumps(s) + "\n" for s in samples)
     return path
 
 

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Protocol
+from typing import Protocol
 
 import torch
 from megatron.core import parallel_state
@@ -49,8 +50,8 @@ class MicroBatch:
     def num_tokens(self) -> int:
         return self.input_ids.numel()
 
-    def to(self, device: torch.device | str) -> "MicroBatch":
-        move = lambda x: None if x is None else x.to(device)  # noqa: E731
+    def to(self, device: torch.device | str) -> MicroBatch:
+        move = lambda x: None if x is None else x.to(device)
         return MicroBatch(move(self.input_ids), self.seqlens, move(self.loss_mask), move(self.advantages),
                           move(self.old_logprobs), {k: move(v) for k, v in self.extras.items()})
 

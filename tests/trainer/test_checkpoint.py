@@ -10,10 +10,16 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import free_port
-from rstar_hpc.trainer.checkpoint import (DIE_IN_SAVE_ENV, SaveOnSignal, TrainState, latest_checkpoint,
-                                          load_checkpoint, save_checkpoint)
+
+from rstar_hpc.trainer.checkpoint import (
+    DIE_IN_SAVE_ENV,
+    SaveOnSignal,
+    TrainState,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from rstar_hpc.trainer.hf_convert import load_hf_checkpoint
 from rstar_hpc.trainer.model import Qwen3Arch, build_model
 from rstar_hpc.trainer.sft_data import make_samples, write_jsonl

@@ -7,10 +7,21 @@ import pytest
 import torch
 from transformers import Qwen3ForCausalLM
 
-from rstar_hpc.trainer.hf_convert import (export_hf_checkpoint, hf_to_megatron, load_hf_checkpoint,
-                                          megatron_to_hf, read_hf_weights)
-from rstar_hpc.trainer.model import (ParallelDims, Qwen3Arch, build_model, forward_logits, packed_seq_params,
-                                     token_logprobs)
+from rstar_hpc.trainer.hf_convert import (
+    export_hf_checkpoint,
+    hf_to_megatron,
+    load_hf_checkpoint,
+    megatron_to_hf,
+    read_hf_weights,
+)
+from rstar_hpc.trainer.model import (
+    ParallelDims,
+    Qwen3Arch,
+    build_model,
+    forward_logits,
+    packed_seq_params,
+    token_logprobs,
+)
 
 
 @pytest.fixture(scope="module")

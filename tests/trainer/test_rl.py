@@ -1,7 +1,6 @@
 """The RL step on hand-made trajectories: direction of the update, RoC, the logprob gap, exactly-once reads."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
