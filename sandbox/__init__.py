@@ -4,6 +4,7 @@ Never imports torch or vLLM (standard library; numpy and sympy are imported only
 
     sandbox.limits   Limits: every knob, with defaults (4 s wall, 1 GiB, 32 processes, 8 KiB output, ...)
     sandbox.pool     Pool: N persistent bwrap sandboxes, queue, sessions, stats (in-process use, tests)
+    sandbox.route    which kind of sandbox a stateless call runs in (light: stdlib only; math: numpy/sympy)
     sandbox.server   Service: the Pool behind a TCP server, announced in the run directory
     sandbox.client   SandboxClient: batching, load-spreading, retrying client for many services
     sandbox.results  result record, statuses, render_rstar2() (the text the model sees)
@@ -29,9 +30,14 @@ targeted kernel exploit. Against it, each call is:
   user code and is non-dumpable; the service has a second timer on pid 1 itself. Output is read by pid 1
   through capped pipes (head + tail kept, the cell killed past output_kill_bytes).
 - fresh: a stateless call runs in a newly forked child of a warm interpreter (numpy and sympy already
-  imported), with re-seeded RNGs and an empty working directory; after it, every process it left is
+  imported in math sandboxes; a few stdlib modules in light ones, which take calls that import nothing
+  else: same bwrap recipe, pid 1, limits and uid scheme, only the preloads differ, and the choice never
+  changes what a cell sees), with re-seeded RNGs and an empty working directory; after it, every process it left is
   killed and its files removed, so nothing carries over to the next call. Sandboxes are also recycled
   after `recycle_after` calls and replaced on any anomaly (died, hung, processes surviving the sweep).
+- answered or failed over: a client whose service dies or freezes (SIGSTOP, a wedged host) gets every
+  call back, retried elsewhere and flagged `maybe_executed_before` when it may have run; a frozen service is
+  noticed once a call outlives its time limit plus the client's `reply_margin_s` with no reply at all.
 - reported on a separate channel: status, times and sizes are measured by pid 1 outside the cell, and the
   result travels as length-prefixed JSON on pipes the cell does not hold; nothing printed on stdout or
   stderr can change a result's status or fields. Sandbox output is never unpickled.

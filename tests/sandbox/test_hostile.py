@@ -13,13 +13,24 @@ import pytest
 from tests.sandbox.conftest import SECRET, TEST_LIMITS
 
 
-def run(sb, code, **kw):
-    return sb.run(code, **kw)
+def run(sb, code, kind=None, **kw):
+    """kind "math": the code mentions numpy, so it runs in a math sandbox (light and math sandboxes are the
+    same bwrap recipe and pid 1; the interpreter's preloads differ, so the core catalogue runs in both)."""
+    if kind == "math":
+        code += "\n# numpy"
+    r = sb.run(code, **kw)
+    if kind is not None:
+        assert r["sandbox"] == kind, r
+    return r
+
+
+BOTH = pytest.mark.parametrize("kind", ["light", "math"])
 
 
 # ---------------------------------------------------------------- processes (1, 2, 23, 24, 42)
-def test_fork_bomb_is_capped_by_nproc_and_killed_at_the_wall(healthy):
-    r = run(healthy, """
+@BOTH
+def test_fork_bomb_is_capped_by_nproc_and_killed_at_the_wall(healthy, kind):
+    r = run(healthy, kind=kind, code="""
 import os
 n = 0
 try:
@@ -57,8 +68,9 @@ except RuntimeError:
     assert 0 < int(r["stdout"]) <= TEST_LIMITS["max_processes"] + TEST_LIMITS["max_sessions_per_worker"] + 4
 
 
-def test_setsid_daemon_does_not_outlive_the_call(healthy):
-    r = run(healthy, """
+@BOTH
+def test_setsid_daemon_does_not_outlive_the_call(healthy, kind):
+    r = run(healthy, kind=kind, code="""
 import os, time
 if os.fork() == 0:
     os.setsid()
@@ -84,8 +96,9 @@ def test_subprocess_inside_a_cell_works_and_is_bounded(healthy):
 
 
 # ---------------------------------------------------------------- memory (3, 4, 38)
-def test_single_huge_allocation_is_a_memory_error(healthy):
-    r = run(healthy, "x = bytearray(10**10)")
+@BOTH
+def test_single_huge_allocation_is_a_memory_error(healthy, kind):
+    r = run(healthy, kind=kind, code="x = bytearray(10**10)")
     assert r["status"] == "memory" and r["exc_type"] == "MemoryError", r
 
 
@@ -117,8 +130,9 @@ except OSError as e:
 
 
 # ---------------------------------------------------------------- output (5, 6, 7)
-def test_output_flood_is_capped_and_killed_fast(healthy):
-    r = run(healthy, "while True:\n    print('x' * 1000)", timeout_s=2)
+@BOTH
+def test_output_flood_is_capped_and_killed_fast(healthy, kind):
+    r = run(healthy, kind=kind, code="while True:\n    print('x' * 1000)", timeout_s=2)
     assert r["status"] == "output_truncated" and "killed" in r["reason"], r
     assert r["wall_s"] < 1.5
     assert len(r["stdout"]) < TEST_LIMITS["max_output_bytes"] + 100
@@ -169,12 +183,13 @@ def test_big_file_is_stopped_by_the_file_size_limit(healthy):
     assert r["status"] == "error" and r["exc_type"] == "OSError" and "File too large" in r["traceback"], r
 
 
-def test_files_do_not_persist_across_calls(healthy):
-    for _ in range(2):   # land on both sandboxes
-        run(healthy, "open('/tmp/leak', 'w').write('x'); open('/dev/shm/leak', 'w').write('x'); "
-                     "open('here', 'w').write('x')")
-    rs = healthy.run_many([{"code": "import os\nprint(os.path.exists('/tmp/leak'), os.path.exists('/dev/shm/leak'),"
-                                    " os.listdir('.'))"} for _ in range(4)])
+@BOTH
+def test_files_do_not_persist_across_calls(healthy, kind):
+    for _ in range(2):   # land on both sandboxes of the kind
+        run(healthy, kind=kind, code="open('/tmp/leak', 'w').write('x'); open('/dev/shm/leak', 'w').write('x'); "
+                                     "open('here', 'w').write('x')")
+    check = "import os\nprint(os.path.exists('/tmp/leak'), os.path.exists('/dev/shm/leak'), os.listdir('.'))"
+    rs = [run(healthy, kind=kind, code=check) for _ in range(4)]
     assert {r["stdout"] for r in rs} == {"False False []\n"}, rs
 
 
@@ -184,9 +199,10 @@ def test_import_hijack_from_the_working_directory_fails(healthy):
 
 
 # ---------------------------------------------------------------- secrets (11, 26, 35)
-def test_launcher_environment_is_invisible(healthy):
+@BOTH
+def test_launcher_environment_is_invisible(healthy, kind):
     assert os.environ.get("RSTAR_SANDBOX_TEST_SECRET") == SECRET
-    r = run(healthy, """
+    r = run(healthy, kind=kind, code="""
 import os
 print(sorted(os.environ))
 for p in os.listdir('/proc'):
@@ -216,8 +232,9 @@ def test_pid1_memory_is_unreadable(healthy):
 
 
 # ---------------------------------------------------------------- network (12, 13)
-def test_no_network_egress(healthy):
-    r = run(healthy, "import socket\nsocket.create_connection(('1.1.1.1', 53), timeout=1)")
+@BOTH
+def test_no_network_egress(healthy, kind):
+    r = run(healthy, kind=kind, code="import socket\nsocket.create_connection(('1.1.1.1', 53), timeout=1)")
     assert r["status"] == "error" and r["exc_type"] in ("OSError", "TimeoutError"), r
 
 
@@ -244,8 +261,10 @@ def test_kill_minus_one_is_denied(healthy):
     assert r["status"] == "error" and r["exc_type"] == "PermissionError", r
 
 
-def test_sigkill_to_pid1_has_no_effect(healthy):
-    r = run(healthy, "import os, signal, time\nos.kill(1, signal.SIGKILL)\ntime.sleep(0.2)\nprint('still here')")
+@BOTH
+def test_sigkill_to_pid1_has_no_effect(healthy, kind):
+    r = run(healthy, kind=kind,
+            code="import os, signal, time\nos.kill(1, signal.SIGKILL)\ntime.sleep(0.2)\nprint('still here')")
     assert r["status"] == "ok" and r["stdout"] == "still here\n", r
 
 
@@ -293,8 +312,9 @@ def test_cpu_spin_is_killed(healthy):
     assert r["status"] == "timeout", r
 
 
-def test_cancelling_timers_does_not_escape(healthy):
-    r = run(healthy, """
+@BOTH
+def test_cancelling_timers_does_not_escape(healthy, kind):
+    r = run(healthy, kind=kind, code="""
 import signal, time
 signal.alarm(0)
 for s in (signal.SIGXCPU, signal.SIGALRM, signal.SIGTERM, signal.SIGINT):
@@ -360,10 +380,11 @@ def test_printed_protocol_text_cannot_forge_a_result(healthy):
     assert r["status"] == "error" and r["exc_type"] == "ZeroDivisionError", r
 
 
-def test_fake_reports_on_every_fd_cannot_forge_times_or_outlive_the_call(healthy):
+@BOTH
+def test_fake_reports_on_every_fd_cannot_forge_times_or_outlive_the_call(healthy, kind):
     # a cell may end its own call early with a made-up report about itself (as os._exit(0) could), but the
     # times are measured outside it and whatever it left running is killed before the next call
-    r = run(healthy, """
+    r = run(healthy, kind=kind, code="""
 import os, time
 time.sleep(0.3)
 fake = b'{"exc_type": null, "status": "timeout", "wall_s": 999.0, "cpu_s": 999.0, "stdout": "forged"}'
