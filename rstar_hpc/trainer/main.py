@@ -77,7 +77,9 @@ def main(cfg: RunConfig, stage_name: str, *, on_step: Callable[[int, dict], None
         while state.step < stage.num_steps:
             timer = _Timer()
             with timer("read"):
-                batch = data.next()
+                batch = data.next(stop_requested=lambda: signal_save.requested)
+            if batch is None:  # USR2 while waiting for trajectories: the state is at a step boundary
+                return _save_and_requeue(state, data, paths, stage, rank0, tcfg.checkpoint.keep_last)
             metrics = data.train(model, optimizer, scheduler, batch)
             state.step += 1
             state.data_state = data.state_dict()
@@ -90,18 +92,13 @@ def main(cfg: RunConfig, stage_name: str, *, on_step: Callable[[int, dict], None
                 metrics["policy_version"] = version
             if stop or state.step == stage.num_steps or state.step % tcfg.checkpoint.save_every_steps == 0:
                 with timer("checkpoint"):
-                    saved = save_checkpoint(state, paths.ckpt_root(stage.name), keep_last=tcfg.checkpoint.keep_last,
-                                            stage=stage.name)
-                    data.commit(saved.name)  # acks the trajectory steps this checkpoint holds
-                    _set_state(paths, stage, rank0, "RUNNING", step=state.step)
+                    _checkpoint(state, data, paths, stage, rank0, tcfg.checkpoint.keep_last)
             metrics.update(timer.metrics())
             _log_step(metrics_out, stage, state.step, metrics, backend, model)
             if on_step is not None:
                 on_step(state.step, metrics)
             if stop and state.step < stage.num_steps:
-                log.info("USR2: saved at step %d; exiting for requeue", state.step)
-                _set_state(paths, stage, rank0, "RUNNING", message=f"saved at step {state.step} on USR2; requeued")
-                return EXIT_REQUEUE
+                return _save_and_requeue(state, data, paths, stage, rank0, tcfg.checkpoint.keep_last)
         _set_state(paths, stage, rank0, "DONE", step=state.step)
         return 0
     except BaseException as e:
@@ -171,6 +168,24 @@ def _restore(state: TrainState, data, cfg: RunConfig, stage: StageConfig, paths:
     state.scheduler, state.step, state.data_state = scheduler, 0, {}
     return (f"weights {'' if stage.reset_optimizer else 'and AdamW moments '}from {path} "
             f"(stage {prev.name}){'; optimizer reset' if stage.reset_optimizer else ''}")
+
+
+def _checkpoint(state: TrainState, data, paths: RunPaths, stage: StageConfig, rank0: bool, keep_last: int) -> None:
+    """Save (unless this step is saved already), then ack what the checkpoint holds, then record the step."""
+    latest = paths.checkpoints(stage.name).latest()
+    if state.step <= (latest[0] if latest else 0):
+        return
+    saved = save_checkpoint(state, paths.ckpt_root(stage.name), keep_last=keep_last, stage=stage.name)
+    data.commit(saved.name)  # acks the trajectory steps this checkpoint holds
+    _set_state(paths, stage, rank0, "RUNNING", step=state.step)
+
+
+def _save_and_requeue(state: TrainState, data, paths: RunPaths, stage: StageConfig, rank0: bool,
+                      keep_last: int) -> int:
+    _checkpoint(state, data, paths, stage, rank0, keep_last)
+    log.info("USR2: saved at step %d; exiting for requeue", state.step)
+    _set_state(paths, stage, rank0, "RUNNING", message=f"saved at step {state.step} on USR2; requeued")
+    return EXIT_REQUEUE
 
 
 def _publishes(stage: StageConfig, step: int, metrics: dict) -> bool:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -40,7 +41,7 @@ from rstar_hpc.algo.loss import LossStats, policy_loss
 from rstar_hpc.algo.metrics import loss_metrics, response_length_metrics, roc_metrics
 from rstar_hpc.algo.roc import RoCReason, RoCSelection, roc_downsample
 from rstar_hpc.config.schema import RunConfig
-from rstar_hpc.exchange.errors import ExchangeError
+from rstar_hpc.exchange.errors import ExchangeError, StepNotReadyError
 from rstar_hpc.exchange.reader import Consumer, token_view
 from rstar_hpc.exchange.rundir import RunPaths
 from rstar_hpc.trainer.step import MicroBatch, pack, sequence_logprobs, train_step
@@ -160,6 +161,14 @@ def build_batch(table: pa.Table, cfg: RunConfig, step: int) -> RLBatch:
 # the update
 
 
+def _any_rank(*flags: bool) -> list[bool]:
+    """Each flag, true if it is true on any trainer rank."""
+    t = torch.tensor([float(f) for f in flags], device="cuda" if torch.cuda.is_available() else "cpu")
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return [bool(x) for x in t.tolist()]
+
+
 def _dp_sum(values: list[float]) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64)
     if parallel_state.get_data_parallel_world_size() > 1:
@@ -237,10 +246,27 @@ class TrajectorySource:
         self.consumer = Consumer(paths, stage, name, cfg.trainer.producers)
         self.next_step = self.consumer.next_step
 
-    def next(self) -> RLBatch:
-        reader, step = self.consumer.reader, self.next_step
-        records = reader.wait(step, self.consumer.producers, timeout_s=self.cfg.trainer.trajectory_timeout_s)
-        batch = build_batch(reader.read(step, records=records), self.cfg, step)
+    def next(self, stop_requested: Callable[[], bool] = lambda: False, poll_s: float = 1.0) -> RLBatch | None:
+        """The next step's batch once every producer committed it; None if `stop_requested()` turns true on
+        any rank first (the trainer spends most of a synchronous run waiting here, so Slurm's pre-timeout
+        signal usually lands here). Ranks decide together, so none is left waiting alone in a collective."""
+        reader, step, start = self.consumer.reader, self.next_step, time.monotonic()
+        while True:
+            records = reader.commits(step)
+            missing = [p for p in self.consumer.producers if p not in records]
+            waited = time.monotonic() - start
+            not_ready, stop, late = _any_rank(bool(missing), stop_requested(),
+                                              waited >= self.cfg.trainer.trajectory_timeout_s)
+            if not not_ready:
+                break
+            if stop:
+                return None
+            if late:
+                raise StepNotReadyError(str(reader.paths.traj_step_dir(self.stage, step)), step, missing,
+                                        sorted(records), waited)
+            time.sleep(poll_s)
+        batch = build_batch(reader.read(step, records={p: records[p] for p in self.consumer.producers}), self.cfg,
+                            step)
         self.next_step += 1
         return batch
 
@@ -281,8 +307,8 @@ class RLStageData:
         self.source = TrajectorySource(paths, stage.name, cfg)
         self.initial_state = {"next_traj_step": 0}  # a fresh stage: no trajectory step trained yet
 
-    def next(self) -> RLBatch:
-        return self.source.next()
+    def next(self, stop_requested: Callable[[], bool] = lambda: False) -> RLBatch | None:
+        return self.source.next(stop_requested)
 
     def train(self, model, optimizer, scheduler, batch: RLBatch) -> dict[str, float]:
         return rl_step(model, optimizer, scheduler, batch, self.cfg)

@@ -272,8 +272,9 @@ class SFTStageData:
                                        max_tokens=cfg.trainer.micro_batch_tokens)
         self.initial_state = self.data.state_dict()
 
-    def next(self):
-        # every rank draws the step's samples (same cursor everywhere) and trains its slice
+    def next(self, stop_requested=None):
+        # samples are always ready, so there is no wait to interrupt; every rank draws the step's samples (same
+        # cursor everywhere) and trains its slice
         return pack(self.data.next_samples(self.stage.prompts_per_step)[self.dp_rank::self.dp],
                     self.cfg.trainer.micro_batch_tokens)
 

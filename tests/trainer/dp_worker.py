@@ -1,4 +1,4 @@
-"""One rank of the data-parallel RL test: `python dp_worker.py RUN_ROOT HF_DIR OUT.pt` with RANK/WORLD_SIZE set.
+"""One rank of the data-parallel RL test: `python dp_worker.py RUN_ROOT HF_DIR OUT.pt` (RANK, WORLD_SIZE set).
 
 Reads trajectory step 0 of stage `rl` under RUN_ROOT, takes one RL step (this rank's share of the kept
 trajectories), and (rank 0) saves the step's metrics and the (clipped) gradients of the update in HF layout. Run by test_rl.py,

@@ -1,12 +1,15 @@
 """The trainer role end to end in one process per stage: SFT, then an RL stage that carries the SFT policy and
 AdamW moments over (with its own lr and schedule), consumes trajectory steps, skips an all-dropped step, publishes
-a version per update and acks the cursor after its checkpoint."""
+a version per update and acks the cursor after its checkpoint; then a stage with an optimizer reset that gets
+USR2 while it waits for trajectories, saves and exits for a requeue."""
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -41,7 +44,8 @@ def test_sft_then_rl_stage(tiny_hf_dir, tmp_path):
                            checkpoint={"save_every_steps": 2, "keep_last": 2})
     tree["stages"] = [{"name": "sft", "kind": "sft", "num_steps": 2, "prompts_per_step": 2, "lr": SFT_LR,
                        "data": str(data)},
-                      {"name": "rl", "kind": "rl", "num_steps": 3, "prompts_per_step": 2}]
+                      {"name": "rl", "kind": "rl", "num_steps": 3, "prompts_per_step": 2},
+                      {"name": "rl2", "kind": "rl", "num_steps": 3, "prompts_per_step": 2, "reset_optimizer": True}]
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text(yaml.safe_dump(tree))
     paths = RunPaths(tmp_path / "runs" / "tiny-cpu")
@@ -59,8 +63,7 @@ def test_sft_then_rl_stage(tiny_hf_dir, tmp_path):
     assert "weights and AdamW moments from" in log and "ckpt/sft/step-00000002 (stage sft)" in log
     assert "RoC kept no trajectory" in log
 
-    rows = [json.loads(x) for x in paths.metrics("trainer").read_text().splitlines()]
-    rl = [r for r in rows if r["stage"] == "rl"]
+    rl = [r for r in _rows(paths) if r["stage"] == "rl"]
     assert [r["step"] for r in rl] == [1, 2, 3]
     assert rl[0]["lr"] == pytest.approx(RL_LR / RL_WARMUP)  # this stage's lr and warm-up, not SFT's decayed lr
     assert rl[0]["policy_version"] == 2 and "policy_version" not in rl[1] and rl[2]["policy_version"] == 3
@@ -74,5 +77,38 @@ def test_sft_then_rl_stage(tiny_hf_dir, tmp_path):
     state = json.loads(paths.stage_state("rl").read_text())
     assert state["status"] == "DONE" and state["step"] == 3 and state["policy_version"] == 3
 
-    # a DONE stage is not trained again
-    assert "is DONE already" in _train(cfg, "rl", tmp_path)
+
+    # rl2 has one trajectory step so far; USR2 (the pre-timeout signal) while the trainer waits for the next
+    with ShardWriter(paths, "rl2", 0, "rollout") as w:
+        trajs = [_traj(0, f"q{g}", i, float(i % 2), gen) for g in range(2) for i in range(8)]
+        for t in trajs:
+            t.stage = "rl2"
+        w.write(trajs)
+        w.commit()
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
+    err = tmp_path / "rl2.err"
+    with open(err, "w") as f:
+        proc = subprocess.Popen([sys.executable, str(REPO / "jobs" / "trainer.py"), str(cfg), "--stage", "rl2"],
+                                env=env, stderr=f, stdout=subprocess.DEVNULL, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not any(r["stage"] == "rl2" for r in _rows(paths)):
+            assert proc.poll() is None, err.read_text()[-3000:]
+            time.sleep(0.2)
+        time.sleep(1.0)  # now waiting for trajectory step 1
+        proc.send_signal(signal.SIGUSR2)
+        assert proc.wait(timeout=120) == 0, err.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log = err.read_text()
+    assert "weights from" in log and "ckpt/rl/step-00000003 (stage rl); optimizer reset" in log
+    assert "USR2: saved at step 1" in log
+    assert paths.checkpoints("rl2").latest()[0] == 1
+    assert json.loads(paths.cursor("rl2", "trainer").read_text())["next_step"] == 1
+    state = json.loads(paths.stage_state("rl2").read_text())
+    assert state["status"] == "RUNNING" and "USR2" in state["message"] and state["step"] == 1
+
+
+def _rows(paths: RunPaths) -> list[dict]:
+    return [json.loads(x) for x in paths.metrics("trainer").read_text().splitlines()]

@@ -20,7 +20,8 @@ STAGE = "rl"
 
 def _cfg(tmp_path, hf_dir, *extra):
     return load_config("tiny-cpu", [f"run.root={tmp_path}", f"model.path={hf_dir}", "trainer.micro_batch_tokens=256",
-                                    "trainer.optimizer.lr=0.002", "trainer.optimizer.warmup_steps=0", *extra])
+                                    "trainer.optimizer.lr=0.002", "trainer.optimizer.warmup_steps=0",
+                                    *extra])
 
 
 def _traj(step: int, uid: str, i: int, reward: float, gen: torch.Generator, *, roc_kept=None) -> Trajectory:
