@@ -121,7 +121,10 @@ def build_batch(table: pa.Table, cfg: RunConfig, step: int) -> RLBatch:
     engine_lp, _ = token_view(table, "logprobs")
     resp_len = np.diff(r_off)
     finish = np.asarray(table.column("finish_reason").to_pylist())
+    versions = table.column("policy_version").to_numpy()
     metrics = {"reward/mean": float(rewards.mean()),
+               # the weights that generated this step; vs the trainer's newest version, its off-policy lag
+               "rollout/policy_version_min": float(versions.min()), "rollout/policy_version_max": float(versions.max()),
                **roc_metrics(selection, rewards, table.column("p_err").to_numpy(), table.column("p_format").to_numpy()),
                **response_length_metrics(resp_len, finish == "length")}
     keep = selection.indices
