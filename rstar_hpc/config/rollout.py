@@ -51,6 +51,11 @@ class SchedulerConfig(Section):
     policy: Literal["kv_aware", "static"] = "kv_aware"
     """`kv_aware`: admit each trajectory to the engine with the most free KV capacity (the paper);
     `static`: split trajectories evenly across engines up front (the usual baseline)."""
+    growth_reserve: float = Field(0.03, gt=0, le=1)
+    """KV booked per live trajectory beyond its reported context, as a fraction of the max response length
+    (bench/rollout_balance.py). 1.0 is rStar2's worst case (prompt + max response held for life): no overflow
+    ever, but small batches; lower books what trajectories hold now and re-books from engine heartbeats, and a
+    rare overflow costs a vLLM preempt-and-recompute, never a trajectory."""
     budget_coef: float = Field(1.0, gt=0)
     """An engine's admission capacity is its KV tokens divided by this (rStar2's `server_budget_coef`);
     below 1 overbooks on the bet that few trajectories use their whole budget."""
@@ -58,6 +63,13 @@ class SchedulerConfig(Section):
     """Concurrency cap per engine besides KV (vLLM's max_num_seqs default)."""
     heartbeat_s: float = Field(2.0, gt=0)
     """How often an engine rank reports its KV usage and liveness to the scheduler."""
+    max_policy_lag: int = Field(0, ge=0)
+    """Step N generates with the policy the trainer published after its step N - max_policy_lag (0: strictly
+    on-policy, the weights trained on step N-1); rank 0 waits for it."""
+    policy_wait_s: float = Field(3600.0, gt=0)
+    """How long a step waits for its policy to be published before it fails with a clear message."""
+    policy_load_timeout_s: float = Field(600.0, gt=0)
+    """How long engine ranks may take to load a new policy in place before rank 0 gives up on them."""
     engine_timeout_s: float = Field(60.0, gt=0)
     """An engine rank silent for this long is declared dead; its unfinished trajectories run elsewhere."""
 

@@ -13,32 +13,50 @@ from rstar_hpc.rollout.policy import KVAwarePolicy, StaticPolicy, make_policy
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_kv_aware_most_free_fits_sticky_release():
-    p = KVAwarePolicy({0: 1000, 1: 1500})
-    assert p.place("a", 600) == 1          # most free
-    assert p.place("b", 600) == 0          # 1000 > 900
-    assert p.place("c", 600) == 1          # 900 >= 600, 400 left on 0
-    assert p.place("d", 600) is None       # nothing fits: wait
+def test_worst_case_reservation_most_free_fits_sticky_release():
+    p = KVAwarePolicy({0: 1000, 1: 1500}, max_response=500, growth_reserve=1.0)   # rStar2: prompt + 500
+    assert p.place("a", 100) == 1          # most free
+    assert p.place("b", 100) == 0          # 1000 > 900
+    assert p.place("c", 100) == 1          # 900 >= 600, 400 left on 0
+    assert p.place("d", 100) is None       # nothing fits: wait
+    p.observe(1, {"a": 550})               # the worst case already covers any growth: no re-booking
+    assert p.free == {0: 400, 1: 300}
     p.release("b")
-    assert p.place("d", 600) == 0          # admitted the moment capacity frees
+    assert p.place("d", 100) == 0          # admitted the moment capacity frees
     assert sorted(p.engine_lost(1)) == ["a", "c"] and p.engines == [0]
-    assert p.place("a", 600) is None and p.free[0] == 400
+    assert p.place("a", 100) is None and p.free[0] == 400
     with pytest.raises(ValueError, match="exceeds every engine"):
-        p.check_fits_somewhere(2000)
+        p.check_fits_somewhere(1500)
+
+
+def test_live_reservation_rebooks_from_reports():
+    p = KVAwarePolicy({0: 1000}, max_response=1000, growth_reserve=0.1)   # book context + 100
+    assert [p.place(k, 200) for k in "abc"] == [0, 0, 0] and p.free[0] == 100
+    assert p.place("d", 200) is None
+    p.observe(0, {"a": 450, "gone": 999})          # a grew; unknown keys (finished, re-queued) are ignored
+    assert p.free[0] == -150                       # overbooked now: nothing is admitted until releases
+    p.observe(0, {"a": 300})                       # a stale, shorter report never shrinks a booking
+    assert p.free[0] == -150
+    p.observe(0, {"b": 1150})                      # capped at the worst case: prompt + max response
+    assert p.placed["b"][3] == 1200
+    p.release("a")
+    p.release("b")
+    assert p.free[0] == 700 and p.place("d", 200) == 0
 
 
 def test_kv_aware_budget_coef_and_count_cap():
-    p = KVAwarePolicy({0: 1000}, budget_coef=0.5, max_per_engine=2)
+    p = KVAwarePolicy({0: 1000}, max_response=100, budget_coef=0.5, max_per_engine=2)
     assert p.capacity[0] == 2000
-    assert p.place(1, 100) == 0 and p.place(2, 100) == 0 and p.place(3, 100) is None
+    assert p.place(1, 0) == 0 and p.place(2, 0) == 0 and p.place(3, 0) is None
 
 
 def test_static_round_robin_and_loss():
     p = StaticPolicy([0, 1])
+    p.observe(0, {"a": 5})
     assert [p.place(k, 10**9) for k in "abcd"] == [0, 1, 0, 1]
     assert p.engine_lost(0) == ["a", "c"] and p.place("a", 1) == 1
     with pytest.raises(ValueError, match="kv_aware"):
-        make_policy("fastest", {0: 1})
+        make_policy("fastest", {0: 1}, max_response=1)
 
 
 def test_bench_small_run_reports_sane_figures():
@@ -46,7 +64,8 @@ def test_bench_small_run_reports_sane_figures():
                           "--per-engine", "24"], capture_output=True, text=True, timeout=120, check=True)
     fig = json.loads(out.stdout.strip().splitlines()[-1])
     row = fig["engines_8"]
-    for pol in ("static", "kv_aware"):
+    for pol in ("static", "kv_aware_worst_case", "kv_aware"):
         assert row[pol]["makespan_s"] >= row["lower_bound_s"] * 0.999   # a schedule beating the bound is a bug
         assert 0 <= row[pol]["idle_fraction"] < 1
-    assert row["kv_aware"]["preemptions"] == 0                          # worst-case reservation never overflows
+    assert row["kv_aware_worst_case"]["preemptions"] == 0               # worst-case reservation never overflows
+    assert row["kv_aware"]["makespan_s"] < row["kv_aware_worst_case"]["makespan_s"]
