@@ -13,7 +13,7 @@ Levels: concurrency 1 (one call at a time), 64 and 2,048 calls queued at once. T
 calls would take minutes (about 2,048 interpreter starts, with numpy and sympy imports for the math call), so
 its throughput there is the saturated rate measured at 64 and its latency is not measured ("null").
 On a shared machine the load drifts within a run, so the trivial baseline's saturated rate is measured twice,
-right before and right after our runs, and their mean is the ratio's denominator (both are recorded, with
+right before and right after our trivial runs, and their mean is the ratio's denominator (both are recorded, with
 the 1-minute load average at each phase). The numpy/sympy baseline (about 20 s) is measured once.
 Calls that import nothing heavy run in the service's light (stdlib-only) sandboxes: the trivial workload
 measures those; the numpy/sympy workload measures the math sandboxes.
@@ -156,15 +156,16 @@ async def main_async(args) -> dict:
                 await ours("import numpy")
             figures["load_avg_1m_at"]["baseline_trivial_before"] = os.getloadavg()[0]
             trivial_c1, trivial_before = await baseline("trivial")
-            figures["load_avg_1m_at"]["ours"] = os.getloadavg()[0]
             for name, code in WORKLOADS.items():
+                figures["load_avg_1m_at"][f"ours_{name}"] = os.getloadavg()[0]
                 figures["ours"][name] = {}
                 for n, conc in (levels if not args.only_c1 else levels[:1]):
                     figures["ours"][name][f"c{n}"] = r = await run_level(ours, code, n if n > 1 else 50, conc)
                     print(f"ours     {name:12s} {n:5d} queued: {r['throughput']:8.1f} calls/s  p50 {r['p50_ms']} ms"
                           f"  p99 {r['p99_ms']} ms  failed {r['failed']}", flush=True)
-            figures["load_avg_1m_at"]["baseline_trivial_after"] = os.getloadavg()[0]
-            _, trivial_after = await baseline("trivial", c1=False)
+                if name == "trivial":   # right after ours, so the two brackets cover the same stretch of load
+                    figures["load_avg_1m_at"]["baseline_trivial_after"] = os.getloadavg()[0]
+                    _, trivial_after = await baseline("trivial", c1=False)
     finally:
         proc.terminate()
         proc.wait(30)
