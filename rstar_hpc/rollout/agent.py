@@ -20,15 +20,16 @@ import asyncio
 import json
 import re
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Protocol
 
 from rstar_hpc.config.rollout import AgentConfig
 from rstar_hpc.exchange.schema import TOOL_STATUSES, Timings, ToolCall, Turn
 from rstar_hpc.models.chat_format import IM_END, TOOL_NAME, render_prompt, render_tool_responses
 from sandbox.results import render_rstar2, truncate_middle
 
-_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
+_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 # sandbox statuses the trajectory schema has no name for: infrastructure failures after the client's retries
 _SCHEMA_STATUS = {"internal_error": "error", "unavailable": "error"}
 
@@ -44,7 +45,8 @@ class Generation:
 
 
 class Engine(Protocol):
-    async def generate(self, prompt_ids: Sequence[int], max_tokens: int, request_id: str) -> Generation: ...
+    async def generate(self, prompt_ids: Sequence[int], max_tokens: int, request_id: str, *,
+                       seed: int | None = None) -> Generation: ...
 
 
 class ToolRunner(Protocol):
@@ -75,6 +77,9 @@ class AgentResult:
     timings: Timings = field(default_factory=Timings)
     num_cached_tokens: int = 0
     """Prompt tokens the engine served from its prefix cache, summed over turns."""
+    infra_failures: int = 0
+    """Tool calls the sandbox could not run (internal_error / unavailable): recorded as `error` calls, since
+    the exchange schema has no status for them, and counted here so the step reports them."""
 
     @property
     def response_text(self) -> str:
@@ -170,7 +175,10 @@ class AgentLoop:
     def encode_prompt(self, question: str) -> tuple[list[int], str]:
         return encode_prompt(self.tok, question, self.cfg.max_prompt_length)
 
-    async def run(self, prompt_ids: Sequence[int], request_id: str, prompt_text: str = "") -> AgentResult:
+    async def run(self, prompt_ids: Sequence[int], request_id: str, prompt_text: str = "", *,
+                  seed: int | None = None, progress: Callable[[int], None] | None = None) -> AgentResult:
+        """One trajectory. `seed` makes its sampling reproducible (turn k samples with seed + k);
+        `progress` hears the context length after every turn (the scheduler books KV from it)."""
         t_start = time.perf_counter()
         res = AgentResult(prompt_ids=list(prompt_ids), prompt_text=prompt_text)
         budget = self.max_response_length
@@ -178,7 +186,8 @@ class AgentLoop:
         while True:
             left = budget - len(res.response_ids)
             t0 = time.perf_counter()
-            gen = await self.engine.generate(context, left, f"{request_id}-t{res.num_assistant_turns}")
+            turn_kw = {} if seed is None else {"seed": (seed + res.num_assistant_turns) % 2**63}
+            gen = await self.engine.generate(context, left, f"{request_id}-t{res.num_assistant_turns}", **turn_kw)
             res.timings.generate_s += time.perf_counter() - t0
             res.num_cached_tokens += gen.num_cached_tokens
             ids = list(gen.token_ids)[:left]
@@ -200,7 +209,9 @@ class AgentLoop:
                 res.finish_reason = "max_turns"
                 break
             t0 = time.perf_counter()
-            records = await self._execute(calls, request_id, turn_index)
+            outcomes = await self._execute(calls, request_id, turn_index)
+            records = [r for r, _ in outcomes]
+            res.infra_failures += sum(infra for _, infra in outcomes)
             res.timings.tool_s += time.perf_counter() - t0
             # the assistant turn ended at <|im_end|>; the template puts "\n" after it before the user turn
             tool_text = ("" if ended else IM_END) + "\n" + render_tool_responses([r.output for r in records])
@@ -211,6 +222,8 @@ class AgentLoop:
                 break
             self._append(res, "tool", tool_ids, tool_text, mask=0, logprobs=[0.0] * len(tool_ids))
             context = list(prompt_ids) + res.response_ids
+            if progress is not None:
+                progress(len(context))
         res.timings.total_s = time.perf_counter() - t_start
         return res
 
@@ -222,22 +235,23 @@ class AgentLoop:
         res.logprobs.extend(logprobs)
         res.turns.append(Turn(role=role, start=start, end=start + len(ids), text=text))
 
-    async def _execute(self, calls: list[ParsedCall], request_id: str, turn: int) -> list[ToolCall]:
+    async def _execute(self, calls: list[ParsedCall], request_id: str, turn: int) -> list[tuple[ToolCall, bool]]:
+        """Each call's record, and whether it failed for the sandbox's reasons rather than the code's."""
         limit = self.cfg.max_parallel_calls
         return list(await asyncio.gather(*(
             self._one(c, turn) if i < limit else self._skipped(c, turn, limit) for i, c in enumerate(calls))))
 
-    async def _skipped(self, call: ParsedCall, turn: int, limit: int) -> ToolCall:
+    async def _skipped(self, call: ParsedCall, turn: int, limit: int) -> tuple[ToolCall, bool]:
         out = _failure_text(f"not executed: at most {limit} tool call(s) per turn")
         return ToolCall(turn=turn, name=call.name, arguments=call.raw, status="invalid_request", wall_time_s=0.0,
-                        output=out)
+                        output=out), False
 
-    async def _one(self, call: ParsedCall, turn: int) -> ToolCall:
+    async def _one(self, call: ParsedCall, turn: int) -> tuple[ToolCall, bool]:
         max_chars = self.cfg.tool_output_max_chars
         if call.error is not None:
             text = call.error
             return ToolCall(turn=turn, name=call.name, arguments=call.raw, status=call.error_status,
-                            wall_time_s=0.0, output=truncate_middle(text, max_chars), output_chars=len(text))
+                            wall_time_s=0.0, output=truncate_middle(text, max_chars), output_chars=len(text)), False
         args = json.dumps({"code": call.code, "input": call.stdin})
         try:
             result = await asyncio.wait_for(self.tools.run(call.code, stdin=call.stdin,
@@ -251,7 +265,7 @@ class AgentLoop:
             status = "error"
         return ToolCall(turn=turn, name=call.name, arguments=args, status=status,
                         wall_time_s=float(result.get("wall_s") or 0.0), output=truncate_middle(text, max_chars),
-                        output_chars=len(text))
+                        output_chars=len(text)), result.get("status") in _SCHEMA_STATUS
 
 
 def worst_case_tokens(num_prompt_tokens: int, max_response_length: int) -> int:

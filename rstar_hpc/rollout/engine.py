@@ -19,9 +19,9 @@ Build the engine BEFORE initialising MPI in the same process, and `shutdown()` i
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 from rstar_hpc.config import RunConfig
 from rstar_hpc.rollout.agent import Generation
@@ -99,13 +99,14 @@ class VLLMEngine:
                             output_kind=RequestOutputKind.FINAL_ONLY)
         self._SamplingParams = SamplingParams
 
-    async def generate(self, prompt_ids: Sequence[int], max_tokens: int, request_id: str) -> Generation:
+    async def generate(self, prompt_ids: Sequence[int], max_tokens: int, request_id: str, *,
+                       seed: int | None = None) -> Generation:
         from vllm.inputs import TokensPrompt
 
         max_tokens = min(max_tokens, self.max_model_len - len(prompt_ids))
         if max_tokens <= 0:
             return Generation([], [], "length")
-        params = self._SamplingParams(max_tokens=max_tokens, **self._params)
+        params = self._SamplingParams(max_tokens=max_tokens, seed=seed, **self._params)
         final = None
         async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)), params, request_id):
             final = out

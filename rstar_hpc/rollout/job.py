@@ -11,8 +11,11 @@ import json
 import logging
 import os
 import sys
+import time
 
 from rstar_hpc.rollout.scheduler import env_rank
+
+log = logging.getLogger("rstar_hpc.rollout")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -65,7 +68,6 @@ def main(argv=None) -> int:
 
 def _wait_for_model(cfg, timeout_s: float = 600.0):
     """Rank 0 builds a tiny model; the others wait for it instead of racing to build it too."""
-    import time
 
     from rstar_hpc.models.resolve import ModelNotFoundError, resolve_model
 
@@ -82,11 +84,27 @@ def _wait_for_model(cfg, timeout_s: float = 600.0):
 def _scheduler(cfg, paths, stage, args, model_dir) -> int:
     from transformers import AutoTokenizer
 
-    from rstar_hpc.rollout.scheduler import init_mpi, run_scheduler, step_items
+    from rstar_hpc.rollout.scheduler import TAG_ABORT, init_mpi
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     MPI = init_mpi()
     comm = MPI.COMM_WORLD
+    try:
+        return _scheduler_steps(cfg, paths, stage, args, tok, comm, MPI)
+    except BaseException as e:
+        # engine ranks would otherwise wait for work until their timeout: tell them, then fail
+        log.exception("rank 0 failed")
+        reqs = [comm.isend(f"{type(e).__name__}: {e}", dest=r, tag=TAG_ABORT) for r in range(1, comm.Get_size())]
+        deadline = time.monotonic() + 5.0
+        while not all(r.Test() for r in reqs) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return 1
+
+
+def _scheduler_steps(cfg, paths, stage, args, tok, comm, MPI) -> int:
+    from rstar_hpc.rollout.scheduler import run_scheduler, step_items
+
+    dead: set[int] = set()
     for step in args.step:
         items, dropped = step_items(cfg, stage, step, tok)
         bar = None
@@ -94,7 +112,7 @@ def _scheduler(cfg, paths, stage, args, model_dir) -> int:
             from tqdm import tqdm
             bar = tqdm(total=len(items), desc=f"rollout step {step}", unit="traj", file=sys.stderr)
         summary = run_scheduler(comm, MPI, cfg, paths, stage, step, items, dropped=dropped,
-                                progress=bar.update if bar else None)
+                                progress=bar.update if bar else None, dead_ranks=dead)
         if bar:
             bar.close()
         print(json.dumps(summary), flush=True)
@@ -113,15 +131,16 @@ def _engine(cfg, paths, stage, args, model_dir, rank) -> int:
     async def steps() -> None:
         client = SandboxClient(addresses=args.sandbox or None, run_dir=None if args.sandbox else str(paths.dir))
         try:
-            for step in args.step:
-                if await engine.maybe_load_latest(paths):
-                    logging.info("engine rank %d: loaded policy v%d", rank, engine.policy_version)
+            for step in args.step:   # rank 0 names the policy each step runs; the engine loads it in place
                 await run_engine_rank(comm, MPI, cfg, engine, client, stage, step)
         finally:
             await client.close()
 
     try:
         asyncio.run(steps())
+    except RuntimeError:
+        log.exception("engine rank %d failed", rank)
+        return 1
     finally:
         engine.shutdown()
     return 0

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -33,7 +34,7 @@ from rstar_hpc.rollout.policy import KVAwarePolicy, StaticPolicy, make_policy  #
 
 log = logging.getLogger("rstar_hpc.rollout")
 
-TAG_HELLO, TAG_WORK, TAG_RESULT, TAG_BEAT, TAG_DONE, TAG_STOP, TAG_DEAD = range(1, 8)
+TAG_HELLO, TAG_WORK, TAG_RESULT, TAG_BEAT, TAG_DONE, TAG_STOP, TAG_DEAD, TAG_START, TAG_ABORT = range(1, 10)
 PRODUCER = "rollout"
 
 
@@ -96,44 +97,108 @@ def stage_limits(cfg, stage_name: str) -> tuple[int, int]:
             (stage.max_turns if stage and stage.max_turns else agent.max_turns))
 
 
+# --------------------------------------------------------------------------------------------------- policy
+def required_trainer_step(cfg, step: int) -> int | None:
+    """The trainer step a policy must have reached to generate `step`: on-policy, step N runs the weights
+    trained on step N-1 (trainer_step N), `max_policy_lag` steps older allowed. None: anything goes."""
+    need = step - cfg.rollout.scheduler.max_policy_lag
+    return need if need > 0 else None
+
+
+def wait_for_policy(cfg, paths, stage: str, step: int, *, poll_s: float = 1.0) -> tuple[int, str] | None:
+    """(version, directory) of the newest published policy good enough for `step`, waiting for the trainer
+    to publish it (`policy_wait_s`); None when the step may run the base model and nothing is published."""
+    dirs = paths.policies()
+    need = required_trainer_step(cfg, step)
+    deadline = time.monotonic() + cfg.rollout.scheduler.policy_wait_s
+    waited = False
+    while True:
+        for v in sorted(dirs.complete_steps(), reverse=True):
+            if need is None:
+                return v, str(dirs.path(v))
+            meta = dirs.marker(v)
+            if meta.get("stage") == stage and int(meta.get("trainer_step", -1)) >= need:
+                return v, str(dirs.path(v))
+        if need is None:
+            return None
+        if not waited:
+            log.info("step %d of stage %s waits for a policy with trainer_step >= %d (max_policy_lag=%d)",
+                     step, stage, need, cfg.rollout.scheduler.max_policy_lag)
+            waited = True
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"rollout step {step} of stage {stage!r} needs a policy the trainer published after training "
+                f"step {need} of that stage (COMMITTED.json trainer_step >= {need} under {dirs.root}); none "
+                f"appeared in {cfg.rollout.scheduler.policy_wait_s:.0f}s. Is the trainer running? "
+                f"(rollout.scheduler.max_policy_lag allows older policies; policy_wait_s waits longer)")
+        time.sleep(poll_s)
+
+
 # --------------------------------------------------------------------------------------------------- rank 0
 def run_scheduler(comm, MPI, cfg, paths, stage: str, step: int, items: list[WorkItem], *, dropped=(),
-                  progress=None) -> dict:
-    """Rank 0: admit, collect, score, write. Returns the step's summary (also appended to metrics/rollout)."""
+                  progress=None, dead_ranks: set[int] | None = None) -> dict:
+    """Rank 0: admit, collect, score, write. Returns the step's summary (also appended to metrics/rollout).
+    `dead_ranks` carries the engine ranks lost in earlier steps of this job (updated in place)."""
     from rstar_hpc.exchange.writer import ShardWriter
 
     sc = cfg.rollout.scheduler
     max_response, _ = stage_limits(cfg, stage)
-    engines = list(range(1, comm.Get_size()))
-    if not engines:
+    dead_ranks = set() if dead_ranks is None else dead_ranks
+    if comm.Get_size() < 2:
         raise RuntimeError("the rollout step needs at least 2 MPI ranks: rank 0 schedules, ranks 1.. run engines")
+    engines = [e for e in range(1, comm.Get_size()) if e not in dead_ranks]
+    if not engines:
+        raise RuntimeError(f"all engine ranks died in earlier steps ({sorted(dead_ranks)}); step {step} cannot run")
     if ShardWriter.is_committed(paths, stage, step, PRODUCER):
         log.info("step %d of stage %s already committed: nothing to do", step, stage)
         for e in engines:
             comm.send(None, dest=e, tag=TAG_STOP)
         return {"step": step, "skipped": True}
+    policy_ref = wait_for_policy(cfg, paths, stage, step)
     t_start = time.monotonic()
+    start = {"policy_version": None, "policy_dir": None}
+    if policy_ref is not None:
+        start = {"policy_version": policy_ref[0], "policy_dir": policy_ref[1]}
+    sends: list = [comm.isend(start, dest=e, tag=TAG_START) for e in engines]
     hello: dict[int, dict] = {}
-    deadline = time.monotonic() + sc.engine_timeout_s
-    while len(hello) < len(engines) and time.monotonic() < deadline:
+    # an engine acks the start at once, then loads the step's policy, then says hello: one that does not
+    # ack is dead after engine_timeout_s, one that loads gets policy_load_timeout_s more
+    acked: set[int] = set()
+    t0 = time.monotonic()
+    last_beat = 0.0
+    while len(hello) < len(engines):
+        now = time.monotonic()
+        if all(now - t0 > sc.engine_timeout_s + (sc.policy_load_timeout_s if e in acked else 0)
+               for e in engines if e not in hello):
+            break
         st = MPI.Status()
-        if comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_HELLO, status=st):
-            hello[st.Get_source()] = comm.recv(source=st.Get_source(), tag=TAG_HELLO)
+        if comm.Iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=st):
+            src, tag = st.Get_source(), st.Get_tag()
+            msg = comm.recv(source=src, tag=tag)
+            if tag == TAG_HELLO:
+                hello[src] = msg
+            elif tag == TAG_BEAT:
+                acked.add(src)
+            # anything else is a leftover of the previous step (a late result or beat): dropped
         else:
             time.sleep(0.005)
+        if now - last_beat > sc.heartbeat_s:   # engines that are ready wait for the slow loaders
+            sends += [comm.isend(None, dest=e, tag=TAG_BEAT) for e in hello]
+            last_beat = now
     if not hello:
-        raise RuntimeError(f"no engine rank started step {step} within {sc.engine_timeout_s}s")
+        raise RuntimeError(f"no engine rank started step {step} (waited {time.monotonic() - t0:.0f}s)")
     missing = [e for e in engines if e not in hello]
     if missing:
         log.error("engine ranks %s did not start step %d; running without them", missing, step)
     engines = sorted(hello)
-    policy = make_policy(sc.policy, {e: hello[e]["capacity_tokens"] for e in engines},
-                         budget_coef=sc.budget_coef, max_per_engine=sc.max_trajectories_per_engine)
+    policy = make_policy(sc.policy, {e: hello[e]["capacity_tokens"] for e in engines}, max_response=max_response,
+                         growth_reserve=sc.growth_reserve, budget_coef=sc.budget_coef,
+                         max_per_engine=sc.max_trajectories_per_engine)
     by_key = {it.key: it for it in items}
     if len(by_key) != len(items):
         raise ValueError("duplicate (prompt_uid, sample_index) in the step's prompts; uids must be unique")
     for it in items:
-        policy.check_fits_somewhere(len(it.prompt_ids) + max_response)
+        policy.check_fits_somewhere(len(it.prompt_ids))
     pending: deque = deque(items)
     queued_at = {it.key: 0.0 for it in items}
     results: dict = {}
@@ -142,7 +207,7 @@ def run_scheduler(comm, MPI, cfg, paths, stage: str, step: int, items: list[Work
     engine_stats: dict = {}
     reward_s = 0.0
     reruns = 0
-    sends: list = []
+    infra_failures = 0
 
     def lose(e: int, why: str) -> None:
         nonlocal reruns
@@ -165,7 +230,7 @@ def run_scheduler(comm, MPI, cfg, paths, stage: str, step: int, items: list[Work
             if it.key in results:
                 pending.popleft()
                 continue
-            e = policy.place(it.key, len(it.prompt_ids) + max_response)
+            e = policy.place(it.key, len(it.prompt_ids))
             if e is None:
                 break
             pending.popleft()
@@ -186,18 +251,24 @@ def run_scheduler(comm, MPI, cfg, paths, stage: str, step: int, items: list[Work
             alive[src] = time.monotonic()
             if tag == TAG_RESULT:
                 key = (msg["prompt_uid"], msg["sample_index"])
-                if key in results or key not in by_key:
+                if msg.pop("step") != step or key in results or key not in by_key:
                     continue
                 if policy.placed.get(key) is not None:
                     policy.release(key)
                 t0 = time.perf_counter()
+                infra_failures += msg.pop("infra_failures", 0)
                 results[key] = _to_trajectory(cfg, stage, step, by_key[key], msg, queued_at[key])
                 reward_s += time.perf_counter() - t0
                 if progress is not None:
                     progress(1)
+            elif tag == TAG_BEAT:
+                policy.observe(src, msg.get("contexts", {}))
             elif tag == TAG_DEAD:
                 lose(src, msg)
         now = time.monotonic()
+        if now - last_beat > sc.heartbeat_s:   # engines leave when rank 0 goes silent (died)
+            sends += [comm.isend(None, dest=e, tag=TAG_BEAT) for e in alive]
+            last_beat = now
         for e, seen in list(alive.items()):
             if now - seen > sc.engine_timeout_s:
                 lose(e, f"silent for {now - seen:.0f}s")
@@ -213,6 +284,11 @@ def run_scheduler(comm, MPI, cfg, paths, stage: str, step: int, items: list[Work
             engine_stats[st.Get_source()] = comm.recv(source=st.Get_source(), tag=TAG_STOP)
         else:
             time.sleep(0.005)
+    for e in alive:
+        if e not in engine_stats:   # its results are all in, but the rank is gone: the next step goes on without it
+            log.error("engine rank %d did not report at the end of step %d; presumed dead", e, step)
+            dead.append(e)
+    dead_ranks.update(dead)
     trajs = [results[it.key] for it in items]
     with ShardWriter(paths, stage, step, PRODUCER) as w:
         w.write(trajs)
@@ -220,7 +296,8 @@ def run_scheduler(comm, MPI, cfg, paths, stage: str, step: int, items: list[Work
         "step": step, "stage": stage, "policy": sc.policy, "trajectories": len(trajs),
         "dropped_prompts": list(dropped), "engines": engines, "dead_engines": dead, "reruns": reruns,
         "wall_s": round(time.monotonic() - t_start, 3), "generation_wall_s": round(gen_s, 3),
-        "reward_s": round(reward_s, 4),
+        "reward_s": round(reward_s, 4), "policy_version": start["policy_version"],
+        "tool_infra_failures": infra_failures,
         "tool_wait_s": round(sum(t.timings.tool_s for t in trajs), 3),
         "generate_s": round(sum(t.timings.generate_s for t in trajs), 3),
         "mean_reward": sum(t.reward for t in trajs) / max(1, len(trajs)),
@@ -261,69 +338,126 @@ def _to_trajectory(cfg, stage: str, step: int, it: WorkItem, msg: dict, queue_s:
 
 
 # --------------------------------------------------------------------------------------------------- ranks 1..N
+async def _wait_from_rank0(comm, MPI, timeout_s: float, what: str) -> tuple[int, object]:
+    """The next message from rank 0 (tag, payload); a silent rank 0 is a dead one: give up, do not hang."""
+    deadline = time.monotonic() + timeout_s
+    st = MPI.Status()
+    while True:
+        while not comm.Iprobe(source=0, tag=MPI.ANY_TAG, status=st):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"rank 0 (the scheduler) sent nothing for {timeout_s:.0f}s while this rank "
+                                   f"waited for {what}; it is presumed dead")
+            await asyncio.sleep(0.01)
+        tag = st.Get_tag()
+        msg = comm.recv(source=0, tag=tag)
+        if tag != TAG_BEAT:   # a late heartbeat of the previous step
+            return tag, msg
+
+
 async def run_engine_rank(comm, MPI, cfg, engine, tools, stage: str, step: int) -> dict:
-    """An engine rank for one step: run what rank 0 admits until it says the step is done."""
+    """An engine rank for one step: load the step's policy, then run what rank 0 admits until it says the
+    step is done."""
     from rstar_hpc.rollout.agent import AgentLoop
 
+    sc = cfg.rollout.scheduler
     rank = comm.Get_rank()
+    tag, start = await _wait_from_rank0(comm, MPI, sc.policy_wait_s + sc.engine_timeout_s, f"step {step}")
+    if tag == TAG_ABORT:
+        raise RuntimeError(f"rank 0 aborted the job: {start}")
+    if tag == TAG_STOP:   # already committed: nothing to run
+        return {"done": 0, "skipped": True}
+    if tag != TAG_START:
+        raise RuntimeError(f"engine rank {rank}: expected the start of step {step}, got tag {tag}")
+    comm.send({"loading": start["policy_version"] != engine.policy_version}, dest=0, tag=TAG_BEAT)
+    if start["policy_version"] is not None and start["policy_version"] != engine.policy_version:
+        load_s = await engine.load_policy(start["policy_dir"], start["policy_version"])
+        log.info("engine rank %d: loaded policy v%d in %.1fs", rank, engine.policy_version, load_s)
     max_response, max_turns = stage_limits(cfg, stage)
     agent = AgentLoop(engine, tools, engine.tokenizer, cfg.rollout.agent, max_response_length=max_response,
                       max_turns=max_turns)
-    comm.send({"capacity_tokens": engine.kv.capacity_tokens}, dest=0, tag=TAG_HELLO)
+    comm.send({"capacity_tokens": engine.kv.capacity_tokens, "policy_version": engine.policy_version},
+              dest=0, tag=TAG_HELLO)
     tasks: set[asyncio.Task] = set()
+    contexts: dict[tuple, int] = {}   # live trajectories' context lengths: the scheduler books KV from them
     idle_s, last_beat = 0.0, 0.0
-    t_start = last = time.monotonic()
+    t_start = last = heard = time.monotonic()
     done = 0
     failure: list[str] = []
 
     async def one(item: dict) -> None:
         nonlocal done
+        key = (item["prompt_uid"], item["sample_index"])
+        contexts[key] = len(item["prompt_ids"])
+        seed = request_seed(cfg.run.seed, stage, step, *key)
+
+        def progress(n: int) -> None:
+            contexts[key] = n
         try:
             res = await agent.run(item["prompt_ids"], f"s{step}-{item['prompt_uid']}-{item['sample_index']}",
-                                  item["prompt_text"])
+                                  item["prompt_text"], seed=seed, progress=progress)
         except Exception as e:   # the engine is gone (EngineDeadError, ...): rank 0 re-runs our work elsewhere
             log.exception("engine rank %d: trajectory failed", rank)
             failure.append(f"{type(e).__name__}: {e}")
             return
+        finally:
+            contexts.pop(key, None)
         msg = dataclasses.asdict(res)
         msg.update(prompt_uid=item["prompt_uid"], sample_index=item["sample_index"], engine_rank=rank,
-                   policy_version=engine.policy_version)
+                   policy_version=engine.policy_version, step=step)
         del msg["prompt_ids"], msg["prompt_text"]
         comm.send(msg, dest=0, tag=TAG_RESULT)
         done += 1
+
+    def stop(stats: dict | None = None) -> dict:
+        for t in list(tasks):
+            t.cancel()
+        return stats or {}
 
     while True:
         st = MPI.Status()
         while comm.Iprobe(source=0, tag=MPI.ANY_TAG, status=st):
             tag = st.Get_tag()
             msg = comm.recv(source=0, tag=tag)
+            heard = time.monotonic()
             if tag == TAG_WORK:
                 for item in msg:
                     t = asyncio.create_task(one(item))
                     tasks.add(t)
                     t.add_done_callback(tasks.discard)
+            elif tag == TAG_ABORT:
+                stop()
+                raise RuntimeError(f"rank 0 aborted the job: {msg}")
             elif tag in (TAG_DONE, TAG_STOP):
-                stats = {"done": done, "idle_s": round(idle_s, 3), "wall_s": round(time.monotonic() - t_start, 3), "kv_capacity_tokens":
-                         engine.kv.capacity_tokens, "preemptions": engine.kv.preemptions}
+                stats = {"done": done, "idle_s": round(idle_s, 3), "wall_s": round(time.monotonic() - t_start, 3),
+                         "kv_capacity_tokens": engine.kv.capacity_tokens, "preemptions": engine.kv.preemptions}
                 if tag == TAG_DONE:
                     comm.send(stats, dest=0, tag=TAG_STOP)
-                for t in list(tasks):
-                    t.cancel()
-                return stats
+                return stop(stats)
         if failure:
             comm.send("; ".join(failure[:3]), dest=0, tag=TAG_DEAD)
-            for t in list(tasks):
-                t.cancel()
+            stop()
             raise RuntimeError(f"engine rank {rank} failed: {failure[0]}")
         now = time.monotonic()
-        if now - last_beat > cfg.rollout.scheduler.heartbeat_s:
-            comm.send({"kv_usage": engine.kv.usage, "running": len(tasks)}, dest=0, tag=TAG_BEAT)
+        if now - heard > sc.engine_timeout_s:
+            stop()
+            raise RuntimeError(f"engine rank {rank}: rank 0 (the scheduler) silent for {now - heard:.0f}s; "
+                               f"presumed dead, leaving step {step}")
+        if now - last_beat > sc.heartbeat_s:
+            comm.send({"kv_usage": engine.kv.usage, "running": len(tasks), "contexts": dict(contexts)},
+                      dest=0, tag=TAG_BEAT)
             last_beat = now
         await asyncio.sleep(0.005)
         now = time.monotonic()
         if not tasks:   # nothing admitted here: the engine idles
             idle_s += now - last
         last = now
+
+
+def request_seed(run_seed: int, stage: str, step: int, prompt_uid: str, sample_index: int) -> int:
+    """A sampling seed per trajectory, the same wherever and whenever it runs (a re-run after an engine's
+    death samples what the lost run would have): reproducible for a given run seed."""
+    h = hashlib.blake2b(f"{run_seed}/{stage}/{step}/{prompt_uid}/{sample_index}".encode(), digest_size=8)
+    return int.from_bytes(h.digest(), "little") >> 1
 
 
 def env_rank() -> int:

@@ -23,9 +23,11 @@ class ScriptedEngine:
     def __init__(self, tok, scripts: dict[str, list[str]], delay_s: float = 0.0):
         self.tok, self.scripts, self.delay_s = tok, scripts, delay_s
         self.calls: list[tuple[str, list[int], int, float]] = []
+        self.seeds: list[int | None] = []
 
-    async def generate(self, prompt_ids, max_tokens, request_id):
+    async def generate(self, prompt_ids, max_tokens, request_id, *, seed=None):
         traj, turn = request_id.rsplit("-t", 1)
+        self.seeds.append(seed)
         self.calls.append((request_id, list(prompt_ids), max_tokens, asyncio.get_running_loop().time()))
         await asyncio.sleep(self.delay_s)
         ids = self.tok.encode(self.scripts[traj][int(turn)], add_special_tokens=False)
@@ -196,5 +198,30 @@ def test_unreachable_sandbox_is_a_failure_response(tok):
 
     eng = ScriptedEngine(tok, {"a": [call("print(1)"), ANSWER]})
     res, _ = run(loop(tok, eng, Down()))
-    assert res.finish_reason == "stop" and res.tool_calls[0].status == "error"
+    assert res.finish_reason == "stop" and res.tool_calls[0].status == "error" and res.infra_failures == 1
     assert res.tool_calls[0].output.startswith("Tool call failure")
+
+
+def test_code_errors_are_not_infrastructure_failures(tok):
+    eng = ScriptedEngine(tok, {"a": [call("raise ValueError('boom')"), ANSWER]})
+    res, _ = run(loop(tok, eng))
+    assert res.tool_calls[0].status == "error" and res.infra_failures == 0
+
+
+def test_seeds_per_turn_and_progress_reports(tok):
+    from rstar_hpc.rollout.scheduler import request_seed
+
+    eng = ScriptedEngine(tok, {"a": [call("print(1)"), call("print(2)"), ANSWER]})
+    agent = loop(tok, eng)
+    ids, text = agent.encode_prompt("Compute 6 * 7.")
+    seen: list[int] = []
+    seed = request_seed(0, "rl", 3, "p1", 2)
+    res = asyncio.run(agent.run(ids, "a", text, seed=seed, progress=seen.append))
+    assert eng.seeds == [seed, seed + 1, seed + 2]
+    assert seen == [len(ids) + res.turns[1].end, len(ids) + res.turns[3].end]   # after each tool turn
+    # the same trajectory gets the same seed anywhere; any other coordinate changes it
+    assert request_seed(0, "rl", 3, "p1", 2) == seed
+    assert len({seed, request_seed(1, "rl", 3, "p1", 2), request_seed(0, "rl", 4, "p1", 2),
+                request_seed(0, "rl", 3, "p2", 2), request_seed(0, "rl", 3, "p1", 3)}) == 5
+    asyncio.run(agent.run(ids, "a", text))
+    assert eng.seeds[-3:] == [None] * 3   # no seed: the engine's own generator
