@@ -72,7 +72,8 @@ class Service:
         self.port = self._server.sockets[0].getsockname()[1]
         self._publish()
         self._tasks.append(asyncio.create_task(self._periodic()))
-        log.info("sandbox service %s listening on %s (%d workers)", self.name, self.address, len(self.pool.slots))
+        log.info("sandbox service %s listening on %s (%d math + %d light sandboxes)", self.name, self.address,
+                 len(self.pool.math_slots), len(self.pool.light_slots))
 
     async def close(self) -> None:
         for t in self._tasks:

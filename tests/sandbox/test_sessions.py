@@ -94,7 +94,11 @@ def test_idle_eviction_then_replay():
         s = sid()
         p.run("import random\nx = 20\nprint('noisy')", session=s)
         p.run("x += 1", session=s)
-        time.sleep(2.0)   # the housekeeper runs every second
+        # the housekeeper runs every second; the evicted session's record (and history) is forgotten 4 x idle
+        # after its last use, so call again as soon as it is evicted, not after a fixed sleep
+        deadline = time.monotonic() + 1.9
+        while not p.snapshot()["evictions"].get("idle") and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert p.snapshot()["evictions"].get("idle") == 1
         r = p.run("x * 2", session=s)
         assert r["status"] == "ok" and r["stdout"] == "42\n", r   # replay output is not shown
