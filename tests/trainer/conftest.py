@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import socket
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
 
@@ -51,3 +53,41 @@ def dist1():
     dims = init_distributed(tp=1)
     yield dims
     destroy_distributed()
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def write_config(path: Path, hf_dir: Path, stages: list[dict], **trainer) -> Path:
+    """A run config (tiny-cpu with the model at `hf_dir`, runs under `path`'s folder) with these stages."""
+    tree = yaml.safe_load((REPO / "configs" / "tiny-cpu.yaml").read_text())
+    tree["run"]["root"] = str(path.parent / "runs")
+    tree["model"] = {"path": str(hf_dir)}
+    tree["trainer"].update(trainer)
+    tree["stages"] = stages
+    path.write_text(yaml.safe_dump(tree))
+    return path
+
+
+def run_trainer(cfg: Path, stage: str, *overrides: str, env: dict | None = None, log: Path) -> int:
+    """`jobs/trainer.py CFG OVERRIDES --stage STAGE` as a world of one, in its own session (so that the orphans of
+    a hard exit can be reaped); output to `log`. Returns the exit code."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1",
+           **(env or {})}
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, str(REPO / "jobs" / "trainer.py"), str(cfg), *overrides,
+                                 "--stage", stage], env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            return proc.wait(timeout=240)
+        finally:
+            # megatron's checkpoint writer keeps a multiprocessing manager; after a hard exit it is orphaned
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

@@ -4,13 +4,11 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import free_port
+from conftest import run_trainer, write_config
 
 from rstar_hpc.trainer.checkpoint import (
     DIE_IN_SAVE_ENV,
@@ -87,48 +85,34 @@ def test_usr2_requests_a_save():
         handler.close()
 
 
-def _sft(hf_dir, data, root, metrics, extra_env=None) -> tuple[int, str]:
-    """Run the SFT entry point in its own session (so a hard exit's orphans can be reaped); (returncode, log)."""
-    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": str(Path.cwd()), **(extra_env or {})}
-    cmd = [sys.executable, "-m", "rstar_hpc.trainer.sft", "--model", str(hf_dir), "--data", str(data),
-           "--ckpt-root", str(root), "--num-steps", "6", "--samples-per-step", "4", "--warmup-steps", "2",
-           "--save-every-steps", "2", "--micro-batch-tokens", "1024", "--metrics-out", str(metrics)]
-    log = Path(str(metrics) + ".log")
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=240)
-        finally:
-            # megatron's checkpoint writer keeps a multiprocessing manager; after a hard exit it is orphaned
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    return rc, log.read_text()
-
-
-def _losses(path: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in map(json.loads, path.read_text().splitlines())}
+def _losses(metrics: Path) -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in map(json.loads, metrics.read_text().splitlines())]
 
 
 def test_kill_mid_save_then_resume_matches_uninterrupted_run(tiny_hf_dir, tmp_path):
+    """The trainer role's SFT stage, killed (as by SIGKILL) after writing step 4's shards and before the commit,
+    resumes from step 2 and then logs the same losses as a run that was never interrupted."""
     data = write_jsonl(make_samples(40, seed=0, system=""), tmp_path / "train.jsonl")
-    rc, log = _sft(tiny_hf_dir, data, tmp_path / "ref", tmp_path / "ref.jsonl")
-    assert rc == 0, log[-3000:]
+    cfg = write_config(tmp_path / "cfg.yaml", tiny_hf_dir,
+                       [{"name": "sft", "kind": "sft", "num_steps": 6, "prompts_per_step": 4, "lr": 2e-3,
+                         "data": str(data)}],
+                       micro_batch_tokens=1024, optimizer={"warmup_steps": 2},
+                       checkpoint={"save_every_steps": 2, "keep_last": 3})
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    assert run_trainer(cfg, "sft", f"run.root={ref}", log=tmp_path / "ref.log") == 0, \
+        (tmp_path / "ref.log").read_text()[-3000:]
 
-    rc, log = _sft(tiny_hf_dir, data, tmp_path / "run", tmp_path / "run.jsonl", {DIE_IN_SAVE_ENV: "4"})
-    assert rc == 137, log[-3000:]
-    root = tmp_path / "run"
+    rc = run_trainer(cfg, "sft", f"run.root={run}", env={DIE_IN_SAVE_ENV: "4"}, log=tmp_path / "killed.log")
+    assert rc == 137, (tmp_path / "killed.log").read_text()[-3000:]
+    root = run / "tiny-cpu" / "ckpt" / "sft"
     assert latest_checkpoint(root) == root / "step-00000002"  # the half-written step 4 is not trusted
     assert any(".step-00000004.tmp-" in p.name for p in root.iterdir())
 
-    rc, log = _sft(tiny_hf_dir, data, root, tmp_path / "run.jsonl")
-    assert rc == 0, log[-3000:]
-    assert "resumed from step 2" in log
-    ref_losses, run_lines = _losses(tmp_path / "ref.jsonl"), (tmp_path / "run.jsonl").read_text().splitlines()
-    after_resume = [json.loads(x) for x in run_lines][4:]  # steps 1-4 of the killed run, then the resumed 3-6
-    assert [r["step"] for r in after_resume] == [3, 4, 5, 6]
-    for r in after_resume:
-        assert r["loss"] == ref_losses[r["step"]], (r["step"], r["loss"], ref_losses[r["step"]])
+    assert run_trainer(cfg, "sft", f"run.root={run}", log=tmp_path / "resumed.log") == 0
+    assert f"resumed from {root}/step-00000002 (step 2)" in (tmp_path / "resumed.log").read_text()
+    ref_losses = dict(_losses(ref / "tiny-cpu" / "metrics" / "trainer.jsonl"))
+    logged = _losses(run / "tiny-cpu" / "metrics" / "trainer.jsonl")
+    assert [s for s, _ in logged] == [1, 2, 3, 3, 4, 5, 6]  # steps 1-3 of the killed run, then the resumed 3-6
+    for step, loss in logged[3:]:
+        assert loss == ref_losses[step], (step, loss, ref_losses[step])
     assert latest_checkpoint(root) == root / "step-00000006"

@@ -1,13 +1,15 @@
-"""SFT: the rStar2 rendering, the assistant-only mask, and a tiny run that lowers held-out loss."""
+"""SFT: the rStar2 rendering, the assistant-only mask, and a tiny SFT stage that lowers held-out loss."""
 from __future__ import annotations
 
 import json
 
 import pytest
 import torch
+from conftest import run_trainer, write_config
 from transformers import AutoTokenizer
 
-from rstar_hpc.trainer.sft import SFTData, load_chat_jsonl, render_segments, run_sft, tokenize_conversation
+from rstar_hpc.exchange.rundir import RunPaths
+from rstar_hpc.trainer.sft import SFTData, load_chat_jsonl, render_segments, tokenize_conversation
 from rstar_hpc.trainer.sft_data import make_samples, write_jsonl
 
 
@@ -47,13 +49,36 @@ def test_data_cursor_round_trips():
     assert [int(x[0][0]) for x in a.next_samples(6)] == [int(x[0][0]) for x in b.next_samples(6)]
 
 
-def test_tiny_sft_lowers_held_out_loss(dist1, tiny_hf_dir, tmp_path):
+def _held_out_nll(model_dir, samples) -> float:
+    """Token-mean NLL of the trained tokens of `samples` under the Hugging Face model in `model_dir`."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for ids, mask in samples:
+            lp = torch.log_softmax(model(ids[None]).logits[0, :-1], -1).gather(-1, ids[1:, None])[:, 0]
+            total -= float(lp[mask[1:]].sum())
+            count += int(mask[1:].sum())
+    return total / count
+
+
+def test_tiny_sft_stage_lowers_held_out_loss_of_the_published_policy(tiny_hf_dir, tokenizer, tmp_path):
     train = write_jsonl(make_samples(200, seed=0, system=""), tmp_path / "train.jsonl")
-    held = write_jsonl(make_samples(16, seed=99, system=""), tmp_path / "eval.jsonl")
-    hist = run_sft(model_dir=tiny_hf_dir, data=train, eval_data=held, num_steps=10, samples_per_step=8,
-                   lr=3e-3, warmup_steps=2, micro_batch_tokens=1024)
-    before, after = hist[0]["eval_loss_before"], hist[-1]["eval_loss"]
+    held = SFTData.from_jsonl(write_jsonl(make_samples(16, seed=99, system=""), tmp_path / "eval.jsonl"),
+                              tokenizer).samples
+    cfg = write_config(tmp_path / "cfg.yaml", tiny_hf_dir,
+                       [{"name": "sft", "kind": "sft", "num_steps": 10, "prompts_per_step": 8, "lr": 3e-3,
+                         "data": str(train)}],
+                       micro_batch_tokens=1024, optimizer={"warmup_steps": 2, "weight_decay": 0.0})
+    assert run_trainer(cfg, "sft", log=tmp_path / "sft.log") == 0, (tmp_path / "sft.log").read_text()[-3000:]
+    run = RunPaths(tmp_path / "runs" / "tiny-cpu")
+    policy = run.policies().latest()
+    assert policy is not None and policy[0] == 1  # the stage's final policy, for the RL stage's rollouts
+
+    before, after = _held_out_nll(tiny_hf_dir, held), _held_out_nll(policy[1], held)
     assert after < 0.7 * before, (before, after)
+    hist = [json.loads(x) for x in run.metrics("trainer").read_text().splitlines()]
     assert hist[-1]["loss"] < hist[0]["loss"]
     lrs = [h["lr"] for h in hist]
-    assert lrs[1] > lrs[0] and lrs[-1] < max(lrs)  # warm-up, then cosine decay
+    assert lrs[1] > lrs[0] and lrs[-1] < max(lrs)  # warm-up, then cosine decay (optimizer.sft_schedule)
