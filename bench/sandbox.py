@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -169,8 +170,10 @@ async def main_async(args) -> dict:
     finally:
         proc.terminate()
         proc.wait(30)
+        shutil.rmtree(run_dir, ignore_errors=True)
     figures["load_avg_1m_at"]["baseline_numpy_sympy"] = os.getloadavg()[0]
     numpy_c1, numpy_sat = await baseline("numpy_sympy")
+    shutil.rmtree(base.dir, ignore_errors=True)
     sat_trivial = dict(trivial_before, throughput=round((trivial_before["throughput"]
                                                          + trivial_after["throughput"]) / 2, 1),
                        before=trivial_before["throughput"], after=trivial_after["throughput"])
