@@ -124,7 +124,8 @@ def build_batch(table: pa.Table, cfg: RunConfig, step: int) -> RLBatch:
     versions = table.column("policy_version").to_numpy()
     metrics = {"reward/mean": float(rewards.mean()),
                # the weights that generated this step; vs the trainer's newest version, its off-policy lag
-               "rollout/policy_version_min": float(versions.min()), "rollout/policy_version_max": float(versions.max()),
+               "rollout/policy_version_min": float(versions.min()),
+               "rollout/policy_version_max": float(versions.max()),
                **roc_metrics(selection, rewards, table.column("p_err").to_numpy(), table.column("p_format").to_numpy()),
                **response_length_metrics(resp_len, finish == "length")}
     keep = selection.indices
