@@ -6,7 +6,7 @@
 Where a stage starts: its own latest checkpoint (a requeued or restarted job); else the latest checkpoint of the
 nearest earlier sft/rl stage (weights, plus AdamW moments unless the stage says `reset_optimizer`, the paper's
 stage 3; this stage's lr and schedule start afresh); else the Hugging Face model of `model`.
-What it writes: ckpt/<stage>/ (checkpoints), policy/ (a version after each RL update and at the end of SFT),
+What it writes: ckpt/<stage>/ (checkpoints), policy/ (a version after each RL step and at the end of SFT),
 metrics/trainer.jsonl (one JSON object per step), stages/<stage>/state.json (RUNNING, DONE or FAILED).
 Returns 0 when the stage is done, EXIT_REQUEUE after saving on USR2 (Slurm's pre-timeout signal; the CLI exits 0
 then, and sbatch/trainer.sbatch requeues the job); raises on failure, after marking the stage FAILED.
@@ -84,7 +84,7 @@ def main(cfg: RunConfig, stage_name: str, *, on_step: Callable[[int, dict], None
             state.step += 1
             state.data_state = data.state_dict()
             stop = signal_save.should_save()
-            if _publishes(stage, state.step, metrics):
+            if _publishes(stage, state.step):
                 with timer("publish"):
                     version, _ = publish_policy(model, paths, source_dir=model_dir, keep_last=tcfg.publish_keep_last,
                                                 max_shard_bytes=int(tcfg.publish_max_shard_gb * 2**30),
@@ -188,11 +188,11 @@ def _save_and_requeue(state: TrainState, data, paths: RunPaths, stage: StageConf
     return EXIT_REQUEUE
 
 
-def _publishes(stage: StageConfig, step: int, metrics: dict) -> bool:
-    """RL: after every update (engines load it for the next steps); SFT: once, the policy RL starts from."""
-    if stage.kind == "rl":
-        return not metrics.get("train/skipped_empty_step")
-    return step == stage.num_steps
+def _publishes(stage: StageConfig, step: int) -> bool:
+    """RL: after every step, an empty one included: the rollout's next step waits for a policy whose
+    COMMITTED.json says `trainer_step` >= its step (rollout.scheduler.max_policy_lag); SFT: once, at the end,
+    the policy the RL stage starts from."""
+    return stage.kind == "rl" or step == stage.num_steps
 
 
 def _set_state(paths: RunPaths, stage: StageConfig, rank0: bool, status: str, **changes) -> None:

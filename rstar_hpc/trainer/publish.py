@@ -4,10 +4,13 @@
                                COMMITTED.json {step, files, stage, trainer_step, format, ...}
     <run>/policy/latest        "v-00000007", moved only after the directory is complete
 
-What the rollout side watches: `RunPaths.policies().latest()` (the `policy/latest` pointer, through the exchange's
-`CommittedDirs`, which never returns an incomplete directory), and loads it in place when its version is newer
-than the engine's (`rollout.engine.Engine.maybe_load_latest` does exactly this). `stages/<stage>/state.json`
-mirrors the newest version in `policy_version` for `rstar-hpc run` and the launcher; it is not the signal.
+`trainer_step` N in an RL stage's marker: the weights after training on trajectory step N - 1 of `stage`, which
+is what rollout step N needs on-policy (`rollout.scheduler.wait_for_policy` reads exactly these two fields).
+
+What the rollout side watches: the complete versions under `policy/` through the exchange's `CommittedDirs`
+(never an incomplete directory): `latest()` for the newest, and each marker's `stage` and `trainer_step` to pick
+the one a step needs. `stages/<stage>/state.json` mirrors the newest version in `policy_version` for
+`rstar-hpc run` and the launcher; it is not the signal. (No rendezvous announcement: the trainer serves nothing.)
 
 Versions are run-global and increase by one per publish (the newest committed version + 1), across stages and
 restarts: a restarted trainer retrains from its checkpoint and publishes the next number, never rewriting one

@@ -1,6 +1,6 @@
 """The trainer role end to end in one process per stage: SFT, then an RL stage that carries the SFT policy and
-AdamW moments over (with its own lr and schedule), consumes trajectory steps, skips an all-dropped step, publishes
-a version per update and acks the cursor after its checkpoint; then a stage with an optimizer reset that gets
+AdamW moments over (with its own lr and schedule), consumes trajectory steps, skips the update of an all-dropped
+step, publishes a version per step and acks the cursor after its checkpoint; then a stage with an optimizer reset that gets
 USR2 while it waits for trajectories, saves and exits for a requeue."""
 from __future__ import annotations
 
@@ -66,16 +66,19 @@ def test_sft_then_rl_stage(tiny_hf_dir, tmp_path):
     rl = [r for r in _rows(paths) if r["stage"] == "rl"]
     assert [r["step"] for r in rl] == [1, 2, 3]
     assert rl[0]["lr"] == pytest.approx(RL_LR / RL_WARMUP)  # this stage's lr and warm-up, not SFT's decayed lr
-    assert rl[0]["policy_version"] == 2 and "policy_version" not in rl[1] and rl[2]["policy_version"] == 3
+    # a version per step, the empty one included: the rollout's next step waits for its trainer_step
+    assert [r["policy_version"] for r in rl] == [2, 3, 4]
+    markers = [paths.policies().marker(v) for v in (3, 4)]
+    assert [(m["stage"], m["trainer_step"]) for m in markers] == [("rl", 2), ("rl", 3)]
     assert rl[1]["train/skipped_empty_step"] == 1.0 and rl[1]["roc/groups_rejected_equal"] == 1
     for r in rl:
         assert r["time/read(s)"] >= 0 and r["time/step(s)"] > 0
     assert "time/checkpoint(s)" in rl[1] and "time/publish(s)" in rl[2] and rl[0]["tokens_per_s"] > 0
-    assert paths.policies().complete_steps() == [2, 3]  # publish_keep_last=2
+    assert paths.policies().complete_steps() == [3, 4]  # publish_keep_last=2
     cursor = json.loads(paths.cursor("rl", "trainer").read_text())
     assert cursor["next_step"] == 3 and cursor["state"] == {"checkpoint": "step-00000003"}
     state = json.loads(paths.stage_state("rl").read_text())
-    assert state["status"] == "DONE" and state["step"] == 3 and state["policy_version"] == 3
+    assert state["status"] == "DONE" and state["step"] == 3 and state["policy_version"] == 4
 
 
     # rl2 has one trajectory step so far; USR2 (the pre-timeout signal) while the trainer waits for the next
