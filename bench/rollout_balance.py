@@ -242,12 +242,19 @@ def real_measurement(steps: int = 1, prompts: int = 8) -> dict:
     import subprocess
     import tempfile
 
+    import yaml
+
     repo = Path(__file__).resolve().parents[1]
     out: dict = {}
     with tempfile.TemporaryDirectory(prefix="rollout-bench-") as tmp:
         for pol in ("static", "kv_aware"):
             run = Path(tmp) / pol
-            common = [f"run.root={tmp}", f"run.name={pol}"]
+            cfg = yaml.safe_load((repo / "configs/tiny-cpu.yaml").read_text())
+            cfg["run"] = {"name": pol, "root": tmp, "seed": 0}
+            cfg["rollout"]["scheduler"]["policy"] = pol
+            cfg["stages"] = [{"name": "rl", "kind": "rl", "num_steps": steps, "prompts_per_step": prompts}]
+            cfg_path = Path(tmp) / f"{pol}.yaml"
+            cfg_path.write_text(yaml.safe_dump(cfg))
             env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(repo))
             sb = subprocess.Popen([sys.executable, "-m", "rstar_hpc", "sandbox", "serve", "--workers", "1",
                                    "--run-dir", str(run), "--host", "127.0.0.1"], env=env, cwd=repo,
@@ -258,9 +265,8 @@ def real_measurement(steps: int = 1, prompts: int = 8) -> dict:
                     if sb.poll() is not None or time.monotonic() > deadline:
                         raise RuntimeError("the sandbox service did not start")
                     time.sleep(0.2)
-                cmd = [sys.executable, "-m", "rstar_hpc", "rollout", "--config", "tiny-cpu", "--engines", "2",
-                       *(a for s in range(steps) for a in ("--step", str(s))), *common,
-                       f"rollout.scheduler.policy={pol}", f"stages.1.prompts_per_step={prompts}"]
+                cmd = [sys.executable, "-m", "rstar_hpc", "rollout", "--config", str(cfg_path), "--engines", "2",
+                       *(a for s in range(steps) for a in ("--step", str(s)))]
                 t0 = time.perf_counter()
                 res = subprocess.run(cmd, env=env, cwd=repo, capture_output=True, text=True, timeout=900)
                 if res.returncode:
