@@ -2,18 +2,24 @@
 
     mpirun -n 3 python jobs/rollout.py --config tiny-cpu --step 0        # or srun --mpi=pmix under Slurm
 
-Rank 0 (no engine) holds the step's trajectories in a FIFO and admits each with the shared policy
-(policy.py: `kv_aware`, rStar2's, or `static`) to an engine rank, which keeps it for all its turns. Engine
-ranks run every admitted trajectory as an agent-loop coroutine (agent.py) against their engine and the
-sandbox service, and send each finished one back; rank 0 releases its reservation, admits more at once, scores
-it (reward and RoC quality signals, off the generation path: generation goes on meanwhile), and at the end
-writes all of them in ONE committed shard set (producer "rollout"). So a trajectory is written once, or, if
-rank 0 dies, not at all (a rerun of the step starts clean: the commit record is the only publication).
+A step: rank 0 waits until the trainer has published the policy the step needs (`wait_for_policy`: trained
+through step N - max_policy_lag) and names it in START; each engine rank acks at once, loads it in place if
+it is new, and says HELLO with its KV capacity. Rank 0 holds the step's trajectories in a FIFO and admits
+each with the shared policy (policy.py: `kv_aware` or `static`) to an engine rank, which keeps it for all its
+turns. Engine ranks run every admitted trajectory as an agent-loop coroutine (agent.py; its sampling seed
+depends only on run seed, stage, step, prompt uid and sample index) against their engine and the sandbox
+service, report their live trajectories' context lengths in heartbeats (KV booking), and send each finished
+one back; rank 0 releases its booking, admits more at once, scores it (reward and RoC quality signals, off
+the generation path: generation goes on meanwhile), and at the end writes all of them in ONE committed shard
+set (producer "rollout"). So a trajectory is written once, or, if rank 0 dies, not at all (a rerun of the
+step starts clean: the commit record is the only publication).
 
-Engine death: an engine rank that reports its engine dead, or is silent for `engine_timeout_s`, is dropped;
-its unfinished trajectories go back to the front of the queue and run on the others from scratch. A late
-result for a trajectory already re-run is ignored (results are keyed by (prompt_uid, sample_index)). Under
-mpirun this needs `--mca orte_enable_recovery 1` (Open MPI 4) so one rank's death does not end the job.
+Engine death: an engine rank that reports its engine dead, or is silent for `engine_timeout_s`, is dropped
+for the rest of the job; its unfinished trajectories go back to the front of the queue and run on the others
+from scratch. A late result for a trajectory already re-run is ignored (results carry their step and are keyed
+by (prompt_uid, sample_index)). Under mpirun this needs `--mca orte_enable_recovery 1` (Open MPI 4) so one
+rank's death does not end the job. Rank 0 death: rank 0 heartbeats too, and sends ABORT when it fails; an
+engine rank that hears nothing from it for `engine_timeout_s` leaves instead of waiting forever.
 
 MPI is initialised AFTER the engine is built and finalised after it is shut down (kv-balancing.md §4.6).
 """
