@@ -64,16 +64,35 @@ def _canonical(key: str) -> str:
 
 
 def _set_dotted(tree: dict, key: str, value: Any) -> None:
+    """Set a dotted key; a list of named sections (`stages`) is entered by item name or index:
+    `stages.rl-8k.max_turns=12`, `stages.0.data=/path`."""
     parts = key.split(".")
-    node = tree
+    node: Any = tree
     for i, part in enumerate(parts[:-1]):
+        where = ".".join(parts[: i + 1])
+        if isinstance(node, list):
+            node = _list_item(node, part, where, key)
+            continue
         child = node.get(part)
         if child is None:
             child = node[part] = {}
-        if not isinstance(child, dict):
-            raise ConfigError(f"override {key}: {'.'.join(parts[:i + 1])} is a value, not a section")
+        if not isinstance(child, (dict, list)):
+            raise ConfigError(f"override {key}: {where} is a value, not a section")
         node = child
+    if isinstance(node, list):
+        raise ConfigError(f"override {key}: name an item's key (e.g. {key}.max_turns=...), not the item itself")
     node[parts[-1]] = value
+
+
+def _list_item(items: list, part: str, where: str, key: str) -> dict:
+    named = [it for it in items if isinstance(it, dict) and it.get("name") == part]
+    if named:
+        return named[0]
+    if part.isdigit() and int(part) < len(items) and isinstance(items[int(part)], dict):
+        return items[int(part)]
+    names = [str(it.get("name")) for it in items if isinstance(it, dict)]
+    raise ConfigError(f"override {key}: no item {part!r} in {where.rsplit('.', 1)[0]}; "
+                      f"items: {', '.join(names) or 'none'} (or an index 0..{len(items) - 1})")
 
 
 def _flatten(tree: Any, prefix: str = "") -> Iterable[tuple[str, Any]]:

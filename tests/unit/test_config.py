@@ -41,6 +41,17 @@ def test_dotted_overrides_parse_yaml_values():
     assert cfg.rollout.engine.block_size is None
 
 
+def test_stage_items_are_reached_by_name_or_index():
+    cfg = load_config("qwen3-14b", ["stages.rl-hard.max_turns=20", "stages.0.data=/lustre/sft.jsonl"])
+    assert cfg.stage("rl-hard").max_turns == 20
+    assert cfg.stage("sft").data == "/lustre/sft.jsonl"
+    assert cfg.stage("rl-8k").max_turns == 10                    # the others are untouched
+    with pytest.raises(ConfigError, match=r"no item 'rl-16k' in stages; items: sft, rl-8k, rl-12k, rl-hard, eval"):
+        load_config("qwen3-14b", ["stages.rl-16k.max_turns=3"])
+    with pytest.raises(ConfigError, match=r"stages.3.max_turn: unknown key; did you mean 'max_turns'"):
+        load_config("qwen3-14b", ["stages.rl-hard.max_turn=3"])
+
+
 def test_roc_alias_and_canonical_paths_are_the_same_knob():
     a = load_config("tiny-cpu", ["augmentation.down_sampling_config.down_sample_to_n=6"])
     b = load_config("tiny-cpu", ["algo.roc.down_sample_to_n=6"])
