@@ -52,13 +52,15 @@ def _stat_logger_factory(state_holder: list):
 
         def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
             st = state_holder[0] if state_holder else None
-            if st is None or scheduler_stats is None:
+            if st is None:
+                return
+            # what vLLM's own logger counts as preemptions (KV ran out: a request lost its blocks)
+            st.preemptions += int(getattr(iteration_stats, "num_preempted_reqs", 0) or 0)
+            if scheduler_stats is None:
                 return
             st.usage = float(scheduler_stats.kv_cache_usage)
             st.running = int(scheduler_stats.num_running_reqs)
             st.waiting = int(scheduler_stats.num_waiting_reqs)
-            pcs = getattr(scheduler_stats, "prefix_cache_stats", None)
-            st.preemptions += int(getattr(pcs, "preempted_requests", 0) or 0)
             st.updated_at = time.monotonic()
 
         def log_engine_initialized(self):
