@@ -18,15 +18,16 @@ from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
     "reward": ["RewardResult", "RewardScorer", "extract_answer", "last_boxed", "math_reward", "score_response"],
-    "quality": ["FAILED_TOOL_STATUSES", "TOOL_STATUSES", "Quality", "p_err", "p_format", "trajectory_quality"],
+    "quality": ["FAILED_TOOL_STATUSES", "INFRA_TOOL_STATUSES", "TOOL_STATUSES", "Quality", "p_err", "p_format",
+                "trajectory_quality"],
     "roc": ["RoCReason", "RoCSelection", "roc_downsample", "roc_split"],
     "advantage": ["group_advantages", "tokens_per_sample"],
     "loss": ["LossStats", "entropy_from_logits", "policy_loss"],
     "metrics": ["loss_metrics", "response_length_metrics", "roc_metrics"],
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
-__all__ = ["FAILED_TOOL_STATUSES", "LossStats", "Quality", "RewardResult", "RewardScorer", "RoCReason",
-           "RoCSelection", "TOOL_STATUSES", "entropy_from_logits", "extract_answer", "group_advantages",
+__all__ = ["FAILED_TOOL_STATUSES", "INFRA_TOOL_STATUSES", "LossStats", "Quality", "RewardResult", "RewardScorer",
+           "RoCReason", "RoCSelection", "TOOL_STATUSES", "entropy_from_logits", "extract_answer", "group_advantages",
            "last_boxed", "loss_metrics", "math_reward", "p_err", "p_format", "policy_loss",
            "response_length_metrics", "roc_downsample", "roc_metrics", "roc_split", "score_response",
            "tokens_per_sample", "trajectory_quality"]
@@ -49,7 +50,15 @@ if TYPE_CHECKING:  # explicit re-exports for type checkers and IDEs
     from rstar_hpc.algo.advantage import group_advantages, tokens_per_sample
     from rstar_hpc.algo.loss import LossStats, entropy_from_logits, policy_loss
     from rstar_hpc.algo.metrics import loss_metrics, response_length_metrics, roc_metrics
-    from rstar_hpc.algo.quality import FAILED_TOOL_STATUSES, TOOL_STATUSES, Quality, p_err, p_format, trajectory_quality
+    from rstar_hpc.algo.quality import (
+        FAILED_TOOL_STATUSES,
+        INFRA_TOOL_STATUSES,
+        TOOL_STATUSES,
+        Quality,
+        p_err,
+        p_format,
+        trajectory_quality,
+    )
     from rstar_hpc.algo.reward import (
         RewardResult,
         RewardScorer,

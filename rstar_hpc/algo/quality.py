@@ -9,7 +9,8 @@ Decisions (reference §1.2 and §8):
 - A call "failed" when its structured sandbox status is in FAILED_TOOL_STATUSES, not when its text contains
   "error" as in the public code (which counts a successful program printing "error", and misses a timeout
   whose text lacks the word). `output_truncated` ran fine and only lost output, so it is not a failure;
-  `parse_error` (the call's JSON did not parse; the agent loop reports it) is, as in the paper. An unknown
+  `parse_error` (the call's JSON did not parse; the agent loop reports it) is, as in the paper. Infrastructure
+  failures (INFRA_TOOL_STATUSES) say nothing about the code and are left out of p_err altogether. An unknown
   status raises, so a new sandbox status cannot be silently counted as a success.
 - num_turns is the number of assistant turns (generation calls) of the trajectory. The public code counts
   only the assistant blocks that start inside the response, so it never counts the first turn: a clean
@@ -28,8 +29,11 @@ from rstar_hpc.algo._config import resolve
 from rstar_hpc.config.algo import RoCConfig
 
 TOOL_STATUSES = frozenset({"ok", "error", "timeout", "memory", "output_truncated", "killed", "invalid_request",
-                           "parse_error"})
-"""Every status a tool call can carry: the sandbox's seven, plus `parse_error` from the agent loop."""
+                           "parse_error", "internal_error", "unavailable"})
+"""Every status a tool call can carry: the sandbox's nine, plus `parse_error` from the agent loop."""
+INFRA_TOOL_STATUSES = frozenset({"internal_error", "unavailable"})
+"""The sandbox infrastructure failed (a sandbox died mid-call, no service reachable after the client's retries):
+no verdict on the model's code, so these calls count neither as failed nor as made in p_err."""
 FAILED_TOOL_STATUSES = frozenset({"error", "timeout", "memory", "killed", "invalid_request", "parse_error"})
 """Statuses counted as failed calls in p_err: raised an exception or exited non-zero (`error`), ran out
 of wall/CPU time (`timeout`) or memory (`memory`), was killed by the sandbox (`killed`), named an unknown
@@ -42,6 +46,7 @@ _TOOL_RESPONSE = re.compile(r"<tool_response>.*?(?:</tool_response>|\Z)", re.S)
 @dataclass(frozen=True, slots=True)
 class Quality:
     num_tool_calls: int
+    """Calls with a verdict on the code (infrastructure failures left out)."""
     num_failed_calls: int
     num_turns: int
     """Turns counted for p_format (after `count_first_turn`)."""
@@ -58,14 +63,20 @@ def _count_failed(statuses: Iterable[str]) -> tuple[int, int]:
             raise ValueError(f"unknown tool status {s!r}; expected one of {sorted(TOOL_STATUSES)} "
                              "(add it to rstar_hpc.algo.quality.TOOL_STATUSES, and to FAILED_TOOL_STATUSES "
                              "if it is a failure)")
+        if s in INFRA_TOOL_STATUSES:
+            continue
         n += 1
         failed += s in FAILED_TOOL_STATUSES
     return n, failed
 
 
 def p_err(tool_statuses: Iterable[str]) -> float:
-    """Failed calls / calls, 0.5 with none (Eq. 4)."""
-    n, failed = _count_failed(tool_statuses)
+    """Failed calls / calls, 0.5 with none (Eq. 4). Calls lost to the sandbox's infrastructure are left out;
+    a trajectory whose every call was lost made calls, so it gets 0, not the no-call 0.5."""
+    statuses = list(tool_statuses)
+    n, failed = _count_failed(statuses)
+    if n == 0 and statuses:
+        return 0.0
     return failed / n if n else NO_TOOL_P_ERR
 
 
@@ -100,4 +111,4 @@ def trajectory_quality(response: str, tool_statuses: Iterable[str], num_turns: i
     statuses = list(tool_statuses)
     n, failed = _count_failed(statuses)
     fmt, turns, pairs = _p_format(response, num_turns, cfg.count_first_turn)
-    return Quality(n, failed, turns, pairs, failed / n if n else NO_TOOL_P_ERR, fmt)
+    return Quality(n, failed, turns, pairs, p_err(statuses), fmt)

@@ -58,7 +58,8 @@ import numpy as np
 import pyarrow as pa
 
 SCHEMA_VERSION = 1
-TOOL_STATUSES = ("ok", "error", "timeout", "memory", "output_truncated", "killed", "invalid_request", "parse_error")
+TOOL_STATUSES = ("ok", "error", "timeout", "memory", "output_truncated", "killed", "invalid_request", "parse_error",
+                 "internal_error", "unavailable")
 FINISH_REASONS = ("stop", "length", "max_turns", "tool_overflow", "aborted")
 """stop: answered (last turn had no tool call); length: response budget reached; max_turns: turn limit;
 tool_overflow: the next tool response would not fit the budget (dropped, so the last token is the model's);

@@ -37,7 +37,7 @@ def make_trajectory(rng: np.random.Generator, run: str, stage: str, step: int, u
         start, end = bounds[i], bounds[i + 1]
         if role == "tool":
             mask[start:end] = 0
-            status = str(rng.choice(TOOL_STATUSES, p=[.6, .15, .05, .04, .06, .03, .03, .04]))
+            status = str(rng.choice(TOOL_STATUSES, p=[.6, .15, .05, .04, .06, .03, .03, .03, .005, .005]))
             out = f"Tool call {'success' if status == 'ok' else 'failure'}\nstdout: {int(rng.integers(1e6))}"
             calls.append(ToolCall(turn=len(turns) - 1, name="python_code_with_standard_io",
                                   arguments=json.dumps({"code": "print(sum(range(10)))", "input": ""}),

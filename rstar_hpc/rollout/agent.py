@@ -25,13 +25,12 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from rstar_hpc.config.rollout import AgentConfig
+from rstar_hpc.algo.quality import INFRA_TOOL_STATUSES
 from rstar_hpc.exchange.schema import TOOL_STATUSES, Timings, ToolCall, Turn
 from rstar_hpc.models.chat_format import IM_END, TOOL_NAME, render_prompt, render_tool_responses
 from sandbox.results import render_rstar2, truncate_middle
 
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-# sandbox statuses the trajectory schema has no name for: infrastructure failures after the client's retries
-_SCHEMA_STATUS = {"internal_error": "error", "unavailable": "error"}
 
 
 @dataclass
@@ -260,12 +259,12 @@ class AgentLoop:
         except (asyncio.TimeoutError, ConnectionError, OSError) as e:
             result = {"status": "unavailable", "reason": f"{type(e).__name__}: {e}".rstrip(": "), "wall_s": 0.0}
         text = render_rstar2(result)
-        status = _SCHEMA_STATUS.get(result.get("status"), result.get("status"))
+        status = result.get("status")
         if status not in TOOL_STATUSES:
             status = "error"
         return ToolCall(turn=turn, name=call.name, arguments=args, status=status,
                         wall_time_s=float(result.get("wall_s") or 0.0), output=truncate_middle(text, max_chars),
-                        output_chars=len(text)), result.get("status") in _SCHEMA_STATUS
+                        output_chars=len(text)), status in INFRA_TOOL_STATUSES
 
 
 def worst_case_tokens(num_prompt_tokens: int, max_response_length: int) -> int:

@@ -198,7 +198,7 @@ def test_unreachable_sandbox_is_a_failure_response(tok):
 
     eng = ScriptedEngine(tok, {"a": [call("print(1)"), ANSWER]})
     res, _ = run(loop(tok, eng, Down()))
-    assert res.finish_reason == "stop" and res.tool_calls[0].status == "error" and res.infra_failures == 1
+    assert res.finish_reason == "stop" and res.tool_calls[0].status == "unavailable" and res.infra_failures == 1
     assert res.tool_calls[0].output.startswith("Tool call failure")
 
 

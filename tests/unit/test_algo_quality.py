@@ -20,7 +20,7 @@ def test_p_err(statuses, expected):
 
 def test_failure_set():
     assert FAILED_TOOL_STATUSES < TOOL_STATUSES
-    assert TOOL_STATUSES - FAILED_TOOL_STATUSES == {"ok", "output_truncated"}
+    assert TOOL_STATUSES - FAILED_TOOL_STATUSES == {"ok", "output_truncated", "internal_error", "unavailable"}
 
 
 def test_statuses_match_the_trajectory_schema():
@@ -70,3 +70,13 @@ def test_total_penalty_of_clean_traces(count_first_turn, no_tool_total, one_tool
     assert no_tool.p_err + no_tool.p_format == no_tool_total
     assert one_tool.p_err + one_tool.p_format == one_tool_total
     assert (one_tool.num_tool_calls, one_tool.num_failed_calls, one_tool.num_answers) == (1, 0, 1)
+
+
+def test_infrastructure_failures_are_left_out_of_p_err():
+    # the sandbox died or was unreachable: no verdict on the model's code
+    assert p_err(["ok", "unavailable"]) == 0.0
+    assert p_err(["error", "internal_error", "ok"]) == 0.5
+    assert p_err(["unavailable", "internal_error"]) == 0.0      # calls were made: not the no-call 0.5
+    assert p_err([]) == 0.5
+    q = trajectory_quality("<answer>\\boxed{1}</answer>", ["error", "unavailable"], 2)
+    assert (q.num_tool_calls, q.num_failed_calls, q.p_err) == (1, 1, 1.0)

@@ -30,7 +30,7 @@ def test_schema_is_explicit_and_versioned():
     assert SCHEMA.field("loss_mask").type == pa.list_(pa.uint8())
     assert SCHEMA.field("logprobs").type == pa.list_(pa.float32())
     assert set(TOOL_STATUSES) == {"ok", "error", "timeout", "memory", "output_truncated", "killed",
-                                  "invalid_request", "parse_error"}
+                                  "invalid_request", "parse_error", "internal_error", "unavailable"}
     names = SCHEMA.names
     for required in ("run", "stage", "step", "prompt_uid", "sample_index", "policy_version", "engine_rank",
                      "turns", "tool_calls", "finish_reason", "reward", "p_err", "p_format", "roc_kept",
