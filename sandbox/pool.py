@@ -468,6 +468,17 @@ class Pool:
     async def _cell(self, slot: _Slot, code: str, stdin: str, timeout: float, session: str | None) -> dict:
         slot.sandbox.calls += 1
         msg = {"op": "exec", "code": code, "stdin": stdin, "timeout_s": timeout, "session": session}
+        reply = await self._exec(slot, msg, timeout)
+        if "refused" in reply:
+            # the sandbox found itself unclean after its previous call and ran nothing: replace, resend once
+            await self._restart(slot, f"anomaly ({reply['refused']})")
+            reply = await self._exec(slot, msg, timeout)
+            if "refused" in reply:
+                return {"status": "internal_error", "reason": "fresh sandbox refused the call: " + reply["refused"]}
+        return reply
+
+    async def _exec(self, slot: _Slot, msg: dict, timeout: float) -> dict:
+        """The sandbox's reply, or an internal_error result once a sandbox that died or hung mid-call is replaced."""
         try:
             reply = await slot.sandbox.request(msg, timeout + self.limits.hang_grace_s)
         except SandboxDied as e:
@@ -475,17 +486,6 @@ class Pool:
             return {"status": "internal_error", "maybe_executed": True,
                     "reason": f"the sandbox failed during the call and was replaced: {e}"}
         self._note_lost(slot, reply)
-        if "refused" in reply:
-            # the sandbox found itself unclean after its previous call and ran nothing: replace, resend once
-            await self._restart(slot, f"anomaly ({reply['refused']})")
-            try:
-                reply = await slot.sandbox.request(msg, timeout + self.limits.hang_grace_s)
-            except SandboxDied as e:
-                await self._restart(slot, f"died or hung ({e})")
-                return {"status": "internal_error", "maybe_executed": True,
-                        "reason": f"the sandbox failed during the call and was replaced: {e}"}
-            if "refused" in reply:
-                return {"status": "internal_error", "reason": "fresh sandbox refused the call: " + reply["refused"]}
         return reply
 
     async def _execute(self, slot: _Slot, job: _Job) -> None:
