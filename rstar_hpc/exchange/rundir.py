@@ -62,6 +62,18 @@ class RunPaths:
         raise FileNotFoundError(f"no run directory {run!r}; tried {', '.join(str(p.absolute()) for p in tried)}. "
                                 f"Pass the run directory path, or set ${RUN_ROOT_ENV} to the runs root.")
 
+    @classmethod
+    def prepare(cls, cfg) -> "RunPaths":
+        """The run directory of a resolved RunConfig: created (striped on Lustre) with the config saved as
+        config.yaml. Every role's rank 0 calls this at start, so any job leaves the config it ran with."""
+        from rstar_hpc.config import dump_config
+        from rstar_hpc.exchange.atomic import atomic_write_text
+
+        paths = cls(cfg.run.dir)
+        paths.create()
+        atomic_write_text(paths.config, dump_config(cfg))
+        return paths
+
     @property
     def name(self) -> str:
         return self.dir.name

@@ -13,7 +13,7 @@ import random
 import time
 from pathlib import Path
 
-from rstar_hpc.config import RunConfig, dump_config
+from rstar_hpc.config import RunConfig
 from rstar_hpc.exchange.atomic import atomic_write_text
 from rstar_hpc.exchange.rundir import RunPaths
 from rstar_hpc.models.chat_format import render_prompt
@@ -32,9 +32,7 @@ def demo_prompts(n: int, seed: int) -> list[dict]:
 
 def run_generate(cfg: RunConfig, out_dir: Path, *, num_prompts: int = 8, max_tokens: int = 64) -> dict:
     model_dir = resolve_model(cfg)      # fails early, naming the path, before an engine is started
-    paths = RunPaths(cfg.run.dir)
-    paths.create()
-    atomic_write_text(paths.config, dump_config(cfg))
+    RunPaths.prepare(cfg)
     out_dir.mkdir(parents=True, exist_ok=True)
 
     from tqdm import tqdm

@@ -52,7 +52,7 @@ def main(argv=None) -> int:
     paths = RunPaths(cfg.run.dir)
     rank = env_rank()
     if rank == 0:
-        paths.create()
+        RunPaths.prepare(cfg)
         model_dir = resolve_model(cfg)
     else:
         model_dir = _wait_for_model(cfg)

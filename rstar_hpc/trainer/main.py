@@ -24,8 +24,7 @@ from pathlib import Path
 
 import torch
 
-from rstar_hpc.config import RunConfig, StageConfig, dump_config
-from rstar_hpc.exchange.atomic import atomic_write_text
+from rstar_hpc.config import RunConfig, StageConfig
 from rstar_hpc.exchange.rundir import RunPaths
 from rstar_hpc.exchange.state import read_stage_state, write_stage_state
 from rstar_hpc.trainer.checkpoint import SaveOnSignal, TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
@@ -54,7 +53,7 @@ def main(cfg: RunConfig, stage_name: str, *, on_step: Callable[[int, dict], None
     metrics_out = None
     try:
         if rank0:
-            _prepare_run(cfg, paths)
+            _prepare_run(cfg)
             metrics_out = open(paths.metrics("trainer"), "a")  # noqa: SIM115  (open for the whole loop)
         torch.distributed.barrier()  # the run directory and the model exist before anyone reads them
         if read_stage_state(paths, stage.name).status == "DONE":
@@ -116,12 +115,11 @@ def main(cfg: RunConfig, stage_name: str, *, on_step: Callable[[int, dict], None
 # setup pieces
 
 
-def _prepare_run(cfg: RunConfig, paths: RunPaths) -> None:
+def _prepare_run(cfg: RunConfig) -> None:
     """Rank 0: the run directory, its resolved config, the (tiny) model built if the config asks for one."""
     from rstar_hpc.models.resolve import resolve_model
 
-    paths.create()
-    atomic_write_text(paths.config, dump_config(cfg))
+    RunPaths.prepare(cfg)
     resolve_model(cfg)
 
 
