@@ -36,6 +36,7 @@ def roc_metrics(selection: RoCSelection, rewards: ArrayLike, p_err: ArrayLike | 
         "roc/groups_all_correct": float((n_pos == size).sum()), "roc/groups_all_wrong": float((n_pos == 0).sum()),
         "roc/groups_rejected_equal": float((group_reason == RoCReason.DROPPED_EQUAL_REWARD).sum()),
         "roc/groups_dropped_small": float((group_reason == RoCReason.DROPPED_SMALL_GROUP).sum()),
+        "roc/num_dropped_tool_infra": float((selection.reason == RoCReason.DROPPED_TOOL_INFRA).sum()),
         "roc/penalty_kept_pos": _mean(selection.penalty[pos & keep]),
         "roc/penalty_all_pos": _mean(selection.penalty[pos]),
     }

@@ -40,6 +40,8 @@ class RoCReason(enum.IntEnum):
     DROPPED_NEGATIVE = 4
     DROPPED_EQUAL_REWARD = 5
     DROPPED_SMALL_GROUP = 6
+    DROPPED_TOOL_INFRA = 7
+    """A tool call of it failed for the sandbox's reasons (`excluded`): left out before selection."""
 
 
 @dataclass(frozen=True)
@@ -95,11 +97,21 @@ def _as_1d(name: str, x: ArrayLike | None, n: int) -> np.ndarray:
 
 def roc_downsample(group_ids: ArrayLike, rewards: ArrayLike, p_err: ArrayLike | None = None,
                    p_format: ArrayLike | None = None, cfg: RoCConfig | None = None, *, seed: int,
-                   **kwargs) -> RoCSelection:
+                   excluded: ArrayLike | None = None, **kwargs) -> RoCSelection:
     """Select the trajectories to train on. `group_ids` (any sortable ids: prompt uids) groups the rollouts of
     a prompt, in any order; `rewards`, `p_err`, `p_format` hold one value per trajectory (the penalties may be
-    None when their `roc_*` switch is off). Returns what was kept and, per trajectory, why."""
+    None when their `roc_*` switch is off). `excluded` (bool per trajectory) marks rollouts that are no sample
+    of the policy (a tool call lost to the sandbox's infrastructure): they are dropped first and the rest are
+    selected as if they had never been generated (a group left smaller than G follows keep_small_groups).
+    Returns what was kept and, per trajectory, why."""
     cfg = resolve(RoCConfig, cfg, kwargs)
+    if excluded is not None:
+        out = np.asarray(excluded, dtype=bool).reshape(-1)
+        if out.shape != (np.shape(rewards)[0],):
+            raise ValueError(f"excluded has shape {out.shape}, expected ({np.shape(rewards)[0]},): one flag per "
+                             f"trajectory")
+        if out.any():
+            return _without(out, group_ids, rewards, p_err, p_format, cfg, seed)
     rewards = np.asarray(rewards, dtype=np.float64)
     if rewards.ndim != 1:
         raise ValueError(f"rewards has shape {rewards.shape}; pass one scalar reward per trajectory (1-D)")
@@ -154,3 +166,16 @@ def roc_downsample(group_ids: ArrayLike, rewards: ArrayLike, p_err: ArrayLike | 
             RoCReason.DROPPED_NEGATIVE)
     keep = np.isin(reason, [RoCReason.KEPT_POSITIVE, RoCReason.KEPT_NEGATIVE, RoCReason.KEPT_GROUP])
     return RoCSelection(keep, reason, penalty, g)
+
+
+def _without(out: np.ndarray, group_ids, rewards, p_err, p_format, cfg: RoCConfig, seed: int) -> RoCSelection:
+    """roc_downsample over the rows not in `out`, mapped back onto all rows."""
+    sub = np.flatnonzero(~out)
+    pick = (lambda x: None if x is None else np.asarray(x)[sub])
+    inner = roc_downsample(pick(group_ids), pick(rewards), pick(p_err), pick(p_format), cfg, seed=seed)
+    n = out.shape[0]
+    keep, reason = np.zeros(n, dtype=bool), np.full(n, RoCReason.DROPPED_TOOL_INFRA, dtype=np.int8)
+    keep[sub], reason[sub] = inner.keep, inner.reason
+    penalty = (cfg.roc_error_ratio * _as_1d("p_err", p_err, n) + cfg.roc_answer_format * _as_1d("p_format", p_format, n))
+    _, g = np.unique(np.asarray(group_ids), return_inverse=True)
+    return RoCSelection(keep, reason, penalty, g.reshape(-1))

@@ -49,6 +49,11 @@ class RoCConfig(Section):
     weight_eps: float = Field(0.1, gt=0)
     """eps of the weighted mode, so p_total = 0 gets a finite weight: weights span 1/(2 + eps) to 1/eps, so
     0.1 lets a clean positive be picked up to 21x as readily as the worst one."""
+    drop_tool_infra_failures: bool = True
+    """Leave out, before selection, every rollout with a tool call the sandbox's infrastructure lost (status
+    internal_error or unavailable: a sandbox died mid-call, no service answered after the client's retries).
+    Its later turns answer a failure the policy did not cause. An rstar-hpc addition; counted in
+    roc/num_dropped_tool_infra."""
     count_first_turn: bool = True
     """Count the first assistant turn in p_format's turn count (the paper's intent); the public code
     never counts it."""

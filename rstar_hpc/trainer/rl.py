@@ -33,12 +33,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 from megatron.core import parallel_state
 
 from rstar_hpc.algo.advantage import group_advantages
 from rstar_hpc.algo.loss import LossStats, policy_loss
 from rstar_hpc.algo.metrics import loss_metrics, response_length_metrics, roc_metrics
+from rstar_hpc.algo.quality import INFRA_TOOL_STATUSES
 from rstar_hpc.algo.roc import RoCReason, RoCSelection, roc_downsample
 from rstar_hpc.config.schema import RunConfig
 from rstar_hpc.exchange.errors import ExchangeError, StepNotReadyError
@@ -70,6 +72,17 @@ class RLBatch:
 # trajectories -> kept samples
 
 
+def tool_infra_failed(table: pa.Table) -> np.ndarray:
+    """Per row: did any of its tool calls fail for the sandbox's reasons (INFRA_TOOL_STATUSES)?"""
+    calls = table.column("tool_calls").combine_chunks()
+    status = pc.struct_field(calls.flatten(), "status")
+    hit = pc.is_in(status, value_set=pa.array(sorted(INFRA_TOOL_STATUSES))).to_numpy(zero_copy_only=False)
+    rows = np.repeat(np.arange(len(calls)), np.diff(calls.offsets.to_numpy()))
+    out = np.zeros(len(calls), dtype=bool)
+    out[rows[hit]] = True
+    return out
+
+
 def _selection(table: pa.Table, cfg: RunConfig, seed: int) -> RoCSelection:
     """The rollout's RoC decision when the shards carry one, else RoC run here (same inputs, same result)."""
     uids = np.asarray(table.column("prompt_uid").to_pylist())
@@ -77,7 +90,8 @@ def _selection(table: pa.Table, cfg: RunConfig, seed: int) -> RoCSelection:
     p_err, p_format = table.column("p_err").to_numpy(), table.column("p_format").to_numpy()
     kept = table.column("roc_kept")
     if kept.null_count == len(kept):
-        return roc_downsample(uids, rewards, p_err, p_format, cfg.algo.roc, seed=seed)
+        excluded = tool_infra_failed(table) if cfg.algo.roc.drop_tool_infra_failures else None
+        return roc_downsample(uids, rewards, p_err, p_format, cfg.algo.roc, seed=seed, excluded=excluded)
     if kept.null_count:
         raise ValueError(f"{kept.null_count} of {len(kept)} trajectories have no RoC decision (roc_kept null) and "
                          f"the others do; a step is down-sampled as a whole, by the rollout or by the trainer")

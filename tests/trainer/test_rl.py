@@ -134,6 +134,27 @@ def test_rollout_roc_decisions_are_used_and_an_all_dropped_step_is_skipped(dist1
         build_batch(_table(mixed), cfg, 0)
 
 
+def test_rollouts_with_a_tool_call_lost_to_the_sandbox_are_not_trained(dist1, tiny_hf_dir, tmp_path):
+    from rstar_hpc.exchange.schema import ToolCall
+    from rstar_hpc.trainer.rl import tool_infra_failed
+
+    gen = torch.Generator().manual_seed(0)
+    trajs = [_traj(0, "a", i, float(i % 2), gen) for i in range(8)]
+    call = dict(turn=0, name="python", arguments="{}", wall_time_s=0.1, output="")
+    trajs[1].tool_calls = [ToolCall(status="ok", **call), ToolCall(status="unavailable", **call)]
+    trajs[3].tool_calls = [ToolCall(status="internal_error", **call)]
+    trajs[5].tool_calls = [ToolCall(status="error", **call), ToolCall(status="timeout", **call)]  # the code's fault
+    table = _table(trajs)
+    assert tool_infra_failed(table).tolist() == [False, True, False, True, False, False, False, False]
+    assert tool_infra_failed(table.slice(2)).tolist() == [False, True, False, False, False, False]
+    batch = build_batch(table, _cfg(tmp_path, tiny_hf_dir, "algo.roc.down_sample_to_n=4"), 0)
+    assert batch.metrics["roc/num_dropped_tool_infra"] == 2
+    assert batch.num_kept == 4  # out of the 6 the policy really produced (2 right, 4 wrong): 2 + 2
+    off = build_batch(table, _cfg(tmp_path, tiny_hf_dir, "algo.roc.down_sample_to_n=4",
+                                  "algo.roc.drop_tool_infra_failures=false"), 0)
+    assert off.metrics["roc/num_dropped_tool_infra"] == 0
+
+
 def _table(trajs):
     from rstar_hpc.exchange.writer import to_table
 

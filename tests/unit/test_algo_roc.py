@@ -220,3 +220,31 @@ def test_weighted_single_pick_probability_is_proportional_to_weight():
                               min_zero_reward_trace_num=1, min_non_zero_reward_trace_num=1,
                               roc_answer_format=False).keep[0] for s in range(4000))
     assert abs(hits / 4000 - expected) < 0.02  # std 0.0044: tolerance over 4 sigma
+
+
+def test_excluded_rollouts_are_dropped_before_selection():
+    # group of 8: 4 right, 4 wrong; two of the right ones lost a tool call to the sandbox's infrastructure
+    rewards = np.r_[np.ones(4), np.zeros(4)]
+    excluded = np.zeros(8, dtype=bool)
+    excluded[[0, 1]] = True
+    sel = roc_downsample(np.zeros(8), rewards, np.zeros(8), np.zeros(8), seed=3, down_sample_to_n=4,
+                         keep_small_groups=True, excluded=excluded)
+    assert (sel.reason[:2] == RoCReason.DROPPED_TOOL_INFRA).all() and not sel.keep[:2].any()
+    # the other six are selected as if the two had never been generated: 2 right + 4 wrong -> G=4: 2 + 2
+    assert sel.keep[2:4].sum() == 2 and sel.keep[4:].sum() == 2
+    same = roc_downsample(np.zeros(6), rewards[2:], np.zeros(6), np.zeros(6), seed=3, down_sample_to_n=4,
+                          keep_small_groups=True)
+    assert (sel.keep[2:] == same.keep).all()
+    # excluding leaves a group all wrong: it is rejected as equal-reward, like any other
+    excluded[[2, 3]] = True
+    sel = roc_downsample(np.zeros(8), rewards, np.zeros(8), np.zeros(8), seed=3, excluded=excluded)
+    assert not sel.keep.any() and (sel.reason[4:] == RoCReason.DROPPED_EQUAL_REWARD).all()
+    with pytest.raises(ValueError, match="excluded has shape"):
+        roc_downsample(np.zeros(8), rewards, np.zeros(8), np.zeros(8), seed=3, excluded=[True])
+
+
+def test_excluded_apply_with_down_sampling_off():
+    sel = roc_downsample(["a", "a", "b"], [1.0, 0.0, 1.0], seed=0, do_down_sampling=False,
+                         roc_error_ratio=False, roc_answer_format=False, excluded=[False, True, False])
+    assert sel.keep.tolist() == [True, False, True]
+    assert sel.group.tolist() == [0, 0, 1]
