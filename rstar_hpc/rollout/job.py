@@ -57,16 +57,22 @@ def main(argv=None) -> int:
     else:
         model_dir = _wait_for_model(cfg)
     if rank == 0:
-        code, finalize = _scheduler(cfg, paths, stage, args, model_dir)
+        code, end = _scheduler(cfg, paths, stage, args, model_dir)
     else:
-        code, finalize = _engine(cfg, paths, stage, args, model_dir, rank)
+        code, end = _engine(cfg, paths, stage, args, model_dir, rank)
     sys.stdout.flush()
     sys.stderr.flush()
-    # MPI_Finalize waits on every rank, a dead one included, so it is skipped once a rank died; but a job
-    # whose ranks all leave without it hangs under Slurm (mpirun's remote orted, srun's PMIx abort the step)
-    if finalize:
+    if end != "exit":
         from mpi4py import MPI
-        MPI.Finalize()
+        if end == "finalize":
+            MPI.Finalize()
+        else:
+            # MPI_Finalize waits on every rank, a dead one too, and ranks that all leave without it can leave
+            # the launcher waiting (mpirun's remote orted, a PMIx step) until the time limit. Everything is
+            # committed and the survivors have shut their engines down: let the launcher end the job now.
+            log.warning("a rank died during the job; its trajectories were re-run and every step is committed. "
+                        "Ending the MPI job with MPI_Abort(0) (exit status 0 under mpirun)")
+            MPI.COMM_WORLD.Abort(0)
     os._exit(code)
 
 
@@ -85,7 +91,7 @@ def _wait_for_model(cfg, timeout_s: float = 600.0):
             time.sleep(1.0)
 
 
-def _scheduler(cfg, paths, stage, args, model_dir) -> tuple[int, bool]:
+def _scheduler(cfg, paths, stage, args, model_dir) -> tuple[int, str]:
     from transformers import AutoTokenizer
 
     from rstar_hpc.rollout.scheduler import TAG_ABORT, init_mpi
@@ -102,11 +108,11 @@ def _scheduler(cfg, paths, stage, args, model_dir) -> tuple[int, bool]:
         deadline = time.monotonic() + 5.0
         while not all(r.Test() for r in reqs) and time.monotonic() < deadline:
             time.sleep(0.01)
-        return 1, False
+        return 1, "exit"
 
 
-def _scheduler_steps(cfg, paths, stage, args, tok, comm, MPI) -> tuple[int, bool]:
-    from rstar_hpc.rollout.scheduler import TAG_EXIT, run_scheduler, step_items
+def _scheduler_steps(cfg, paths, stage, args, tok, comm, MPI) -> tuple[int, str]:
+    from rstar_hpc.rollout.scheduler import TAG_BYE, TAG_EXIT, run_scheduler, step_items
 
     dead: set[int] = set()
     for step in args.step:
@@ -120,20 +126,33 @@ def _scheduler_steps(cfg, paths, stage, args, tok, comm, MPI) -> tuple[int, bool
         if bar:
             bar.close()
         print(json.dumps(summary), flush=True)
-    # the job is over: every rank finalizes MPI together, or (a rank died) none does
-    reqs = [comm.isend({"finalize": not dead}, dest=e, tag=TAG_EXIT)
-            for e in range(1, comm.Get_size()) if e not in dead]
+    # the job is over: every rank finalizes MPI together; after a death the survivors shut their engines
+    # down and say bye, then rank 0 ends the MPI job (main)
+    survivors = [e for e in range(1, comm.Get_size()) if e not in dead]
+    reqs = [comm.isend({"finalize": not dead}, dest=e, tag=TAG_EXIT) for e in survivors]
     deadline = time.monotonic() + cfg.rollout.scheduler.engine_timeout_s
     while not all(r.Test() for r in reqs) and time.monotonic() < deadline:
         time.sleep(0.01)
-    return 0, not dead
+    if not dead:
+        return 0, "finalize"
+    waiting, st = set(survivors), MPI.Status()
+    deadline = time.monotonic() + cfg.rollout.scheduler.engine_timeout_s
+    while waiting and time.monotonic() < deadline:
+        if comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_BYE, status=st):
+            comm.recv(source=st.Get_source(), tag=TAG_BYE)
+            waiting.discard(st.Get_source())
+        else:
+            time.sleep(0.01)
+    if waiting:
+        log.error("engine ranks %s did not confirm their shutdown; ending the job without them", sorted(waiting))
+    return 0, "abort"
 
 
-def _engine(cfg, paths, stage, args, model_dir, rank) -> tuple[int, bool]:
+def _engine(cfg, paths, stage, args, model_dir, rank) -> tuple[int, str]:
     from rstar_hpc.rollout.engine import VLLMEngine
 
     engine = VLLMEngine(cfg, model_dir, seed=cfg.run.seed * 1000 + rank)   # before MPI (kv-balancing.md §4.6)
-    from rstar_hpc.rollout.scheduler import TAG_EXIT, init_mpi, recv_from_rank0, run_engine_rank
+    from rstar_hpc.rollout.scheduler import TAG_BYE, TAG_EXIT, init_mpi, recv_from_rank0, run_engine_rank
     MPI = init_mpi()
     comm = MPI.COMM_WORLD
     from sandbox.client import SandboxClient
@@ -152,10 +171,17 @@ def _engine(cfg, paths, stage, args, model_dir, rank) -> tuple[int, bool]:
         finalize = asyncio.run(steps())
     except RuntimeError:
         log.exception("engine rank %d failed", rank)
-        return 1, False
+        return 1, "exit"
     finally:
         engine.shutdown()
-    return 0, finalize
+    if finalize:
+        return 0, "finalize"
+    bye = comm.isend(None, dest=0, tag=TAG_BYE)   # rank 0 ends the job (MPI_Abort) once every survivor is down
+    deadline = time.monotonic() + 10.0
+    while not bye.Test() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(cfg.rollout.scheduler.engine_timeout_s)   # the abort ends this process; exit on our own if not
+    return 0, "exit"
 
 
 if __name__ == "__main__":

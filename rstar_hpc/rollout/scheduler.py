@@ -40,7 +40,8 @@ from rstar_hpc.rollout.policy import KVAwarePolicy, StaticPolicy, make_policy  #
 
 log = logging.getLogger("rstar_hpc.rollout")
 
-TAG_HELLO, TAG_WORK, TAG_RESULT, TAG_BEAT, TAG_DONE, TAG_STOP, TAG_DEAD, TAG_START, TAG_ABORT, TAG_EXIT = range(1, 11)
+(TAG_HELLO, TAG_WORK, TAG_RESULT, TAG_BEAT, TAG_DONE, TAG_STOP, TAG_DEAD, TAG_START, TAG_ABORT, TAG_EXIT,
+ TAG_BYE) = range(1, 12)
 PRODUCER = "rollout"
 
 

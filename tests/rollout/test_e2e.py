@@ -132,6 +132,19 @@ def _rank_pid(rank: int, parent: int) -> int | None:
     return None
 
 
+def _job_pids(parent: int) -> list[int]:
+    """Live processes of the MPI job (ranks and their vLLM engine processes): they inherit its environment."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if f"RSTAR_TEST_JOB={parent}".encode() in env and any(e.startswith(b"OMPI_COMM_WORLD_RANK=") for e in env):
+            out.append(int(pid))
+    return out
+
+
 def _descendants(pid: int) -> list[int]:
     out, todo = [], [pid]
     while todo:
@@ -206,6 +219,9 @@ def e2e(tiny_model_dir, tmp_path_factory):
         out = job.stdout.read()
         summaries = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
         assert job.returncode == 0 and len(summaries) == 2, (out, (work / "rollout.log").read_text()[-4000:])
+        # the job ended (MPI_Abort(0) after the death) and left no rank or engine process behind
+        time.sleep(1.0)
+        assert not _job_pids(os.getpid()), "processes of the rollout job outlived it"
         yield {"paths": paths, "sft": sft, "summaries": summaries, "killed": killed, "work": work,
                "cfg": cfg_path, "env": env}
     finally:
