@@ -4,9 +4,10 @@ Qwen3 = pre-norm RMSNorm, SwiGLU MLP, RoPE (rotate-half), grouped-query attentio
 key head before RoPE (`qk_layernorm`), no biases, untied embeddings on the larger models.
 
 Two layer specs build the same parameters:
-  * `cuda`: Transformer Engine (`get_gpt_layer_with_transformer_engine_spec`); imported lazily, TE is CUDA-only.
-  * `cpu`:  megatron-core's local spec with `SDPACoreAttention` in place of `DotProductAttention`, whose
-            softmax buffer lives on CUDA and which refuses packed sequences.
+  * `cuda` with Transformer Engine installed: `get_gpt_layer_with_transformer_engine_spec` (imported lazily).
+  * `cpu`, and `cuda` without Transformer Engine: megatron-core's local spec with `SDPACoreAttention` in place
+            of `DotProductAttention` (which refuses packed sequences); on CUDA, SDPA dispatches to the flash or
+            memory-efficient attention kernels (bf16/fp16). One log line says when `cuda` falls back to it.
 Both take packed sequences (`PackedSeqParams`, THD layout): one row of concatenated samples, RoPE restarting at
 every sample, attention block-diagonal and causal.
 
@@ -15,7 +16,9 @@ columns, so the numbers match the Hugging Face model exactly.
 """
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -33,6 +36,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 Backend = Literal["cpu", "cuda"]
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -257,15 +261,23 @@ def packed_seq_params(seqlens: list[int] | torch.Tensor, device: torch.device | 
 # specs and model
 
 
+@functools.cache
+def have_transformer_engine() -> bool:
+    """Is Transformer Engine importable? Says so in the log, once, when it is not."""
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError as e:
+        log.warning("Transformer Engine not found (%s): backend 'cuda' uses megatron-core's local layer spec with "
+                    "SDPA attention; pip install -e '.[gpu]' for the Transformer Engine spec", e)
+        return False
+    return True
+
+
 def layer_spec(backend: Backend) -> ModuleSpec:
-    """Transformer-layer spec: Transformer Engine on CUDA, local modules + SDPA attention on CPU."""
-    if backend == "cuda":
-        try:
-            import transformer_engine  # noqa: F401  (fail here with a clear message, not deep in a build)
-            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
-        except ImportError as e:
-            raise ImportError("backend 'cuda' needs Transformer Engine: pip install -e '.[gpu]' on a CUDA "
-                              "machine, or set trainer.backend: cpu") from e
+    """Transformer-layer spec: Transformer Engine on CUDA when installed, else local modules + SDPA attention."""
+    if backend == "cuda" and have_transformer_engine():
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=True)
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -298,7 +310,7 @@ def transformer_config(arch: Qwen3Arch, *, tp: int = 1, backend: Backend = "cpu"
         bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16,
         use_cpu_initialization=not on_gpu,
-        # the fused kernels are CUDA-only; on GPU TE provides its own fusions
+        # megatron's fused bias-SwiGLU / bias-dropout-add (torch.compile) are CUDA-only; used by both specs there
         bias_activation_fusion=on_gpu,
         bias_dropout_fusion=on_gpu,
         masked_softmax_fusion=on_gpu,
@@ -319,6 +331,8 @@ def build_model(arch: Qwen3Arch, *, backend: Backend = "cpu", params_dtype: torc
     tp = parallel_state.get_tensor_model_parallel_world_size()
     ParallelDims(world_size=torch.distributed.get_world_size(), tp=tp).check_model(arch)
     torch.manual_seed(seed)
+    if backend == "cuda":  # weights are initialised on the GPU, from megatron's CUDA RNG tracker
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
     model = GPTModel(
         config=transformer_config(arch, tp=tp, backend=backend, params_dtype=params_dtype),
         transformer_layer_spec=layer_spec(backend),

@@ -11,6 +11,10 @@ import yaml
 
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
 
+# the trainer's backends, for tests that run on both: `cuda` only where torch sees a GPU (never in CPU CI)
+BACKENDS = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                 reason="needs a CUDA GPU"))]
+
 
 def free_port() -> int:
     with socket.socket() as s:

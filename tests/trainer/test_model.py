@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from conftest import BACKENDS
 from transformers import Qwen3ForCausalLM
 
 from rstar_hpc.trainer.hf_convert import (
@@ -17,8 +18,11 @@ from rstar_hpc.trainer.hf_convert import (
 from rstar_hpc.trainer.model import (
     ParallelDims,
     Qwen3Arch,
+    SDPACoreAttention,
     build_model,
     forward_logits,
+    have_transformer_engine,
+    layer_spec,
     packed_seq_params,
     token_logprobs,
 )
@@ -36,25 +40,42 @@ def policy(dist1, tiny_hf_dir):
     return model.eval()
 
 
-def test_logits_match_hugging_face(hf_model, policy):
-    ids = torch.randint(0, policy.arch.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
+@pytest.fixture(scope="module", params=BACKENDS)
+def pair(request, dist1, tiny_hf_dir, hf_model, policy):
+    """(Hugging Face model, policy, tolerance) on the backend's device, fp32 both. On CUDA the two run different
+    GEMM shapes (fused QKV, vocabulary padding), so sums are ordered differently: a looser tolerance."""
+    if request.param == "cpu":
+        yield hf_model, policy, 1e-5
+        return
+    model = build_model(Qwen3Arch.from_hf_config(tiny_hf_dir), backend="cuda")
+    load_hf_checkpoint(model, tiny_hf_dir)
+    yield Qwen3ForCausalLM.from_pretrained(tiny_hf_dir, dtype=torch.float32).cuda().eval(), model.eval(), 1e-4
+
+
+def test_logits_match_hugging_face(pair):
+    hf_model, policy, tol = pair
+    device = next(policy.parameters()).device
+    ids = torch.randint(0, policy.arch.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0)).to(device)
     with torch.no_grad():
         ref = hf_model(ids).logits
         got = forward_logits(policy, ids)[..., : policy.arch.vocab_size]
     assert ref.abs().max() > 1.0  # the perturbed model is far from uniform: a wrong mapping would show
-    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
     lp = token_logprobs(forward_logits(policy, ids), ids, policy.arch.vocab_size)
     torch.testing.assert_close(lp, torch.log_softmax(ref, -1).gather(-1, ids[..., None])[..., 0],
-                               rtol=1e-5, atol=1e-5)
+                               rtol=tol, atol=tol)
 
 
-def test_packed_sequences_equal_separate_ones(hf_model, policy):
+def test_packed_sequences_equal_separate_ones(pair):
+    hf_model, policy, tol = pair
+    device = next(policy.parameters()).device
     lens = [7, 20, 13]
-    seqs = [torch.randint(0, policy.arch.vocab_size, (n,), generator=torch.Generator().manual_seed(n)) for n in lens]
+    seqs = [torch.randint(0, policy.arch.vocab_size, (n,), generator=torch.Generator().manual_seed(n)).to(device)
+            for n in lens]
     with torch.no_grad():
-        packed = forward_logits(policy, torch.cat(seqs)[None], packed_seq_params(lens))[0, :, :policy.arch.vocab_size]
-        for seq, part in zip(seqs, packed.split(lens)):
-            torch.testing.assert_close(part, hf_model(seq[None]).logits[0], rtol=1e-5, atol=1e-5)
+        packed = forward_logits(policy, torch.cat(seqs)[None], packed_seq_params(lens, device))
+        for seq, part in zip(seqs, packed[0, :, :policy.arch.vocab_size].split(lens)):
+            torch.testing.assert_close(part, hf_model(seq[None]).logits[0], rtol=tol, atol=tol)
 
 
 def test_export_reload_is_identical(policy, tiny_hf_dir, tmp_path, hf_model):
@@ -115,3 +136,15 @@ def test_bad_inputs_name_the_problem(dist1, tiny_hf_dir, tmp_path):
     with pytest.raises(ValueError, match="num_key_value_heads=2 is not divisible by tensor_parallel_size=4"):
         ParallelDims(world_size=4, tp=4).check_model(Qwen3Arch(vocab_size=10, hidden_size=8, intermediate_size=8,
                                                                num_layers=1, num_heads=4, num_kv_heads=2, head_dim=2))
+
+
+def test_cuda_without_transformer_engine_takes_the_local_spec_and_says_so_once(caplog):
+    import importlib.util
+
+    if importlib.util.find_spec("transformer_engine") is not None:
+        pytest.skip("Transformer Engine is installed here")
+    have_transformer_engine.cache_clear()
+    with caplog.at_level("WARNING", logger="rstar_hpc.trainer.model"):
+        specs = [layer_spec("cuda"), layer_spec("cuda")]
+    assert all(s.submodules.self_attention.submodules.core_attention is SDPACoreAttention for s in specs)
+    assert sum("Transformer Engine not found" in r.getMessage() for r in caplog.records) == 1
