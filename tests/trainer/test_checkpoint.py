@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_trainer, write_config
+from conftest import BACKENDS, run_trainer, write_config
 
 from rstar_hpc.trainer.checkpoint import (
     DIE_IN_SAVE_ENV,
@@ -34,15 +34,16 @@ def _batch(vocab: int, seed: int):
     return pack(samples, 64)
 
 
-def _state(hf_dir) -> TrainState:
-    model = build_model(Qwen3Arch.from_hf_config(hf_dir))
+def _state(hf_dir, backend: str = "cpu") -> TrainState:
+    model = build_model(Qwen3Arch.from_hf_config(hf_dir), backend=backend)
     load_hf_checkpoint(model, hf_dir)
     opt = build_optimizer(model, lr=1e-2)
     return TrainState(model, opt, build_scheduler(opt, 2, 10, "cosine"))
 
 
-def test_save_load_in_process_and_optimizer_reset(dist1, tiny_hf_dir, tmp_path):
-    a = _state(tiny_hf_dir)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_save_load_in_process_and_optimizer_reset(dist1, tiny_hf_dir, tmp_path, backend):
+    a = _state(tiny_hf_dir, backend)
     for s in range(3):
         train_step(a.model, a.optimizer, a.scheduler, _batch(a.model.arch.vocab_size, s))
     a.step, a.data_state = 3, {"cursor": 42}
@@ -51,7 +52,7 @@ def test_save_load_in_process_and_optimizer_reset(dist1, tiny_hf_dir, tmp_path):
     expected_next = torch.rand(3)  # the draw right after the save...
     torch.manual_seed(1234)        # ...then the generator moves on
 
-    b = _state(tiny_hf_dir)
+    b = _state(tiny_hf_dir, backend)
     load_checkpoint(b, tmp_path / "ckpt")
     assert b.step == 3 and b.data_state == {"cursor": 42}
     assert torch.equal(torch.rand(3), expected_next)  # RNG restored to the saved point
@@ -65,7 +66,7 @@ def test_save_load_in_process_and_optimizer_reset(dist1, tiny_hf_dir, tmp_path):
     for pa, pb in zip(a.model.parameters(), b.model.parameters()):
         assert torch.equal(pa, pb)  # AdamW moments were restored, so the update is identical
 
-    c = _state(tiny_hf_dir)
+    c = _state(tiny_hf_dir, backend)
     load_checkpoint(c, tmp_path / "ckpt" / "step-00000003", reset_optimizer=True)
     assert c.step == 3 and not c.optimizer.state and c.scheduler.last_epoch == 0
 
@@ -89,14 +90,15 @@ def _losses(metrics: Path) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in map(json.loads, metrics.read_text().splitlines())]
 
 
-def test_kill_mid_save_then_resume_matches_uninterrupted_run(tiny_hf_dir, tmp_path):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_kill_mid_save_then_resume_matches_uninterrupted_run(tiny_hf_dir, tmp_path, backend):
     """The trainer role's SFT stage, killed (as by SIGKILL) after writing step 4's shards and before the commit,
     resumes from step 2 and then logs the same losses as a run that was never interrupted."""
     data = write_jsonl(make_samples(40, seed=0, system=""), tmp_path / "train.jsonl")
     cfg = write_config(tmp_path / "cfg.yaml", tiny_hf_dir,
                        [{"name": "sft", "kind": "sft", "num_steps": 6, "prompts_per_step": 4, "lr": 2e-3,
                          "data": str(data)}],
-                       micro_batch_tokens=1024, optimizer={"warmup_steps": 2},
+                       micro_batch_tokens=1024, optimizer={"warmup_steps": 2}, backend=backend,
                        checkpoint={"save_every_steps": 2, "keep_last": 3})
     ref, run = tmp_path / "ref", tmp_path / "run"
     assert run_trainer(cfg, "sft", f"run.root={ref}", log=tmp_path / "ref.log") == 0, \

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import BACKENDS
 
 from rstar_hpc.config import load_config
 from rstar_hpc.exchange.errors import ExchangeError, StepNotReadyError
@@ -51,8 +52,8 @@ def _step_trajs(step: int, seed: int = 0, groups: int = 2, per_group: int = 8) -
     return [_traj(step, f"p{step}-{g}", i, float(i % 2), gen) for g in range(groups) for i in range(per_group)]
 
 
-def _model(hf_dir):
-    model = build_model(Qwen3Arch.from_hf_config(hf_dir))
+def _model(hf_dir, backend: str = "cpu"):
+    model = build_model(Qwen3Arch.from_hf_config(hf_dir), backend=backend)
     load_hf_checkpoint(model, hf_dir)
     return model
 
@@ -60,23 +61,26 @@ def _model(hf_dir):
 def _sample_means(model, batch) -> list[float]:
     """Mean logprob of each sample's trained tokens under `model`."""
     out = []
+    device = next(model.parameters()).device
     with torch.no_grad():
         for ids, mask in batch.samples:
-            lp = sequence_logprobs(model, MicroBatch(ids, [ids.numel()], mask))
+            lp = sequence_logprobs(model, MicroBatch(ids, [ids.numel()], mask).to(device)).cpu()
             out.append(float(lp[mask].mean()))
     return out
 
 
-def test_rl_step_moves_positive_tokens_up_and_negative_down(dist1, tiny_hf_dir, tmp_path):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rl_step_moves_positive_tokens_up_and_negative_down(dist1, tiny_hf_dir, tmp_path, backend):
     cfg = _cfg(tmp_path, tiny_hf_dir)
     paths = RunPaths(cfg.run.dir)
-    model = _model(tiny_hf_dir)
+    model = _model(tiny_hf_dir, backend)
     trajs = _step_trajs(0)
     # the engine's logprobs: the trainer's own plus a known offset, to check the logged gap
     for t in trajs:
         ids = torch.tensor(list(t.prompt_ids) + list(t.response_ids))
         with torch.no_grad():
-            lp = sequence_logprobs(model, MicroBatch(ids, [ids.numel()], torch.zeros(ids.numel(), dtype=torch.bool)))
+            mb = MicroBatch(ids, [ids.numel()], torch.zeros(ids.numel(), dtype=torch.bool)).to(backend)
+            lp = sequence_logprobs(model, mb).cpu()
         t.logprobs = [(float(x) + 0.05) if m else 0.0 for x, m in zip(lp[len(t.prompt_ids):], t.loss_mask)]
     _write(paths, 0, trajs)
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from conftest import run_trainer, write_config
+from conftest import BACKENDS, run_trainer, write_config
 from transformers import AutoTokenizer
 
 from rstar_hpc.exchange.rundir import RunPaths
@@ -63,14 +63,15 @@ def _held_out_nll(model_dir, samples) -> float:
     return total / count
 
 
-def test_tiny_sft_stage_lowers_held_out_loss_of_the_published_policy(tiny_hf_dir, tokenizer, tmp_path):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_tiny_sft_stage_lowers_held_out_loss_of_the_published_policy(tiny_hf_dir, tokenizer, tmp_path, backend):
     train = write_jsonl(make_samples(200, seed=0, system=""), tmp_path / "train.jsonl")
     held = SFTData.from_jsonl(write_jsonl(make_samples(16, seed=99, system=""), tmp_path / "eval.jsonl"),
                               tokenizer).samples
     cfg = write_config(tmp_path / "cfg.yaml", tiny_hf_dir,
                        [{"name": "sft", "kind": "sft", "num_steps": 10, "prompts_per_step": 8, "lr": 3e-3,
                          "data": str(train)}],
-                       micro_batch_tokens=1024, optimizer={"warmup_steps": 2, "weight_decay": 0.0})
+                       micro_batch_tokens=1024, optimizer={"warmup_steps": 2, "weight_decay": 0.0}, backend=backend)
     assert run_trainer(cfg, "sft", log=tmp_path / "sft.log") == 0, (tmp_path / "sft.log").read_text()[-3000:]
     run = RunPaths(tmp_path / "runs" / "tiny-cpu")
     policy = run.policies().latest()
