@@ -255,7 +255,8 @@ def real_measurement(steps: int = 1, prompts: int = 8) -> dict:
             cfg = yaml.safe_load((repo / "configs/tiny-cpu.yaml").read_text())
             cfg["run"] = {"name": pol, "root": tmp, "seed": 0}
             cfg["rollout"]["scheduler"]["policy"] = pol
-            cfg["stages"] = [{"name": "rl", "kind": "rl", "num_steps": steps, "prompts_per_step": prompts}]
+            cfg["stages"] = [{"name": "rl", "kind": "rl", "num_steps": steps, "prompts_per_step": prompts,
+                              "data": "demo"}]
             cfg_path = Path(tmp) / f"{pol}.yaml"
             cfg_path.write_text(yaml.safe_dump(cfg))
             env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(repo))

@@ -67,6 +67,7 @@ def cli() -> None:
 
 def main(argv: list[str] | None = None) -> None:
     from rstar_hpc.config import ConfigError
+    from rstar_hpc.datasets import DatasetError
 
     try:
         cli.main(args=argv, prog_name="rstar-hpc", standalone_mode=False)
@@ -77,6 +78,6 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(EXIT_USAGE if isinstance(e, click.UsageError) else e.exit_code)
     except click.Abort:
         sys.exit(130)
-    except ConfigError as e:
+    except (ConfigError, DatasetError) as e:
         click.echo(f"rstar-hpc: {e}", err=True)
         sys.exit(EXIT_CONFIG)

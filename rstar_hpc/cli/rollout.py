@@ -39,8 +39,12 @@ def command(config, steps, stage, engines, sandbox, mpirun, overrides) -> None:
     if shutil.which(mpirun) is None:
         raise click.ClickException(f"{mpirun!r} not found: install Open MPI (or run under srun --mpi=pmix)")
     from rstar_hpc.config import load_config
+    from rstar_hpc.datasets import load_prompts
     from rstar_hpc.models.resolve import resolve_model
-    resolve_model(load_config(config, list(overrides)))   # fail (or build the tiny model) before any rank starts
+    from rstar_hpc.rollout.job import pick_stage
+    cfg = load_config(config, list(overrides))
+    load_prompts(cfg.stage(pick_stage(cfg, stage)), cfg.run.seed)   # bad data fails here, before any rank starts
+    resolve_model(cfg)                                              # fail (or build the tiny model) likewise
     cmd = [mpirun, "-n", str(engines + 1), "--oversubscribe", "--bind-to", "none",
            "--mca", "orte_enable_recovery", "1", "--mca", "orte_abort_on_non_zero_status", "0"]
     if os.geteuid() == 0:

@@ -9,25 +9,16 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import time
 from pathlib import Path
 
 from rstar_hpc.config import RunConfig
+from rstar_hpc.datasets import demo_prompts
 from rstar_hpc.exchange.atomic import atomic_write_text
 from rstar_hpc.exchange.rundir import RunPaths
 from rstar_hpc.models.chat_format import render_prompt
 from rstar_hpc.models.resolve import resolve_model
 from rstar_hpc.rollout.engine_args import vllm_engine_kwargs
-
-
-def demo_prompts(n: int, seed: int) -> list[dict]:
-    rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        a, b = rng.randint(1000, 9999), rng.randint(1000, 9999)
-        out.append({"uid": f"mul-{seed}-{i}", "question": f"Compute {a} * {b}.", "answer": str(a * b)})
-    return out
 
 
 def run_generate(cfg: RunConfig, out_dir: Path, *, num_prompts: int = 8, max_tokens: int = 64) -> dict:

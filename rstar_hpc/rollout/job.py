@@ -30,7 +30,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def _stage(cfg, name: str | None) -> str:
+def pick_stage(cfg, name: str | None) -> str:
     if name:
         cfg.stage(name)
         return name
@@ -48,7 +48,7 @@ def main(argv=None) -> int:
     from rstar_hpc.models.resolve import resolve_model
 
     cfg = load_config(args.config, list(args.overrides))
-    stage = _stage(cfg, args.stage)
+    stage = pick_stage(cfg, args.stage)
     paths = RunPaths(cfg.run.dir)
     rank = env_rank()
     if rank == 0:

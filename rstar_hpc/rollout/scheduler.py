@@ -74,19 +74,18 @@ def step_items(cfg, stage_name: str, step: int, tokenizer) -> tuple[list[WorkIte
     reference filters them: they cannot be trained on)."""
     from rstar_hpc.rollout.agent import PromptTooLong, encode_prompt
 
-    stage = cfg.stage(stage_name) if cfg.stages else None
-    n = stage.prompts_per_step if stage is not None else 8
-    if stage is not None and stage.data:
-        rows = [json.loads(line) for line in Path(stage.data).read_text().splitlines() if line.strip()]
-        if not rows:
-            raise ValueError(f"stage {stage_name!r}: data file {stage.data} has no prompts")
-        prompts = [rows[(step * n + i) % len(rows)] for i in range(n)]
-    else:
-        from rstar_hpc.rollout.generate import demo_prompts
-        prompts = demo_prompts(n, seed=cfg.run.seed * 1_000_003 + step)
+    from rstar_hpc.datasets import load_prompts
+
+    stage = cfg.stage(stage_name)
+    n = stage.prompts_per_step
+    rows = load_prompts(stage, seed=cfg.run.seed)
+    if n > len(rows):
+        raise ValueError(f"stage {stage_name!r}: prompts_per_step={n} but the data has {len(rows)} prompts; a step "
+                         f"cannot hold a prompt twice (its uid names one GRPO group): lower prompts_per_step")
+    prompts = [rows[(step * n + i) % len(rows)] for i in range(n)]   # epochs wrap around the file
     items, dropped = [], []
     for p in prompts:
-        uid = str(p.get("uid") or p.get("id") or p["question"][:64])
+        uid = p["uid"]
         try:
             ids, text = encode_prompt(tokenizer, p["question"], cfg.rollout.agent.max_prompt_length)
         except PromptTooLong as e:

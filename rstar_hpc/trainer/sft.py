@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from rstar_hpc.datasets import load_sft_conversations
 from rstar_hpc.models import chat_format as fmt
 from rstar_hpc.trainer.step import pack
 
@@ -129,16 +130,14 @@ class SFTStageData:
         from megatron.core import parallel_state
         from transformers import AutoTokenizer
 
-        if stage.data is None:
-            raise ValueError(f"stage {stage.name!r} (sft) has no `data`; set stages[].data to a chat JSONL file "
-                             f"(the demo set: `python -m rstar_hpc.trainer.sft_data PATH`)")
         self.cfg, self.stage = cfg, stage
         self.dp, self.dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
         if stage.prompts_per_step < self.dp:
             raise ValueError(f"stage {stage.name!r}: prompts_per_step={stage.prompts_per_step} samples per step cannot "
                              f"be split over {self.dp} data-parallel ranks; raise it to at least {self.dp}")
-        self.data = SFTData.from_jsonl(stage.data, AutoTokenizer.from_pretrained(model_dir), seed=cfg.run.seed,
-                                       max_tokens=cfg.trainer.micro_batch_tokens)
+        tok = AutoTokenizer.from_pretrained(model_dir)
+        self.data = SFTData([tokenize_conversation(m, tok) for m in load_sft_conversations(stage, cfg.run.seed)],
+                            seed=cfg.run.seed, max_tokens=cfg.trainer.micro_batch_tokens)
         self.initial_state = self.data.state_dict()
 
     def next(self, stop_requested=None):

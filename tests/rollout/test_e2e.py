@@ -178,7 +178,7 @@ def e2e(tiny_model_dir, tmp_path_factory):
     cfg["rollout"]["agent"].update(max_prompt_length=768, max_response_length=256, temperature=TEMPERATURE)
     cfg["rollout"]["scheduler"].update(heartbeat_s=0.5, engine_timeout_s=10, policy_wait_s=120)
     cfg["algo"]["num_samples_per_prompt"] = SAMPLES
-    cfg["stages"] = [{"name": "rl", "kind": "rl", "num_steps": 3, "prompts_per_step": PROMPTS}]
+    cfg["stages"] = [{"name": "rl", "kind": "rl", "num_steps": 3, "prompts_per_step": PROMPTS, "data": "demo"}]
     cfg_path = work / "e2e.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg))
 

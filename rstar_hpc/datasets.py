@@ -1,0 +1,107 @@
+"""What a stage trains or evaluates on: `stages[].data`, read in one place for every role.
+
+    data: demo                   the built-in synthetic set (the CPU demo: 4-digit products solved with the tool)
+    data: /lustre/rl-42k.parquet prompts with ground truth (rl, eval): a `question` and an `answer` column
+    data: /lustre/rl.jsonl       the same as JSON lines; SFT stages take chat samples, {"messages": [...]}
+
+Prompt rows may name the question `problem` or `prompt` and the answer `ground_truth` or `solution` (the public
+datasets' spellings); `uid` or `id` names a prompt, else a hash of its question does. A bad row is an error that
+names the file, the row and what is missing, before any engine starts.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from pathlib import Path
+
+DEMO = "demo"
+DEMO_PROMPTS = 4096   # the demo RL set: enough distinct prompts that a tiny run never repeats one within a stage
+QUESTION_KEYS = ("question", "problem", "prompt")
+ANSWER_KEYS = ("answer", "ground_truth", "solution")
+
+
+class DatasetError(ValueError):
+    """Stage data that cannot be used; the message names the file, the row and the fix."""
+
+
+def demo_prompts(n: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        a, b = rng.randint(1000, 9999), rng.randint(1000, 9999)
+        out.append({"uid": f"mul-{seed}-{i}", "question": f"Compute {a} * {b}.", "answer": str(a * b)})
+    return out
+
+
+def _rows(path: Path) -> list[dict]:
+    if not path.is_file():
+        raise DatasetError(f"{path}: no such data file; set stages[].data to a JSONL or Parquet file, or to "
+                           f"'{DEMO}' for the built-in demo set")
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+        try:
+            return pq.read_table(path).to_pylist()
+        except Exception as e:   # pyarrow raises several types for a bad file
+            raise DatasetError(f"{path}: not a readable Parquet file ({type(e).__name__}: {e})") from e
+    rows = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DatasetError(f"{path}:{n}: not a JSON object ({e}); each line is one prompt") from e
+        if not isinstance(row, dict):
+            raise DatasetError(f"{path}:{n}: expected a JSON object, got {type(row).__name__}")
+        rows.append(row)
+    return rows
+
+
+def _field(row: dict, keys: tuple[str, ...], where: str, what: str) -> str:
+    for k in keys:
+        v = row.get(k)
+        if v is not None and str(v).strip():
+            return str(v)
+    raise DatasetError(f"{where}: no {what} (looked for {', '.join(keys)}; the row has {sorted(row)})")
+
+
+def load_prompts(stage, seed: int = 0) -> list[dict]:
+    """The prompts of an rl or eval stage as [{"uid", "question", "answer"}], in file order."""
+    if stage.data is None:
+        if stage.hard_subset_of:
+            raise DatasetError(f"stage {stage.name!r}: hard_subset_of={stage.hard_subset_of!r} is not built "
+                               f"automatically yet; build the subset (the prompts of stage "
+                               f"{stage.hard_subset_of!r} its final policy does not solve in every one of "
+                               f"{stage.hard_subset_rollouts} rollouts) and set stages[].data to it")
+        raise DatasetError(f"stage {stage.name!r} ({stage.kind}) has no data; set stages[].data to a JSONL or "
+                           f"Parquet file of prompts with answers, or to '{DEMO}' for the built-in demo set")
+    if stage.data == DEMO:
+        return demo_prompts(DEMO_PROMPTS, seed)
+    path = Path(stage.data)
+    out, seen = [], set()
+    for i, row in enumerate(_rows(path)):
+        where = f"{path} row {i + 1}"
+        question = _field(row, QUESTION_KEYS, where, "question")
+        answer = _field(row, ANSWER_KEYS, where, "answer")
+        uid = str(row.get("uid") or row.get("id") or hashlib.sha1(question.encode()).hexdigest()[:16])
+        if uid in seen:
+            raise DatasetError(f"{where}: prompt uid {uid!r} appears twice; uids name a GRPO group and must be "
+                               f"unique (drop the duplicate or give it another uid)")
+        seen.add(uid)
+        out.append({"uid": uid, "question": question, "answer": answer})
+    if not out:
+        raise DatasetError(f"{path}: no prompts")
+    return out
+
+
+def load_sft_conversations(stage, seed: int = 0) -> list[list[dict]]:
+    """The chat samples of an sft stage (lists of {"role", "content"} messages)."""
+    if stage.data is None:
+        raise DatasetError(f"stage {stage.name!r} (sft) has no data; set stages[].data to a chat JSONL file "
+                           f"({{\"messages\": [...]}} per line), or to '{DEMO}' for the built-in demo set")
+    if stage.data == DEMO:
+        from rstar_hpc.trainer.sft_data import make_samples
+        return [s["messages"] for s in make_samples(6000, seed)]
+    from rstar_hpc.trainer.sft import load_chat_jsonl
+    return load_chat_jsonl(stage.data)
