@@ -31,7 +31,8 @@ class CheckpointConfig(Section):
 
 class TrainerConfig(Section):
     backend: Literal["auto", "cpu", "cuda"] = "auto"
-    """`cpu`: gloo + local layer spec; `cuda`: NCCL + Transformer Engine; `auto` picks by GPU presence."""
+    """`cpu`: gloo + local layer spec; `cuda`: NCCL + the Transformer Engine spec (megatron-core's local spec with
+    SDPA attention when TE is not installed, logged once); `auto` picks by GPU presence."""
     tensor_parallel_size: int = Field(1, ge=1)
     pipeline_parallel_size: int = Field(1, ge=1)
     micro_batch_tokens: int = Field(20480, ge=64)
