@@ -5,8 +5,14 @@ the libraries it pre-imports for user code. It speaks length-prefixed JSON on fd
 (the service's pipes), never runs user code itself, and has no handler for any signal user code could
 send, so inside its pid namespace it cannot be killed (pid_namespaces(7)). Each call runs in a fresh
 forked child (stateless) or in a fork of the session's holder (stateful); limits are hard rlimits set in
-the child, the wall timer lives here, and after every call everything but pid 1 and live session holders
-is killed and the call's scratch directory removed.
+the child, the wall timer lives here, and after every call everything but pid 1, the fork server, its
+pre-forked spare cell and live session holders is killed and the call's scratch directory removed.
+
+Stateless cells are forked by a fork server, a child of pid 1 forked once from the warm interpreter, not
+by pid 1 itself: a fork write-protects the forking process's whole heap, and pid 1's per-call work
+(framing, supervision, sweeping) then paid ~200 copy-on-write faults per call. The fork server only
+forks and reaps on request, and a cell that kills or stops it (it is the cell's parent) costs a
+replacement at most.
 
 Session holders form a fork chain: holder H forks C for a cell; if C finishes the cell, C becomes the
 holder (its state includes the cell) and H is killed; if C dies (timeout, signal, os._exit, memory kill),
@@ -31,6 +37,9 @@ import traceback
 
 CELL = "<cell>"
 _HDR = struct.Struct(">I")
+_ZREQ = struct.Struct("=i?")    # to the fork server: dead cell to reap (0: none), fork a spare (fds attached)
+_ZREP = struct.Struct("=idi")   # from it: the reaped cell's wait status (-1: none, -2: not ours), CPU s, new pid
+SPARE_CWD = "/tmp/call"
 _IGNORED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
             signal.SIGPIPE, signal.SIGALRM, signal.SIGXCPU, signal.SIGXFSZ, signal.SIGTSTP, signal.SIGTTIN,
             signal.SIGTTOU)
@@ -282,6 +291,96 @@ def holder_loop(sock, g, lim, base_vm):
                                  "cpu_s": ru.ru_utime + ru.ru_stime}).encode() + b"\n")
 
 
+# ---------------------------------------------------------------- the fork server (a child of pid 1)
+def spare_cell(null, out_w, err_w, res_w, go_r, lim, base_vm):
+    """A freshly forked stateless cell: set up, warm, then wait for its one request and run it."""
+    try:
+        enter_cell(null, out_w, err_w, (res_w, go_r), lim, base_vm, SPARE_CWD)
+        # take the copy-on-write page faults of the parse/compile/exec/report path now, while idle
+        exec_cell("_ = None", {"__builtins__": __builtins__})
+        json.loads(json.dumps({"exc_type": None, "code": "", "pid": 1}))
+        req = read_frame(go_r)
+        os.close(go_r)
+        if req is None:
+            _exit(0)
+        if req.get("stdin"):
+            fd = os.memfd_create("stdin", 0)   # a file, not a pipe: any size, no writer needed
+            write_all(fd, req["stdin"].encode("utf-8", "replace"))
+            os.lseek(fd, 0, 0)
+            os.dup2(fd, 0)
+            os.close(fd)
+    except BaseException as e:
+        send_report(res_w, {"internal": f"cell setup failed: {e!r}"})
+        _exit(70)
+    try:
+        send_report(res_w, exec_cell(req["code"], {"__name__": "__main__", "__builtins__": __builtins__}))
+    finally:
+        _exit(0)
+
+
+def warm_cell_path(rounds=64):
+    """Run a cell's own code path (compile, exec, display, tracebacks, report and request framing) here
+    before the first fork, with output to /dev/null. CPython quickens and specializes bytecode in place
+    and fills its type-attribute cache on first use: done once here, every forked cell finds it done
+    instead of writing, and copy-on-write faulting, those pages again."""
+    saved = os.dup(1), os.dup(2)
+    null = os.open("/dev/null", os.O_WRONLY)
+    r, w = os.pipe()
+    os.dup2(null, 1)
+    os.dup2(null, 2)
+    try:
+        for _ in range(rounds):
+            for code in ("_ = None", "print(1 + 1)", "x = [i * i for i in range(3)]\nx[-1]", "1 / 0"):
+                report = exec_cell(code, {"__name__": "__main__", "__builtins__": __builtins__})
+                report["pid"] = 2
+                write_frame(w, {"code": code, "stdin": ""})
+                read_frame(r)
+                json.loads(json.dumps(report))
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in (*saved, null, r, w):
+            os.close(fd)
+        linecache.cache.pop(CELL, None)
+
+
+def zygote_loop(sock, null, lim, base_vm):
+    """The fork server: forks stateless cells and reaps them, on pid 1's request. It does nothing else, so
+    between two forks it writes (copy-on-write faults) only a handful of pages, and every cell forks
+    from the same warm, untouched state. User code never runs here; its cells are its only children
+    (the seccomp filter denies CLONE_PARENT), so pid 1 learns their exit status from it."""
+    recv_fds, fork, wait4, close = socket.recv_fds, os.fork, os.wait4, os.close
+    while True:
+        try:
+            msg, fds, _, _ = recv_fds(sock, 64, 4)
+        except OSError:
+            _exit(0)
+        if len(msg) != _ZREQ.size:
+            _exit(0)   # pid 1 closed its end (or spoke nonsense): nothing to serve
+        reap, want = _ZREQ.unpack(msg)
+        status, cpu, pid = -1, 0.0, 0
+        if reap > 0:
+            try:
+                _, status, ru = wait4(reap, 0)
+                cpu = ru.ru_utime + ru.ru_stime
+            except ChildProcessError:
+                status = -2
+        if want and len(fds) == 4:
+            try:
+                pid = fork()
+            except OSError:
+                pid = -1
+            if pid == 0:
+                sock.close()
+                spare_cell(null, *fds, lim, base_vm)   # never returns
+        for fd in fds:
+            close(fd)
+        try:
+            sock.send(_ZREP.pack(status, cpu, pid))
+        except OSError:
+            _exit(0)
+
+
 # ---------------------------------------------------------------- pid 1
 class Server:
     def __init__(self, ctl_in, ctl_out, init):
@@ -296,6 +395,7 @@ class Server:
         self.cleanup_later = None  # (pid, pidfd) of the last stateless cell, ended after its reply
         self.dirty = None          # why this sandbox must not run another call
         self.null = None           # /dev/null, the stdin of pre-forked cells
+        self.zygote = None         # (pid, socket) of the fork server
 
     # -- bookkeeping
     def vm_size(self):
@@ -305,12 +405,17 @@ class Server:
                     return int(line.split()[1]) * 1024
         return 0
 
-    def sweep(self):
-        """Kill every process but pid 1 and the session holders, then reap. A fork bomb keeps forking while
-        we kill, so repeat until the table is clean."""
+    def sweep(self, dead_cell=0):
+        """Kill every process but pid 1, the fork server, its spare cell and the session holders, then reap.
+        A fork bomb keeps forking while we kill, so repeat until the table is clean. `dead_cell`: the last
+        cell, already dead, which its parent (the fork server) reaps later."""
         keep = {h["pid"] for h in self.holders.values()}
         if self.spare is not None:
             keep.add(self.spare["pid"])
+        if self.zygote is not None:
+            keep.add(self.zygote[0])
+        if dead_cell:
+            keep.add(dead_cell)
         for _ in range(200):
             alive = [int(p) for p in os.listdir("/proc") if p.isdigit() and p != "1" and int(p) not in keep]
             for pid in alive:
@@ -358,6 +463,10 @@ class Server:
                 return
             if pid == 0:
                 return
+            if self.zygote is not None and pid == self.zygote[0]:
+                self.zygote[1].close()
+                self.zygote = None
+                continue
             for sid, h in list(self.holders.items()):
                 if h["pid"] == pid:
                     self.forget(sid, "session process died between calls")
@@ -488,44 +597,106 @@ class Server:
             os.mkdir(path, 0o700)
         return path
 
-    def prefork(self):
-        """Fork and prepare the next stateless cell ahead of its request (limits, fds, RNGs, cwd), so a
-        call's latency is exec + report, not fork + setup. The child blocks reading its request."""
-        if self.spare is not None:
-            return
-        cwd = self.scratch("call")
-        out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
-        res_r, res_w = os.pipe()
-        go_r, go_w = os.pipe()
+    # -- the fork server
+    def start_zygote(self):
+        """Fork the fork server from this (warm) process. It forks every stateless cell, so this process,
+        which does the per-call work (framing, supervision, sweeping), never forks per call: a fork
+        write-protects the forking process's whole heap, and each page it writes afterwards costs a
+        copy-on-write fault (this pid 1 took ~200 per call when it forked the cells itself)."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         if self.null is None:
             self.null = os.open("/dev/null", os.O_RDONLY)
         pid = os.fork()
         if pid == 0:
             try:
-                enter_cell(self.null, out_w, err_w, (res_w, go_r), self.lim, self.base_vm, cwd)
-                # take the copy-on-write page faults of the parse/compile/exec/report path now, while idle
-                exec_cell("_ = None", {"__builtins__": __builtins__})
-                json.loads(json.dumps({"exc_type": None, "code": "", "pid": 1}))
-                req = read_frame(go_r)
-                os.close(go_r)
-                if req is None:
-                    _exit(0)
-                if req.get("stdin"):
-                    fd = os.memfd_create("stdin", 0)   # a file, not a pipe: any size, no writer needed
-                    write_all(fd, req["stdin"].encode("utf-8", "replace"))
-                    os.lseek(fd, 0, 0)
-                    os.dup2(fd, 0)
+                ours.close()
+                for fd in (self.ctl_in, self.ctl_out):
                     os.close(fd)
-            except BaseException as e:
-                send_report(res_w, {"internal": f"cell setup failed: {e!r}"})
-                _exit(70)
-            try:
-                send_report(res_w, exec_cell(req["code"], {"__name__": "__main__", "__builtins__": __builtins__}))
+                for h in self.holders.values():
+                    h["sock"].close()
+                zygote_loop(theirs, self.null, self.lim, self.base_vm)
             finally:
                 _exit(0)
-        for fd in (out_w, err_w, res_w, go_r):
+        theirs.close()
+        self.zygote = (pid, ours)
+
+    def stop_zygote(self):
+        if self.zygote is None:
+            return
+        pid, sock = self.zygote
+        self.zygote = None
+        sock.close()
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+
+    def zygote_call(self, reap=0, fds=None):
+        """Ask the fork server to reap the (dead) cell `reap` and/or fork a new spare cell on `fds`.
+        (status of the reaped cell or -1 / -2 (not its child), its CPU seconds, the new cell's pid or <= 0);
+        None if the fork server failed (it is then replaced; a cell it had is now our child)."""
+        if self.zygote is None:
+            self.start_zygote()
+        pid, sock = self.zygote
+        try:
+            os.kill(pid, signal.SIGCONT)   # a cell may have stopped it (it may signal its parent)
+            msg = _ZREQ.pack(reap, fds is not None)
+            if fds is None:
+                sock.send(msg)
+            else:
+                socket.send_fds(sock, [msg], fds)
+            if select.select([sock], (), (), 10.0)[0]:
+                data = sock.recv(64)
+                if len(data) == _ZREP.size:
+                    return _ZREP.unpack(data)
+        except OSError:
+            pass
+        self.stop_zygote()
+        return None
+
+    def reap_cell(self, pid):
+        """(wait status, CPU seconds) of a cell that is dead or being killed, reaped by its parent."""
+        rep = self.zygote_call(reap=pid)
+        if rep is not None and rep[0] >= 0:
+            return rep[0], rep[1]
+        try:   # the fork server died: the cell is our child now
+            _, status, ru = os.wait4(pid, 0)
+            return status, ru.ru_utime + ru.ru_stime
+        except ChildProcessError:
+            return 0, self.cpu_of(pid)
+
+    def prefork(self, reap=0):
+        """Have the fork server fork and prepare the next stateless cell ahead of its request (limits, fds,
+        RNGs, cwd), so a call's latency is exec + report, not fork + setup. The child blocks reading its
+        request. `reap`: a dead cell the fork server reaps first (one round trip for both)."""
+        if self.spare is not None:
+            if reap:
+                self.reap_cell(reap)
+            return
+        cwd = self.scratch("call")
+        pipes = [os.pipe() for _ in range(4)]   # stdout, stderr, report; the request
+        (out_r, out_w), (err_r, err_w), (res_r, res_w), (go_r, go_w) = pipes
+        child_ends = [out_w, err_w, res_w, go_r]
+        pid = 0
+        for _ in range(2):   # a fork server that died (a cell may kill its parent) is replaced once
+            rep = self.zygote_call(reap, child_ends)
+            if rep is not None:
+                pid = rep[2]
+                break
+            if reap:
+                try:
+                    os.waitpid(reap, 0)   # the old fork server's cell is our child now
+                except ChildProcessError:
+                    pass
+                reap = 0
+        for fd in child_ends:
             os.close(fd)
+        if pid <= 0:
+            for fd in (out_r, err_r, res_r, go_w):
+                os.close(fd)
+            self.dirty = "the fork server could not fork a cell"
+            return
         for fd in (out_r, err_r, res_r):
             os.set_blocking(fd, False)
         self.spare = {"pid": pid, "pidfd": os.pidfd_open(pid), "out_r": out_r, "err_r": err_r, "res_r": res_r,
@@ -533,6 +704,8 @@ class Server:
 
     def run_stateless(self, req):
         self.prefork()
+        if self.spare is None:
+            return {"status": "internal_error", "reason": self.dirty or "no cell could be forked"}
         sp, self.spare = self.spare, None
         pid = sp["pid"]
         cpu0 = self.cpu_of(pid)   # its set-up and warm-up are not the call's CPU time
@@ -547,8 +720,7 @@ class Server:
         if why is not None or report is None:
             if why is not None:
                 os.kill(pid, signal.SIGKILL)
-            _, status, ru = os.wait4(pid, 0)
-            cpu = ru.ru_utime + ru.ru_stime
+            status, cpu = self.reap_cell(pid)
             self.cleanup_later = (None, sp["pidfd"])
         else:
             self.cleanup_later = (pid, sp["pidfd"])   # reply first; kill, reap and sweep after
@@ -556,6 +728,7 @@ class Server:
 
     def cleanup(self):
         """After a stateless reply went out: end the cell, sweep, and prepare the next one."""
+        reap = 0
         if self.cleanup_later is not None:
             pid, pidfd = self.cleanup_later
             self.cleanup_later = None
@@ -564,15 +737,17 @@ class Server:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-                try:
-                    os.waitpid(pid, 0)
-                except ChildProcessError:
-                    pass
+                # dead (a zombie of the fork server, which reaps it with the next fork), so nothing of it
+                # runs during the sweep; its children are ours now and the sweep ends them
+                select.select([pidfd], (), (), 10.0)
+                reap = pid
             os.close(pidfd)
-            if not self.sweep():
+            if not self.sweep(reap):
                 self.dirty = "processes survived the sweep after a call"
         if self.dirty is None:
-            self.prefork()
+            self.prefork(reap)
+        elif reap:
+            self.reap_cell(reap)
 
     def new_holder(self, sid):
         parent, child = socket.socketpair()
@@ -584,6 +759,8 @@ class Server:
             os.close(self.ctl_out)
             for h in self.holders.values():
                 h["sock"].close()
+            if self.zygote is not None:
+                self.zygote[1].close()
             for sig in _IGNORED:
                 signal.signal(sig, signal.SIG_DFL)
             os.setsid()
@@ -817,6 +994,7 @@ def main():
         except Exception as e:
             sys.stderr.write(f"sandbox worker: warm-up failed: {e!r}\n")
     srv = Server(ctl_in, ctl_out, init)
+    warm_cell_path()
     reseed()   # numpy's first seed() builds lazily-initialised state (seconds); pay it once, here
     gc.collect()
     gc.freeze()   # children then never touch the pre-imported objects' GC headers: fewer copy-on-write pages
@@ -824,6 +1002,7 @@ def main():
     srv.base_anon = srv.anon_bytes(os.getpid())
     global _LIMIT_PLAN
     _LIMIT_PLAN = limit_plan(srv.lim, srv.base_vm)
+    srv.start_zygote()
     srv.prefork()
     write_frame(ctl_out, {"op": "ready", "pid": os.getpid(), "uid": os.getuid(), "vm_size": srv.base_vm,
                           "preloaded": [m for m in init.get("preload", []) if m in sys.modules],

@@ -2,8 +2,9 @@
 
 Namespaces and rlimits do the containing; this filter removes kernel surface they leave open: debugging
 other processes (ptrace would let a cell wedge pid 1), new namespaces (a nested user namespace hands out
-capabilities), mounts, keyrings, BPF, io_uring, perf, kexec/modules, and `kill(-1, ...)`, which would take
-out every session of the sandbox in one call. Denied calls fail with EPERM (clone3 with ENOSYS, so libc
+capabilities), mounts, keyrings, BPF, io_uring, perf, kexec/modules, `kill(-1, ...)`, which would take
+out every session of the sandbox in one call, and `clone(CLONE_PARENT)`, which would make a cell's child a
+child of the fork server instead of an orphan that pid 1 adopts, kills and reaps. Denied calls fail with EPERM (clone3 with ENOSYS, so libc
 falls back to clone, whose namespace flags are then checked).
 
 libseccomp (libseccomp.so.2) ships with every systemd-based distribution; no Python binding is needed.
@@ -27,8 +28,8 @@ DENY = (
     "adjtimex", "personality", "lookup_dcookie", "name_to_handle_at", "open_by_handle_at",
     "quotactl", "nfsservctl", "vhangup", "uselib", "ustat", "sysfs",
 )
-NS_FLAGS = (0x10000000, 0x00020000, 0x20000000, 0x40000000, 0x08000000, 0x04000000, 0x02000000)
-# CLONE_NEWUSER, NEWNS, NEWPID, NEWNET, NEWIPC, NEWUTS, NEWCGROUP
+NS_FLAGS = (0x10000000, 0x00020000, 0x20000000, 0x40000000, 0x08000000, 0x04000000, 0x02000000, 0x00008000)
+# CLONE_NEWUSER, NEWNS, NEWPID, NEWNET, NEWIPC, NEWUTS, NEWCGROUP, and CLONE_PARENT
 
 _ALLOW = 0x7FFF0000
 _CMP_MASKED_EQ = 7

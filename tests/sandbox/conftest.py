@@ -23,7 +23,7 @@ TEST_LIMITS = dict(num_workers=2, timeout_s=2.0, cpu_time_s=2.0, memory_mb=512, 
                    max_code_bytes=1 << 16, max_sessions_per_worker=8)
 
 
-PER_SANDBOX = 2   # processes a sandbox keeps between calls besides session holders
+PER_SANDBOX = 3   # processes a sandbox keeps between calls besides session holders: pid 1, fork server, spare
 
 
 class LoopThread:

@@ -274,6 +274,28 @@ def test_sigint_and_sigterm_to_the_parent_have_no_effect(healthy):
     assert r["status"] == "ok", r
 
 
+@BOTH
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGSTOP"])
+def test_killing_or_stopping_the_fork_server_costs_nothing(healthy, kind, sig):
+    # a stateless cell's parent is the sandbox's fork server (not pid 1): a signal it cannot ignore ends or
+    # stops it; pid 1 replaces (or continues) it, and the next calls are correct and fast (healthy checks)
+    code = f"import os, signal\nppid = os.getppid()\nos.kill(ppid, signal.{sig})\nprint(ppid > 1)"
+    for _ in range(4):   # both sandboxes of the kind, twice
+        r = run(healthy, code, kind=kind)
+        assert r["status"] == "ok" and r["stdout"] == "True\n", r
+        r = run(healthy, "print(6 * 7)", kind=kind)
+        assert r["status"] == "ok" and r["stdout"] == "42\n" and r["wall_s"] < 0.5, r
+
+
+def test_clone_parent_is_denied(healthy):
+    # a child made a sibling of its cell (clone(CLONE_PARENT)) would be the fork server's child, not an orphan
+    # that pid 1 adopts and sweeps
+    r = run(healthy, "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+                     "print(libc.syscall(56, 0x8000 | 17, 0, 0, 0, 0), ctypes.get_errno())")   # clone, x86_64
+    if os.uname().machine == "x86_64":
+        assert r["status"] == "ok" and r["stdout"] == "-1 1\n", r   # EPERM
+
+
 def test_ptrace_is_denied(healthy):
     r = run(healthy, "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
                      "print(libc.ptrace(16, 1, 0, 0), ctypes.get_errno())")   # PTRACE_ATTACH
