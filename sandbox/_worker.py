@@ -409,6 +409,11 @@ class Server:
         """Kill every process but pid 1, the fork server, its spare cell and the session holders, then reap.
         A fork bomb keeps forking while we kill, so repeat until the table is clean. `dead_cell`: the last
         cell, already dead, which its parent (the fork server) reaps later."""
+        if os.getpid() != 1:
+            # only pid 1 of a sandbox's own pid namespace may do this: anywhere else /proc is the host's, and
+            # the loop below would SIGKILL every process the caller may signal (a harness calling
+            # Server.run/cleanup outside bwrap did exactly that). Refusing marks the sandbox unclean.
+            return False
         keep = {h["pid"] for h in self.holders.values()}
         if self.spare is not None:
             keep.add(self.spare["pid"])
