@@ -144,7 +144,7 @@ def test_rollouts_with_a_tool_call_lost_to_the_sandbox_are_not_trained(dist1, ti
 
     gen = torch.Generator().manual_seed(0)
     trajs = [_traj(0, "a", i, float(i % 2), gen) for i in range(8)]
-    call = dict(turn=0, name="python", arguments="{}", wall_time_s=0.1, output="")
+    call = {"turn": 0, "name": "python", "arguments": "{}", "wall_time_s": 0.1, "output": ""}
     trajs[1].tool_calls = [ToolCall(status="ok", **call), ToolCall(status="unavailable", **call)]
     trajs[3].tool_calls = [ToolCall(status="internal_error", **call)]
     trajs[5].tool_calls = [ToolCall(status="error", **call), ToolCall(status="timeout", **call)]  # the code's fault
