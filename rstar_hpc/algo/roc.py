@@ -105,13 +105,6 @@ def roc_downsample(group_ids: ArrayLike, rewards: ArrayLike, p_err: ArrayLike | 
     selected as if they had never been generated (a group left smaller than G follows keep_small_groups).
     Returns what was kept and, per trajectory, why."""
     cfg = resolve(RoCConfig, cfg, kwargs)
-    if excluded is not None:
-        out = np.asarray(excluded, dtype=bool).reshape(-1)
-        if out.shape != (np.shape(rewards)[0],):
-            raise ValueError(f"excluded has shape {out.shape}, expected ({np.shape(rewards)[0]},): one flag per "
-                             f"trajectory")
-        if out.any():
-            return _without(out, group_ids, rewards, p_err, p_format, cfg, seed)
     rewards = np.asarray(rewards, dtype=np.float64)
     if rewards.ndim != 1:
         raise ValueError(f"rewards has shape {rewards.shape}; pass one scalar reward per trajectory (1-D)")
@@ -128,6 +121,17 @@ def roc_downsample(group_ids: ArrayLike, rewards: ArrayLike, p_err: ArrayLike | 
         raise ValueError(f"group_ids has shape {ids.shape}, expected ({n},): one id per trajectory")
     _, g = np.unique(ids, return_inverse=True)
     g = g.reshape(-1)
+    if excluded is not None:
+        out = np.asarray(excluded, dtype=bool).reshape(-1)
+        if out.shape != (n,):
+            raise ValueError(f"excluded has shape {out.shape}, expected ({n},): one flag per trajectory")
+        if out.any():   # select among the others as if these had never been generated
+            sub = np.flatnonzero(~out)
+            inner = roc_downsample(ids[sub], rewards[sub], None if p_err is None else np.asarray(p_err)[sub],
+                                   None if p_format is None else np.asarray(p_format)[sub], cfg, seed=seed)
+            keep, reason = np.zeros(n, dtype=bool), np.full(n, RoCReason.DROPPED_TOOL_INFRA, dtype=np.int8)
+            keep[sub], reason[sub] = inner.keep, inner.reason
+            return RoCSelection(keep, reason, penalty, g)
     reason = np.full(n, RoCReason.KEPT_GROUP, dtype=np.int8)
     if not cfg.do_down_sampling or n == 0:
         return RoCSelection(reason == RoCReason.KEPT_GROUP, reason, penalty, g)
@@ -167,15 +171,3 @@ def roc_downsample(group_ids: ArrayLike, rewards: ArrayLike, p_err: ArrayLike | 
     keep = np.isin(reason, [RoCReason.KEPT_POSITIVE, RoCReason.KEPT_NEGATIVE, RoCReason.KEPT_GROUP])
     return RoCSelection(keep, reason, penalty, g)
 
-
-def _without(out: np.ndarray, group_ids, rewards, p_err, p_format, cfg: RoCConfig, seed: int) -> RoCSelection:
-    """roc_downsample over the rows not in `out`, mapped back onto all rows."""
-    sub = np.flatnonzero(~out)
-    pick = (lambda x: None if x is None else np.asarray(x)[sub])
-    inner = roc_downsample(pick(group_ids), pick(rewards), pick(p_err), pick(p_format), cfg, seed=seed)
-    n = out.shape[0]
-    keep, reason = np.zeros(n, dtype=bool), np.full(n, RoCReason.DROPPED_TOOL_INFRA, dtype=np.int8)
-    keep[sub], reason[sub] = inner.keep, inner.reason
-    penalty = (cfg.roc_error_ratio * _as_1d("p_err", p_err, n) + cfg.roc_answer_format * _as_1d("p_format", p_format, n))
-    _, g = np.unique(np.asarray(group_ids), return_inverse=True)
-    return RoCSelection(keep, reason, penalty, g.reshape(-1))
