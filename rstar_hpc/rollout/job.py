@@ -112,11 +112,13 @@ def _scheduler(cfg, paths, stage, args, model_dir) -> tuple[int, str]:
 
 
 def _scheduler_steps(cfg, paths, stage, args, tok, comm, MPI) -> tuple[int, str]:
+    from rstar_hpc.datasets import load_prompts
     from rstar_hpc.rollout.scheduler import TAG_BYE, TAG_EXIT, run_scheduler, step_items
 
+    rows = load_prompts(cfg.stage(stage), seed=cfg.run.seed)   # once for the job, not once per step
     dead: set[int] = set()
     for step in args.step:
-        items, dropped = step_items(cfg, stage, step, tok)
+        items, dropped = step_items(cfg, stage, step, tok, rows)
         bar = None
         if args.progress:
             from tqdm import tqdm

@@ -34,7 +34,6 @@ import os
 import time
 from collections import deque
 from dataclasses import dataclass
-from pathlib import Path
 
 from rstar_hpc.rollout.policy import KVAwarePolicy, StaticPolicy, make_policy  # noqa: F401 (shared API)
 
@@ -69,16 +68,12 @@ def init_mpi():
 
 
 # --------------------------------------------------------------------------------------------------- step input
-def step_items(cfg, stage_name: str, step: int, tokenizer) -> tuple[list[WorkItem], list[str]]:
-    """The step's prompts x num_samples_per_prompt, and the uids of prompts dropped as over-long (the
-    reference filters them: they cannot be trained on)."""
+def step_items(cfg, stage_name: str, step: int, tokenizer, rows: list[dict]) -> tuple[list[WorkItem], list[str]]:
+    """The step's prompts (out of the stage's `rows`, datasets.load_prompts) x num_samples_per_prompt, and the
+    uids of prompts dropped as over-long (the reference filters them: they cannot be trained on)."""
     from rstar_hpc.rollout.agent import PromptTooLong, encode_prompt
 
-    from rstar_hpc.datasets import load_prompts
-
-    stage = cfg.stage(stage_name)
-    n = stage.prompts_per_step
-    rows = load_prompts(stage, seed=cfg.run.seed)
+    n = cfg.stage(stage_name).prompts_per_step
     if n > len(rows):
         raise ValueError(f"stage {stage_name!r}: prompts_per_step={n} but the data has {len(rows)} prompts; a step "
                          f"cannot hold a prompt twice (its uid names one GRPO group): lower prompts_per_step")

@@ -93,8 +93,12 @@ class SFTData:
         self._order = self._shuffle()
 
     @classmethod
+    def from_conversations(cls, conversations: list[list[dict]], tokenizer, **kwargs) -> SFTData:
+        return cls([tokenize_conversation(m, tokenizer) for m in conversations], **kwargs)
+
+    @classmethod
     def from_jsonl(cls, path: str | Path, tokenizer, **kwargs) -> SFTData:
-        return cls([tokenize_conversation(m, tokenizer) for m in load_chat_jsonl(path)], **kwargs)
+        return cls.from_conversations(load_chat_jsonl(path), tokenizer, **kwargs)
 
     def _shuffle(self) -> list[int]:
         order = list(range(len(self.samples)))
@@ -135,9 +139,9 @@ class SFTStageData:
         if stage.prompts_per_step < self.dp:
             raise ValueError(f"stage {stage.name!r}: prompts_per_step={stage.prompts_per_step} samples per step cannot "
                              f"be split over {self.dp} data-parallel ranks; raise it to at least {self.dp}")
-        tok = AutoTokenizer.from_pretrained(model_dir)
-        self.data = SFTData([tokenize_conversation(m, tok) for m in load_sft_conversations(stage, cfg.run.seed)],
-                            seed=cfg.run.seed, max_tokens=cfg.trainer.micro_batch_tokens)
+        self.data = SFTData.from_conversations(load_sft_conversations(stage, cfg.run.seed),
+                                               AutoTokenizer.from_pretrained(model_dir), seed=cfg.run.seed,
+                                               max_tokens=cfg.trainer.micro_batch_tokens)
         self.initial_state = self.data.state_dict()
 
     def next(self, stop_requested=None):
