@@ -78,8 +78,12 @@ def bwrap_argv(limits: Limits, seccomp_fd: int | None, as_root: bool) -> list[st
             argv += ["--symlink", os.readlink(path), path]
         elif os.path.isdir(path):
             argv += ["--ro-bind", path, path]
+    # private scratch first, so an interpreter installed under /tmp (a checkout there) is bound on top of it
+    argv += ["--proc", "/proc", "--dev", "/dev",
+             "--perms", "1777" if as_root else "0700", "--size", str(limits.scratch_mb << 20), "--tmpfs", "/tmp",
+             "--perms", "1777" if as_root else "0700", "--size", str(limits.scratch_mb << 20), "--tmpfs", "/dev/shm"]
     # the interpreter and its libraries, nothing else of the host (no /home, /etc, /work, scratch)
-    made: set[str] = set()
+    made: set[str] = {"/tmp", "/dev", "/dev/shm"}
     for prefix in sorted({os.path.realpath(sys.base_prefix), os.path.realpath(sys.prefix), sys.prefix}):
         if prefix.startswith("/usr/"):
             continue
@@ -95,11 +99,7 @@ def bwrap_argv(limits: Limits, seccomp_fd: int | None, as_root: bool) -> list[st
         argv += ["--ro-bind", prefix, prefix]
     for path in ("/etc/ld.so.cache", "/etc/localtime"):
         argv += ["--ro-bind-try", path, path]
-    argv += ["--ro-bind", WORKER_PY, "/opt/sandbox/worker.py",
-             "--proc", "/proc", "--dev", "/dev",
-             "--perms", "1777" if as_root else "0700", "--size", str(limits.scratch_mb << 20), "--tmpfs", "/tmp",
-             "--perms", "1777" if as_root else "0700", "--size", str(limits.scratch_mb << 20), "--tmpfs", "/dev/shm",
-             "--chdir", "/tmp", "--hostname", "sandbox", "--clearenv"]
+    argv += ["--ro-bind", WORKER_PY, "/opt/sandbox/worker.py", "--chdir", "/tmp", "--hostname", "sandbox", "--clearenv"]
     env = {"PATH": f"{sys.prefix}/bin:/usr/bin:/bin", "HOME": "/tmp", "TMPDIR": "/tmp", "LANG": "C.UTF-8",
            "PYTHONIOENCODING": "utf-8", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
            "MKL_NUM_THREADS": "1", "NUMEXPR_NUM_THREADS": "1", "MALLOC_ARENA_MAX": "2", "MPLBACKEND": "Agg"}

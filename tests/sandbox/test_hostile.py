@@ -478,3 +478,19 @@ def test_bare_last_expression_is_printed_like_ipython(healthy):
 def test_stdin_is_fed(healthy):
     r = run(healthy, "import sys\nprint(sum(int(x) for x in sys.stdin.read().split()))", stdin="1 2 3\n" * 1000)
     assert r["status"] == "ok" and r["stdout"] == "6000\n", r
+
+
+def test_an_interpreter_under_tmp_is_bound_over_the_private_scratch(monkeypatch):
+    """A checkout (its .venv) under /tmp: the sandbox's private /tmp must not hide the interpreter, so the
+    scratch tmpfs is mounted first and the interpreter's prefix bound on top of it."""
+    import sys
+
+    from sandbox.limits import Limits
+    from sandbox.pool import bwrap_argv
+
+    monkeypatch.setattr(sys, "prefix", "/tmp/fresh/.venv")
+    argv = bwrap_argv(Limits(), None, as_root=True)
+    scratch = next(i for i in range(len(argv) - 1) if argv[i:i + 2] == ["--tmpfs", "/tmp"])
+    venv = next(i for i in range(len(argv) - 2) if argv[i:i + 3] == ["--ro-bind", sys.prefix, sys.prefix])
+    assert scratch < venv
+    assert ["--dir", "/tmp"] not in [argv[i:i + 2] for i in range(len(argv) - 1)]   # /tmp keeps the scratch's mode
