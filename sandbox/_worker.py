@@ -293,12 +293,9 @@ def holder_loop(sock, g, lim, base_vm):
 
 # ---------------------------------------------------------------- the fork server (a child of pid 1)
 def spare_cell(null, out_w, err_w, res_w, go_r, lim, base_vm):
-    """A freshly forked stateless cell: set up, warm, then wait for its one request and run it."""
+    """A freshly forked stateless cell: set up, then wait for its one request and run it."""
     try:
         enter_cell(null, out_w, err_w, (res_w, go_r), lim, base_vm, SPARE_CWD)
-        # take the copy-on-write page faults of the parse/compile/exec/report path now, while idle
-        exec_cell("_ = None", {"__builtins__": __builtins__})
-        json.loads(json.dumps({"exc_type": None, "code": "", "pid": 1}))
         req = read_frame(go_r)
         os.close(go_r)
         if req is None:
@@ -988,6 +985,12 @@ def main():
         os.setgid(uid)
         os.setuid(uid)
     set_dumpable(False)
+    if sys.flags.no_site:   # a light interpreter: what site would have given cells, without its .pth hooks
+        import site   # under -S importing site runs nothing
+        site.setquit()
+        site.setcopyright()
+        site.sethelper()
+        sys.path.extend(p for p in init.get("path", []) if p not in sys.path)
     for name in init.get("preload", []):
         try:
             __import__(name)

@@ -32,6 +32,7 @@ import os
 import shutil
 import struct
 import sys
+import sysconfig
 import time
 
 from sandbox.limits import Limits
@@ -57,7 +58,7 @@ def sandbox_uid(limits: Limits, index: int) -> int | None:
     return limits.root_uid_base + (os.getpid() % 100_000) * 1000 + index % 1000
 
 
-def bwrap_argv(limits: Limits, seccomp_fd: int | None, as_root: bool) -> list[str]:
+def bwrap_argv(limits: Limits, seccomp_fd: int | None, as_root: bool, kind: str = MATH) -> list[str]:
     bwrap = shutil.which("bwrap")
     if bwrap is None:
         raise RuntimeError("bwrap not found on PATH: install bubblewrap (Debian/Ubuntu `bubblewrap`, "
@@ -105,7 +106,9 @@ def bwrap_argv(limits: Limits, seccomp_fd: int | None, as_root: bool) -> list[st
            "MKL_NUM_THREADS": "1", "NUMEXPR_NUM_THREADS": "1", "MALLOC_ARENA_MAX": "2", "MPLBACKEND": "Agg"}
     for k, v in env.items():
         argv += ["--setenv", k, v]
-    argv += ["--", sys.executable, "-I", "-u", "-B", "/opt/sandbox/worker.py"]
+    # light interpreters skip site: no site-packages, .pth hooks or import finders in every forked cell
+    flags = ["-I", "-u", "-B"] + (["-S"] if kind == LIGHT else [])
+    argv += ["--", sys.executable, *flags, "/opt/sandbox/worker.py"]
     return argv
 
 
@@ -131,7 +134,7 @@ class Sandbox:
             os.write(sec_w, self.seccomp_bpf)   # < 4 KiB: fits in the pipe buffer
             os.close(sec_w)
         try:
-            argv = bwrap_argv(self.limits, sec_r, uid is not None)
+            argv = bwrap_argv(self.limits, sec_r, uid is not None, self.kind)
             # a scrubbed environment: bwrap and everything it starts must not carry the launcher's secrets
             self.proc = await asyncio.create_subprocess_exec(
                 *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
@@ -141,13 +144,17 @@ class Sandbox:
             if sec_r is not None:
                 os.close(sec_r)
         self._stderr_task = asyncio.create_task(self._drain_stderr())
+        path: list[str] = []
         if self.kind == LIGHT:
             preload, warmup = list(self.limits.light_preload), ""
+            # started without site (-S): site-packages go on sys.path as plain directories, so a light cell
+            # that imports a third-party module after all still finds it
+            path = sorted({sysconfig.get_paths()[k] for k in ("purelib", "platlib")})
         else:
             preload = list(self.limits.preload)
             warmup = self.limits.warmup if set(preload) >= {"numpy", "sympy"} else ""
         self._send({"op": "init", "limits": self.limits.for_worker(), "uid": uid, "preload": preload,
-                    "warmup": warmup})
+                    "warmup": warmup, "path": path})
         try:
             ready = await asyncio.wait_for(self._recv(), self.limits.start_timeout_s)
         except (asyncio.TimeoutError, SandboxDied) as e:

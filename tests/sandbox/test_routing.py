@@ -76,6 +76,16 @@ def test_light_and_math_cells_see_the_same_fresh_globals(healthy):
     assert light["stdout"] == math["stdout"] == "[]\n", (light, math)
 
 
+def test_light_cells_have_the_builtins_site_adds(healthy):
+    # light interpreters start without site (-S); exit(), quit(), help ... must still be there
+    code = "import builtins\nprint(sorted(vars(builtins)))"
+    light = healthy.run(code)
+    math = healthy.run(code + "  # numpy")
+    assert light["sandbox"] == "light" and math["sandbox"] == "math"
+    assert light["stdout"] == math["stdout"] and "'exit'" in light["stdout"], (light, math)
+    assert healthy.run("exit()")["status"] == "ok"
+
+
 @pytest.mark.parametrize("threads", [0, 2])
 def test_cpu_time_is_measured_for_the_cell_and_its_threads(healthy, threads):
     """pid 1 reads the cell's CPU time from /proc (one thread: its schedstat; more: every live thread's)."""
