@@ -710,7 +710,7 @@ class Server:
             return {"status": "internal_error", "reason": self.dirty or "no cell could be forked"}
         sp, self.spare = self.spare, None
         pid = sp["pid"]
-        cpu0 = self.cpu_of(pid)   # its set-up and warm-up are not the call's CPU time
+        cpu0 = self.cpu_of(pid)   # its set-up is not the call's CPU time
         try:
             write_frame(sp["go_w"], {"code": req["code"], "stdin": req.get("stdin", "")})
         except OSError:

@@ -27,10 +27,11 @@ from typing import Iterable
 
 from rstar_hpc.algo._config import resolve
 from rstar_hpc.config.algo import RoCConfig
+from rstar_hpc.exchange import schema
 
-TOOL_STATUSES = frozenset({"ok", "error", "timeout", "memory", "output_truncated", "killed", "invalid_request",
-                           "parse_error", "internal_error", "unavailable"})
-"""Every status a tool call can carry: the sandbox's nine, plus `parse_error` from the agent loop."""
+TOOL_STATUSES = frozenset(schema.TOOL_STATUSES)
+"""Every status a tool call can carry (the trajectory schema's list): the sandbox's nine, plus `parse_error`
+from the agent loop."""
 INFRA_TOOL_STATUSES = frozenset({"internal_error", "unavailable"})
 """The sandbox infrastructure failed (a sandbox died mid-call, no service reachable after the client's retries):
 no verdict on the model's code, so these calls count neither as failed nor as made in p_err."""
@@ -56,28 +57,27 @@ class Quality:
     p_format: float
 
 
-def _count_failed(statuses: Iterable[str]) -> tuple[int, int]:
-    n = failed = 0
+def _tool_counts(statuses: Iterable[str]) -> tuple[int, int, float]:
+    """(calls with a verdict on the code, failed ones, p_err). Calls lost to the sandbox's infrastructure are
+    left out; a trajectory whose every call was lost made calls, so its p_err is 0, not the no-call 0.5."""
+    made = n = failed = 0
     for s in statuses:
         if s not in TOOL_STATUSES:
             raise ValueError(f"unknown tool status {s!r}; expected one of {sorted(TOOL_STATUSES)} "
-                             "(add it to rstar_hpc.algo.quality.TOOL_STATUSES, and to FAILED_TOOL_STATUSES "
-                             "if it is a failure)")
+                             "(add it to rstar_hpc.exchange.schema.TOOL_STATUSES, and to "
+                             "rstar_hpc.algo.quality.FAILED_TOOL_STATUSES if it is a failure)")
+        made += 1
         if s in INFRA_TOOL_STATUSES:
             continue
         n += 1
         failed += s in FAILED_TOOL_STATUSES
-    return n, failed
+    err = failed / n if n else (0.0 if made else NO_TOOL_P_ERR)
+    return n, failed, err
 
 
 def p_err(tool_statuses: Iterable[str]) -> float:
-    """Failed calls / calls, 0.5 with none (Eq. 4). Calls lost to the sandbox's infrastructure are left out;
-    a trajectory whose every call was lost made calls, so it gets 0, not the no-call 0.5."""
-    statuses = list(tool_statuses)
-    n, failed = _count_failed(statuses)
-    if n == 0 and statuses:
-        return 0.0
-    return failed / n if n else NO_TOOL_P_ERR
+    """Failed calls / calls, 0.5 with none (Eq. 4); infrastructure failures are left out (`_tool_counts`)."""
+    return _tool_counts(tool_statuses)[2]
 
 
 def _answers(response: str) -> tuple[int, bool]:
@@ -108,7 +108,6 @@ def trajectory_quality(response: str, tool_statuses: Iterable[str], num_turns: i
     """p_err and p_format of one trajectory. `response` is the response text (tool responses may be left in;
     they are skipped), `tool_statuses` one status per tool call, `num_turns` the assistant turns."""
     cfg = resolve(RoCConfig, cfg, kwargs)
-    statuses = list(tool_statuses)
-    n, failed = _count_failed(statuses)
+    n, failed, err = _tool_counts(tool_statuses)
     fmt, turns, pairs = _p_format(response, num_turns, cfg.count_first_turn)
-    return Quality(n, failed, turns, pairs, p_err(statuses), fmt)
+    return Quality(n, failed, turns, pairs, err, fmt)

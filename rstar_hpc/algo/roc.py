@@ -170,4 +170,3 @@ def roc_downsample(group_ids: ArrayLike, rewards: ArrayLike, p_err: ArrayLike | 
             RoCReason.DROPPED_NEGATIVE)
     keep = np.isin(reason, [RoCReason.KEPT_POSITIVE, RoCReason.KEPT_NEGATIVE, RoCReason.KEPT_GROUP])
     return RoCSelection(keep, reason, penalty, g)
-

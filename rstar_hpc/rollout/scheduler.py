@@ -291,6 +291,7 @@ def run_scheduler(comm, MPI, cfg, paths, stage: str, step: int, items: list[Work
             dead.append(e)
     dead_ranks.update(dead)
     trajs = [results[it.key] for it in items]
+    last_admit = max(queued_at.values(), default=0.0)
     with ShardWriter(paths, stage, step, PRODUCER) as w:
         w.write(trajs)
     summary = {
@@ -298,8 +299,7 @@ def run_scheduler(comm, MPI, cfg, paths, stage: str, step: int, items: list[Work
         "dropped_prompts": list(dropped), "engines": engines, "dead_engines": dead, "reruns": reruns,
         "wall_s": round(time.monotonic() - t_start, 3), "generation_wall_s": round(gen_s, 3),
         # the step's long tail: generation went on this long after its last trajectory was admitted
-        "last_admit_s": round(max(queued_at.values(), default=0.0), 3),
-        "tail_s": round(gen_s - max(queued_at.values(), default=0.0), 3),
+        "last_admit_s": round(last_admit, 3), "tail_s": round(gen_s - last_admit, 3),
         "reward_s": round(reward_s, 4), "policy_version": start["policy_version"],
         "tool_infra_failures": infra_failures,
         "tool_wait_s": round(sum(t.timings.tool_s for t in trajs), 3),
