@@ -19,6 +19,7 @@ holder (its state includes the cell) and H is killed; if C dies (timeout, signal
 H is still there with the state from before the cell: the cell is rolled back, and the result says so.
 """
 import _signal
+import _socket
 import ast
 import ctypes
 import gc
@@ -26,10 +27,7 @@ import json
 import linecache
 import os
 import resource
-import select
-import shutil
 import signal
-import socket
 import struct
 import sys
 import time
@@ -37,6 +35,7 @@ import traceback
 
 CELL = "<cell>"
 _HDR = struct.Struct(">I")
+_REQ = struct.Struct(">II")     # a stateless cell's request: code bytes, stdin bytes
 _ZREQ = struct.Struct("=i?")    # to the fork server: dead cell to reap (0: none), fork a spare (fds attached)
 _ZREP = struct.Struct("=idi")   # from it: the reaped cell's wait status (-1: none, -2: not ours), CPU s, new pid
 SPARE_CWD = "/tmp/call"
@@ -51,6 +50,9 @@ _CELL_SIGNALS = tuple((int(s), {signal.SIGINT: signal.default_int_handler, signa
 _LIMIT_PLAN = None   # set_limits' (resource, (soft, hard)) pairs, computed once in pid 1
 _TICK = os.sysconf("SC_CLK_TCK")
 _exit = os._exit   # bound before any cell runs: a cell that replaces os._exit cannot keep a spare going
+# the usual report, sent as fixed bytes: json.dumps in every cell costs it page faults for nothing
+OK_REPORT = {"exc_type": None}
+_OK_BYTES = json.dumps(OK_REPORT).encode()
 
 
 # ---------------------------------------------------------------- framing
@@ -81,6 +83,57 @@ def write_all(fd, data):
 def write_frame(fd, obj):
     body = json.dumps(obj).encode()
     write_all(fd, _HDR.pack(len(body)) + body)
+
+
+def pack_request(code, stdin):
+    """A stateless cell's request, as pid 1 sends it on the cell's own pipe: the lengths of code and stdin,
+    then both. Raw bytes, not JSON: decoding a JSON frame costs each forked cell ~50 copy-on-write page
+    faults. surrogatepass keeps code that JSON carried with lone surrogates as it was (compile reports it).
+    Length-prefixed, not read to EOF: a fork server started later inherits pid 1's end of the pipe."""
+    code = code.encode("utf-8", "surrogatepass")
+    stdin = stdin.encode("utf-8", "replace")
+    return _REQ.pack(len(code), len(stdin)) + code + stdin
+
+
+def read_request(fd):
+    """(code, stdin bytes) from pid 1; None if it never fully arrived."""
+    hdr = read_exact(fd, _REQ.size)
+    if hdr is None:
+        return None
+    n, m = _REQ.unpack(hdr)
+    body = read_exact(fd, n + m)
+    if body is None:
+        return None
+    return body[:n].decode("utf-8", "surrogatepass"), body[n:]
+
+
+# Modules only pid 1 needs are imported where pid 1 uses them, after it has forked the fork server: every
+# module the fork server holds is in every cell's fork and exit. Sockets use _socket directly (socket.py
+# brings selectors, select, array and its enums).
+def send_fds(sock, msg, fds):
+    sock.sendmsg([msg], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS,
+                          b"".join(fd.to_bytes(4, sys.byteorder, signed=True) for fd in fds))])
+
+
+def recv_fds(sock, bufsize, maxfds):
+    """(message, fds) from one recvmsg; fds beyond maxfds are closed by the kernel (MSG_CTRUNC)."""
+    msg, anc, _, _ = sock.recvmsg(bufsize, _socket.CMSG_SPACE(maxfds * 4))
+    fds = []
+    for level, kind, data in anc:
+        if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS:
+            fds += [int.from_bytes(data[i:i + 4], sys.byteorder, signed=True) for i in range(0, len(data) - 3, 4)]
+    return msg, fds
+
+
+def socketpair(kind=_socket.SOCK_STREAM):
+    return _socket.socketpair(_socket.AF_UNIX, kind)
+
+
+def _rmtree(path):
+    # imported here, in pid 1 only, not at start: shutil maps zlib, bz2 and lzma (~30 memory areas) into the
+    # interpreter every cell is forked from, and each fork and exit would copy and tear down their page tables
+    import shutil
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def _read_proc(path):
@@ -228,7 +281,7 @@ def exec_cell(code, g):
             if value is not None:
                 g["_"] = value
                 sys.stdout.write(repr(value) + "\n")
-        report = {"exc_type": None}
+        report = OK_REPORT
     except BaseException as e:   # noqa: B036 - SystemExit/KeyboardInterrupt are results here too
         report = describe(e)
         if not report["clean_exit"]:
@@ -246,7 +299,7 @@ def exec_cell(code, g):
 
 def send_report(res_w, report):
     try:
-        write_all(res_w, json.dumps(report).encode())
+        write_all(res_w, _OK_BYTES if report is OK_REPORT else json.dumps(report).encode())
     except (OSError, TypeError, ValueError):
         pass
     try:
@@ -260,7 +313,7 @@ def holder_loop(sock, g, lim, base_vm):
     """Serve cells of one session. Runs in the session's holder process (which user code also ran in)."""
     while True:
         try:
-            msg, fds, _, _ = socket.recv_fds(sock, 1 << 20, 8)
+            msg, fds = recv_fds(sock, 1 << 20, 8)
         except OSError:
             os._exit(0)
         if not msg:
@@ -270,7 +323,7 @@ def holder_loop(sock, g, lim, base_vm):
         child = os.fork()
         if child == 0:
             enter_cell(stdin_fd, out_w, err_w, (res_w, sock.fileno()), lim, base_vm, req["cwd"])
-            report = exec_cell(req["code"], g)
+            report = dict(exec_cell(req["code"], g))
             report["pid"] = os.getpid()
             send_report(res_w, report)
             # this process is the holder now; later writes by its threads must not reach the next cell
@@ -296,13 +349,14 @@ def spare_cell(null, out_w, err_w, res_w, go_r, lim, base_vm):
     """A freshly forked stateless cell: set up, then wait for its one request and run it."""
     try:
         enter_cell(null, out_w, err_w, (res_w, go_r), lim, base_vm, SPARE_CWD)
-        req = read_frame(go_r)
+        req = read_request(go_r)
         os.close(go_r)
         if req is None:
             _exit(0)
-        if req.get("stdin"):
+        code, stdin = req
+        if stdin:
             fd = os.memfd_create("stdin", 0)   # a file, not a pipe: any size, no writer needed
-            write_all(fd, req["stdin"].encode("utf-8", "replace"))
+            write_all(fd, stdin)
             os.lseek(fd, 0, 0)
             os.dup2(fd, 0)
             os.close(fd)
@@ -310,7 +364,7 @@ def spare_cell(null, out_w, err_w, res_w, go_r, lim, base_vm):
         send_report(res_w, {"internal": f"cell setup failed: {e!r}"})
         _exit(70)
     try:
-        send_report(res_w, exec_cell(req["code"], {"__name__": "__main__", "__builtins__": __builtins__}))
+        send_report(res_w, exec_cell(code, {"__name__": "__main__", "__builtins__": __builtins__}))
     finally:
         _exit(0)
 
@@ -329,10 +383,9 @@ def warm_cell_path(rounds=64):
         for _ in range(rounds):
             for code in ("_ = None", "print(1 + 1)", "x = [i * i for i in range(3)]\nx[-1]", "1 / 0"):
                 report = exec_cell(code, {"__name__": "__main__", "__builtins__": __builtins__})
-                report["pid"] = 2
-                write_frame(w, {"code": code, "stdin": ""})
-                read_frame(r)
-                json.loads(json.dumps(report))
+                json.loads(json.dumps(dict(report, pid=2)))
+                write_all(w, pack_request(code, ""))
+                read_request(r)
     finally:
         os.dup2(saved[0], 1)
         os.dup2(saved[1], 2)
@@ -346,10 +399,10 @@ def zygote_loop(sock, null, lim, base_vm):
     between two forks it writes (copy-on-write faults) only a handful of pages, and every cell forks
     from the same warm, untouched state. User code never runs here; its cells are its only children
     (the seccomp filter denies CLONE_PARENT), so pid 1 learns their exit status from it."""
-    recv_fds, fork, wait4, close = socket.recv_fds, os.fork, os.wait4, os.close
+    fork, wait4, close = os.fork, os.wait4, os.close
     while True:
         try:
-            msg, fds, _, _ = recv_fds(sock, 64, 4)
+            msg, fds = recv_fds(sock, 64, 4)
         except OSError:
             _exit(0)
         if len(msg) != _ZREQ.size:
@@ -450,7 +503,7 @@ class Server:
                     try:
                         os.rmdir(path)   # the usual case: the call left its directory empty
                     except OSError:
-                        shutil.rmtree(path, ignore_errors=True)
+                        _rmtree(path)
                 else:
                     try:
                         os.unlink(path)
@@ -483,7 +536,7 @@ class Server:
         except ProcessLookupError:
             pass
         h["sock"].close()
-        shutil.rmtree(h["cwd"], ignore_errors=True)
+        _rmtree(h["cwd"])
 
     def anon_bytes(self, pid):
         """Anonymous memory of a process beyond what the warm interpreter had: a session's own growth.
@@ -515,6 +568,7 @@ class Server:
         lim = self.lim
         out, err = Capture(lim["max_output_bytes"]), Capture(lim["max_output_bytes"])
         res = bytearray()
+        import select
         poll = select.poll()
         names = {out_r: out, err_r: err, res_r: res}
         for fd in (out_r, err_r, res_r, pidfd):
@@ -595,7 +649,7 @@ class Server:
         try:
             os.mkdir(path, 0o700)   # usually gone already: the sweep's wipe removed it
         except FileExistsError:
-            shutil.rmtree(path, ignore_errors=True)
+            _rmtree(path)
             os.mkdir(path, 0o700)
         return path
 
@@ -605,7 +659,7 @@ class Server:
         which does the per-call work (framing, supervision, sweeping), never forks per call: a fork
         write-protects the forking process's whole heap, and each page it writes afterwards costs a
         copy-on-write fault (this pid 1 took ~200 per call when it forked the cells itself)."""
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        ours, theirs = socketpair(_socket.SOCK_SEQPACKET)
         if self.null is None:
             self.null = os.open("/dev/null", os.O_RDONLY)
         pid = os.fork()
@@ -647,7 +701,8 @@ class Server:
             if fds is None:
                 sock.send(msg)
             else:
-                socket.send_fds(sock, [msg], fds)
+                send_fds(sock, msg, fds)
+            import select
             if select.select([sock], (), (), 10.0)[0]:
                 data = sock.recv(64)
                 if len(data) == _ZREP.size:
@@ -712,7 +767,7 @@ class Server:
         pid = sp["pid"]
         cpu0 = self.cpu_of(pid)   # its set-up is not the call's CPU time
         try:
-            write_frame(sp["go_w"], {"code": req["code"], "stdin": req.get("stdin", "")})
+            write_all(sp["go_w"], pack_request(req["code"], req.get("stdin", "")))
         except OSError:
             pass   # the spare died before its call (its report or exit status says how)
         os.close(sp["go_w"])
@@ -741,6 +796,7 @@ class Server:
                     pass
                 # dead (a zombie of the fork server, which reaps it with the next fork), so nothing of it
                 # runs during the sweep; its children are ours now and the sweep ends them
+                import select
                 select.select([pidfd], (), (), 10.0)
                 reap = pid
             os.close(pidfd)
@@ -752,7 +808,7 @@ class Server:
             self.reap_cell(reap)
 
     def new_holder(self, sid):
-        parent, child = socket.socketpair()
+        parent, child = socketpair()
         cwd = self.scratch("s-" + str(abs(hash(sid)) % 10**12))
         pid = os.fork()
         if pid == 0:
@@ -811,7 +867,7 @@ class Server:
         msg = json.dumps({"code": req["code"], "cwd": h["cwd"]}).encode()
         start = time.monotonic()
         try:
-            socket.send_fds(h["sock"], [msg], [stdin_fd, out_w, err_w, res_w])
+            send_fds(h["sock"], msg, [stdin_fd, out_w, err_w, res_w])
         finally:
             for fd in (stdin_fd, out_w, err_w, res_w):
                 os.close(fd)
@@ -1010,11 +1066,12 @@ def main():
     srv.base_anon = srv.anon_bytes(os.getpid())
     global _LIMIT_PLAN
     _LIMIT_PLAN = limit_plan(srv.lim, srv.base_vm)
+    modules = sorted({m.partition(".")[0] for m in sys.modules})   # what cells find loaded: the fork server's
     srv.start_zygote()
     srv.prefork()
     write_frame(ctl_out, {"op": "ready", "pid": os.getpid(), "uid": os.getuid(), "vm_size": srv.base_vm,
                           "preloaded": [m for m in init.get("preload", []) if m in sys.modules],
-                          "modules": sorted({m.partition(".")[0] for m in sys.modules})})
+                          "modules": modules})
     srv.serve()
 
 
