@@ -2,7 +2,8 @@
 
 Namespaces and rlimits do the containing; this filter removes kernel surface they leave open: debugging
 other processes (ptrace would let a cell wedge pid 1), new namespaces (a nested user namespace hands out
-capabilities), mounts, keyrings, BPF, io_uring, perf, kexec/modules, `kill(-1, ...)`, which would take
+capabilities), mounts, keyrings, BPF, io_uring, perf, kexec/modules, System V IPC (state that would outlive a call),
+`kill(-1, ...)`, which would take
 out every session of the sandbox in one call, and `clone(CLONE_PARENT)`, which would make a cell's child a
 child of the fork server instead of an orphan that pid 1 adopts, kills and reaps. Denied calls fail with EPERM (clone3 with ENOSYS, so libc
 falls back to clone, whose namespace flags are then checked).
@@ -27,6 +28,11 @@ DENY = (
     "acct", "swapon", "swapoff", "reboot", "syslog", "settimeofday", "clock_settime", "clock_adjtime",
     "adjtimex", "personality", "lookup_dcookie", "name_to_handle_at", "open_by_handle_at",
     "quotactl", "nfsservctl", "vhangup", "uselib", "ustat", "sysfs",
+    # System V IPC objects live in the sandbox's IPC namespace, not in any process or directory the sweep
+    # clears: a segment one call creates, the next call (or another trajectory's session) could attach and
+    # read. POSIX shared memory and semaphores (multiprocessing's) are files in /dev/shm, wiped per call.
+    "shmget", "shmat", "shmctl", "shmdt", "msgget", "msgsnd", "msgrcv", "msgctl", "semget", "semop",
+    "semtimedop", "semctl", "ipc",
 )
 NS_FLAGS = (0x10000000, 0x00020000, 0x20000000, 0x40000000, 0x08000000, 0x04000000, 0x02000000, 0x00008000)
 # CLONE_NEWUSER, NEWNS, NEWPID, NEWNET, NEWIPC, NEWUTS, NEWCGROUP, and CLONE_PARENT

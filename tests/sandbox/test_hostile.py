@@ -5,6 +5,7 @@ correct and fast, and no process the hostile code started survives on the host.
 """
 from __future__ import annotations
 
+import errno
 import os
 import socket
 
@@ -31,6 +32,7 @@ BOTH = pytest.mark.parametrize("kind", ["light", "math"])
 @BOTH
 def test_fork_bomb_is_capped_by_nproc_and_killed_at_the_wall(healthy, kind):
     r = run(healthy, kind=kind, code="""
+import errno
 import os
 n = 0
 try:
@@ -114,6 +116,7 @@ def test_numpy_huge_array_is_a_memory_error(healthy):
 
 def test_tmpfs_is_not_a_memory_sink(healthy):
     r = run(healthy, """
+import errno
 import os
 total = 0
 try:
@@ -168,6 +171,7 @@ def test_system_and_runtime_files_are_read_only(healthy):
 
 def test_host_home_etc_and_project_are_absent(healthy):
     r = run(healthy, """
+import errno
 import os
 print(sorted(os.listdir('/')))
 for p in ('/etc/shadow', '/etc/passwd', '/home', '/root/.ssh', '/work/main/setup.py'):
@@ -203,6 +207,7 @@ def test_import_hijack_from_the_working_directory_fails(healthy):
 def test_launcher_environment_is_invisible(healthy, kind):
     assert os.environ.get("RSTAR_SANDBOX_TEST_SECRET") == SECRET
     r = run(healthy, kind=kind, code="""
+import errno
 import os
 print(sorted(os.environ))
 for p in os.listdir('/proc'):
@@ -439,6 +444,17 @@ def test_globals_builtins_and_modules_do_not_leak(healthy):
                                     "if not isinstance(__builtins__, dict) else 'leak2' in __builtins__, "
                                     "numpy.sum([1, 2]), 'evil' in sys.modules)"} for _ in range(4)])
     assert {r["stdout"] for r in rs} == {"False False 3 False\n"}, rs
+
+
+@BOTH
+def test_system_v_shared_memory_cannot_carry_state_to_the_next_call(healthy, kind):
+    # a SysV segment would outlive the call in the sandbox's IPC namespace: creating one is denied
+    code = ("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            "print(libc.shmget(4242, 4096, 0o1666), ctypes.get_errno(), libc.msgget(4243, 0o1666), "
+            "libc.semget(4244, 1, 0o1666))")
+    for _ in range(2):
+        r = run(healthy, code, kind=kind)
+        assert r["status"] == "ok" and r["stdout"] == f"-1 {errno.EPERM} -1 -1\n", r
 
 
 def test_rngs_are_reseeded_per_call(healthy):
