@@ -32,17 +32,18 @@ class Limits:
     max_request_bytes: int = 16 << 20  # one network frame (a batch of calls)
     # pool
     num_workers: int = 0              # sandboxes; 0 = one per core this process may use
-    recycle_after: int = 1000         # calls before a sandbox is replaced by a fresh one
+    recycle_after: int = 10000        # calls before a sandbox is replaced (a start costs ~0.25 s CPU)
     start_timeout_s: float = 60.0     # a sandbox that is not ready by then is an error
     hang_grace_s: float = 5.0         # a sandbox silent this long past a call's deadline is replaced
     preload: tuple[str, ...] = ("numpy", "sympy")
     # light sandboxes: stdlib-only interpreters (cheap to fork) for stateless calls that import nothing
     # heavy (sandbox.route); -1 = as many as the math sandboxes, 0 = none (every call runs in a math one)
     light_workers: int = -1
-    # (not random: its at-fork reseed alone costs each forked cell ~40 page faults; cells importing a module
-    # the light interpreter lacks go to math sandboxes, see sandbox.route)
-    light_preload: tuple[str, ...] = ("math", "cmath", "fractions", "decimal", "itertools", "functools",
-                                      "collections", "re", "heapq", "bisect", "string")
+    # Cells importing a module the light interpreter lacks go to math sandboxes (sandbox.route). Not random: its
+    # at-fork reseed alone costs each forked cell ~40 page faults. Each C extension here is in every light fork
+    # and exit: cmath, heapq and bisect (rare in tool calls) cost ~8% of a trivial call's CPU together
+    light_preload: tuple[str, ...] = ("math", "fractions", "decimal", "itertools", "functools", "collections",
+                                      "re", "string", "errno")
     warmup: str = WARMUP             # run once in each sandbox's interpreter before it forks any cell
     # sessions
     max_sessions_per_worker: int = 32

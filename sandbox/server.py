@@ -21,6 +21,7 @@ from sandbox.protocol import MAX_BATCH, FrameTooLarge, encode, read_frame, valid
 from sandbox.results import make_result
 
 log = logging.getLogger("sandbox")
+COALESCE_S = 0.002   # results finishing this soon after the last write to a client share the next write
 
 
 def _announce(run_dir: str, name: str, host: str, port: int, **extra: object) -> None:
@@ -139,10 +140,32 @@ class Service:
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
         self._writers.add(writer)
+        loop = asyncio.get_running_loop()
+        pending: list[bytes] = []
+        armed, last = False, 0.0
+
+        def flush() -> None:
+            nonlocal armed, last
+            armed = False
+            if pending and not writer.is_closing():
+                writer.write(b"".join(pending))
+                last = loop.time()
+            pending.clear()
 
         def send(obj: dict) -> None:
-            if not writer.is_closing():
-                writer.write(encode(obj))
+            # one write (a TCP segment, a wake-up of the client) for the results that finish within
+            # COALESCE_S of the previous write, instead of one each; an idle connection's result goes out at once
+            nonlocal armed
+            if writer.is_closing():
+                return
+            pending.append(encode(obj))
+            if not armed:
+                armed = True
+                wait = COALESCE_S - (loop.time() - last)
+                if wait > 0:
+                    loop.call_later(wait, flush)
+                else:
+                    loop.call_soon(flush)
 
         try:
             while True:
@@ -172,6 +195,7 @@ class Service:
         except (ConnectionError, asyncio.IncompleteReadError):
             pass
         finally:
+            flush()
             self.connections -= 1
             self._writers.discard(writer)
             writer.close()

@@ -39,15 +39,20 @@ class SandboxConfig(Section):
     """Largest stdin of one call."""
     max_request_bytes: int = Field(16 << 20, ge=1 << 16)
     """Largest network frame (one batch of up to 64 calls)."""
-    recycle_after: int = Field(1000, ge=1)
-    """Calls before a sandbox is replaced by a fresh one."""
+    recycle_after: int = Field(10000, ge=1)
+    """Calls before a sandbox is replaced by a fresh one. A guard against slow drift of the long-lived pid 1 and
+    fork server (neither runs user code; each call's processes and files are swept): a replacement costs ~0.25 s
+    of CPU for a light sandbox (namespaces, interpreter, warm-up) and several for a math one, so at 1000 it was
+    ~6% of a pool's CPU on trivial calls."""
     preload: list[str] = ["numpy", "sympy"]
     """Modules imported once in every math sandbox (calls fork from the warm interpreter)."""
     light_workers: int = Field(-1, ge=-1)
     """Light sandboxes (stdlib-only, cheap to fork) for stateless calls importing nothing heavy; -1 = as many as num_workers, 0 = none."""
-    light_preload: list[str] = ["math", "cmath", "fractions", "decimal", "itertools", "functools", "collections",
-                                "re", "heapq", "bisect", "string"]
-    """Standard-library modules imported once in every light sandbox."""
+    light_preload: list[str] = ["math", "fractions", "decimal", "itertools", "functools", "collections", "re",
+                                "string", "errno"]
+    """Standard-library modules imported once in every light sandbox. Each C extension among them is in every light
+    call's fork and exit (cmath, heapq and bisect together cost ~8% of a trivial call's CPU); a call importing a
+    module not listed runs in a math sandbox."""
     max_sessions_per_worker: int = Field(32, ge=1)
     """Live sessions one sandbox holds; the least recently used goes beyond it."""
     session_idle_s: float = Field(600.0, gt=0)
