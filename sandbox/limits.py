@@ -39,11 +39,10 @@ class Limits:
     # light sandboxes: stdlib-only interpreters (cheap to fork) for stateless calls that import nothing
     # heavy (sandbox.route); -1 = as many as the math sandboxes, 0 = none (every call runs in a math one)
     light_workers: int = -1
-    # Cells importing a module the light interpreter lacks go to math sandboxes (sandbox.route). Not random: its
-    # at-fork reseed alone costs each forked cell ~40 page faults. Each C extension here is in every light fork
-    # and exit: cmath, heapq and bisect (rare in tool calls) cost ~8% of a trivial call's CPU together
-    light_preload: tuple[str, ...] = ("math", "fractions", "decimal", "itertools", "functools", "collections",
-                                      "re", "string", "errno")
+    # (not random: its at-fork reseed alone costs each forked cell ~40 page faults; cells importing a module
+    # the light interpreter lacks go to math sandboxes, see sandbox.route)
+    light_preload: tuple[str, ...] = ("math", "cmath", "fractions", "decimal", "itertools", "functools",
+                                      "collections", "re", "heapq", "bisect", "string", "errno")
     warmup: str = WARMUP             # run once in each sandbox's interpreter before it forks any cell
     # sessions
     max_sessions_per_worker: int = 32

@@ -48,11 +48,9 @@ class SandboxConfig(Section):
     """Modules imported once in every math sandbox (calls fork from the warm interpreter)."""
     light_workers: int = Field(-1, ge=-1)
     """Light sandboxes (stdlib-only, cheap to fork) for stateless calls importing nothing heavy; -1 = as many as num_workers, 0 = none."""
-    light_preload: list[str] = ["math", "fractions", "decimal", "itertools", "functools", "collections", "re",
-                                "string", "errno"]
-    """Standard-library modules imported once in every light sandbox. Each C extension among them is in every light
-    call's fork and exit (cmath, heapq and bisect together cost ~8% of a trivial call's CPU); a call importing a
-    module not listed runs in a math sandbox."""
+    light_preload: list[str] = ["math", "cmath", "fractions", "decimal", "itertools", "functools", "collections",
+                                "re", "heapq", "bisect", "string", "errno"]
+    """Standard-library modules imported once in every light sandbox."""
     max_sessions_per_worker: int = Field(32, ge=1)
     """Live sessions one sandbox holds; the least recently used goes beyond it."""
     session_idle_s: float = Field(600.0, gt=0)
