@@ -32,7 +32,7 @@ class Limits:
     max_request_bytes: int = 16 << 20  # one network frame (a batch of calls)
     # pool
     num_workers: int = 0              # sandboxes; 0 = one per core this process may use
-    recycle_after: int = 10000        # calls before a sandbox is replaced (a start costs ~0.25 s CPU)
+    recycle_after: int = 10000        # calls before a sandbox is replaced (a start costs ~0.15 s CPU)
     start_timeout_s: float = 60.0     # a sandbox that is not ready by then is an error
     hang_grace_s: float = 5.0         # a sandbox silent this long past a call's deadline is replaced
     preload: tuple[str, ...] = ("numpy", "sympy")

@@ -41,9 +41,9 @@ class SandboxConfig(Section):
     """Largest network frame (one batch of up to 64 calls)."""
     recycle_after: int = Field(10000, ge=1)
     """Calls before a sandbox is replaced by a fresh one. A guard against slow drift of the long-lived pid 1 and
-    fork server (neither runs user code; each call's processes and files are swept): a replacement costs ~0.25 s
-    of CPU for a light sandbox (namespaces, interpreter, warm-up) and several for a math one, so at 1000 it was
-    ~6% of a pool's CPU on trivial calls."""
+    fork server (neither runs user code; each call's processes and files are swept): a replacement costs ~0.15 s
+    of CPU for a light sandbox (namespaces, interpreter, warm-up) and seconds for a math one, so at 1000 it was
+    ~4% of a pool's CPU on trivial calls."""
     preload: list[str] = ["numpy", "sympy"]
     """Modules imported once in every math sandbox (calls fork from the warm interpreter)."""
     light_workers: int = Field(-1, ge=-1)
