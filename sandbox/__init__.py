@@ -22,7 +22,7 @@ targeted kernel exploit. Against it, each call is:
   with a scrubbed environment, so not even /proc/1/environ shows the launcher's). No network (an empty
   net namespace: loopback only). No capabilities, no_new_privs, a new session (no tty injection), and a
   seccomp filter against ptrace, process_vm_*, new namespaces, mounts, keyrings, bpf, io_uring, perf,
-  modules and kill(-1).
+  modules, System V IPC (its objects would outlive a call) and kill(-1).
 - limited by hard rlimits set in the cell's own process (soft = hard, which it cannot raise): CPU time,
   address space, processes+threads (RLIMIT_NPROC, counted per sandbox), open files, file size, core 0;
   a size-capped private /tmp and /dev/shm, wiped after every call. The wall-clock timer lives in pid 1 of
