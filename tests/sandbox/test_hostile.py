@@ -32,7 +32,6 @@ BOTH = pytest.mark.parametrize("kind", ["light", "math"])
 @BOTH
 def test_fork_bomb_is_capped_by_nproc_and_killed_at_the_wall(healthy, kind):
     r = run(healthy, kind=kind, code="""
-import errno
 import os
 n = 0
 try:
@@ -116,7 +115,6 @@ def test_numpy_huge_array_is_a_memory_error(healthy):
 
 def test_tmpfs_is_not_a_memory_sink(healthy):
     r = run(healthy, """
-import errno
 import os
 total = 0
 try:
@@ -171,7 +169,6 @@ def test_system_and_runtime_files_are_read_only(healthy):
 
 def test_host_home_etc_and_project_are_absent(healthy):
     r = run(healthy, """
-import errno
 import os
 print(sorted(os.listdir('/')))
 for p in ('/etc/shadow', '/etc/passwd', '/home', '/root/.ssh', '/work/main/setup.py'):
@@ -207,7 +204,6 @@ def test_import_hijack_from_the_working_directory_fails(healthy):
 def test_launcher_environment_is_invisible(healthy, kind):
     assert os.environ.get("RSTAR_SANDBOX_TEST_SECRET") == SECRET
     r = run(healthy, kind=kind, code="""
-import errno
 import os
 print(sorted(os.environ))
 for p in os.listdir('/proc'):
