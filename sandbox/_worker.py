@@ -88,8 +88,9 @@ def write_frame(fd, obj):
 def pack_request(code, stdin):
     """A stateless cell's request, as pid 1 sends it on the cell's own pipe: the lengths of code and stdin,
     then both. Raw bytes, not JSON: decoding a JSON frame cost each forked cell ~15 copy-on-write page faults
-    (~50 with encoding its report, which is now fixed bytes when the cell succeeds). surrogatepass keeps code that JSON carried with lone surrogates as it was (compile reports it).
-    Length-prefixed, not read to EOF: a fork server started later inherits pid 1's end of the pipe."""
+    (~50 with encoding its report, which is now fixed bytes when the cell succeeds). surrogatepass keeps code
+    that JSON carried with lone surrogates as it was (compile reports it). Length-prefixed, not read to EOF: a
+    fork server started later inherits pid 1's end of the pipe."""
     code = code.encode("utf-8", "surrogatepass")
     stdin = stdin.encode("utf-8", "replace")
     return _REQ.pack(len(code), len(stdin)) + code + stdin
@@ -127,6 +128,12 @@ def recv_fds(sock, bufsize, maxfds):
 
 def socketpair(kind=_socket.SOCK_STREAM):
     return _socket.socketpair(_socket.AF_UNIX, kind)
+
+
+def _readable(fd, timeout):
+    # pid 1 only (see above)
+    import select
+    return bool(select.select([fd], (), (), timeout)[0])
 
 
 def _rmtree(path):
@@ -702,8 +709,7 @@ class Server:
                 sock.send(msg)
             else:
                 send_fds(sock, msg, fds)
-            import select
-            if select.select([sock], (), (), 10.0)[0]:
+            if _readable(sock, 10.0):
                 data = sock.recv(64)
                 if len(data) == _ZREP.size:
                     return _ZREP.unpack(data)
@@ -796,8 +802,7 @@ class Server:
                     pass
                 # dead (a zombie of the fork server, which reaps it with the next fork), so nothing of it
                 # runs during the sweep; its children are ours now and the sweep ends them
-                import select
-                select.select([pidfd], (), (), 10.0)
+                _readable(pidfd, 10.0)
                 reap = pid
             os.close(pidfd)
             if not self.sweep(reap):

@@ -2,11 +2,11 @@
 
 Namespaces and rlimits do the containing; this filter removes kernel surface they leave open: debugging
 other processes (ptrace would let a cell wedge pid 1), new namespaces (a nested user namespace hands out
-capabilities), mounts, keyrings, BPF, io_uring, perf, kexec/modules, System V IPC (state that would outlive a call),
-`kill(-1, ...)`, which would take
-out every session of the sandbox in one call, and `clone(CLONE_PARENT)`, which would make a cell's child a
-child of the fork server instead of an orphan that pid 1 adopts, kills and reaps. Denied calls fail with EPERM (clone3 with ENOSYS, so libc
-falls back to clone, whose namespace flags are then checked).
+capabilities), mounts, keyrings, BPF, io_uring, perf, kexec/modules, System V IPC (state that would outlive
+a call), `kill(-1, ...)`, which would take out every session of the sandbox in one call, and
+`clone(CLONE_PARENT)`, which would make a cell's child a child of the fork server instead of an orphan that
+pid 1 adopts, kills and reaps. Denied calls fail with EPERM (clone3 with ENOSYS, so libc falls back to clone,
+whose namespace flags are then checked).
 
 libseccomp (libseccomp.so.2) ships with every systemd-based distribution; no Python binding is needed.
 """
