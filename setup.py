@@ -16,6 +16,7 @@ install_requires = [
     "click>=8.1",                # the CLI verb table
     "rich>=13.7",                # tables
     "tqdm>=4.66",                # progress bars (what vLLM uses too)
+    "uvloop>=0.19",              # the sandbox service's event loop (falls back to asyncio's without it)
     "numpy>=1.26",
     "sympy>=1.12",
     "pyarrow>=16",               # trajectory exchange (Arrow IPC shards)

@@ -1,6 +1,5 @@
 """Job entry: the sandbox service on one CPU node (see sbatch/sandbox.sbatch). Parse, build, run."""
 import argparse
-import asyncio
 import logging
 import os
 import socket
@@ -22,7 +21,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from sandbox.limits import Limits
-    from sandbox.server import Service
+    from sandbox.server import Service, run_loop
 
     stats_interval = 30.0
     if args.config or args.overrides:
@@ -40,7 +39,7 @@ def main() -> None:
     host = os.environ.get("RSTAR_SANDBOX_HOST") or socket.gethostname()
     service = Service(limits, port=args.port, run_dir=args.run_dir, name=name, announce_host=host,
                       stats_interval_s=stats_interval)
-    asyncio.run(service.serve_forever())
+    run_loop(service.serve_forever())
 
 
 if __name__ == "__main__":

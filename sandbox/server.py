@@ -14,6 +14,8 @@ import os
 import signal
 import socket
 import time
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 from sandbox.limits import Limits
 from sandbox.pool import Pool
@@ -21,7 +23,19 @@ from sandbox.protocol import MAX_BATCH, FrameTooLarge, encode, read_frame, valid
 from sandbox.results import make_result
 
 log = logging.getLogger("sandbox")
+T = TypeVar("T")
 COALESCE_S = 0.002   # results finishing this soon after the last write to a client share the next write
+
+
+def run_loop(main: Coroutine[Any, Any, T]) -> T:
+    """Run `main` on uvloop where it is installed, on asyncio's own loop otherwise. A call crosses the
+    service's loop four times (request frame, sandbox pipe out and back, result frame): on uvloop a warm
+    trivial call takes ~0.5 ms less of its ~2.8 ms at concurrency 1 (bench/sandbox.py)."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    return uvloop.run(main)
 
 
 def _announce(run_dir: str, name: str, host: str, port: int, **extra: object) -> None:

@@ -43,12 +43,12 @@ def _limits(workers: int | None, config: str | None, overrides: tuple[str, ...])
 @click.argument("overrides", nargs=-1)
 def serve(workers, run_dir, host, port, name, config, stats_interval, overrides) -> None:
     """Run a pool service on this node until SIGTERM. OVERRIDES are dotted sandbox.* settings."""
-    from sandbox.server import Service
+    from sandbox.server import Service, run_loop
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     svc = Service(_limits(workers, config, overrides), host=host, port=port, run_dir=run_dir, name=name,
                   stats_interval_s=stats_interval)
-    asyncio.run(svc.serve_forever())
+    run_loop(svc.serve_forever())
 
 
 @command.command("exec")
@@ -64,7 +64,8 @@ def exec_(address, run_dir, workers, render) -> None:
     gets status invalid_request with a message and the batch goes on.
     """
     lines = sys.stdin.read().splitlines()
-    results = asyncio.run(_exec(lines, address, run_dir, workers))
+    from sandbox.server import run_loop
+    results = run_loop(_exec(lines, address, run_dir, workers))
     from sandbox.results import render_rstar2
     for r in results:
         if render:
