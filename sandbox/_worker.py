@@ -1,7 +1,7 @@
 """The in-sandbox half: pid 1 of one bwrap sandbox, a warm fork server.
 
-Runs as `python -I -u -B _worker.py` inside bwrap (`--as-pid-1`), so it must stay stdlib-only apart from
-the libraries it pre-imports for user code. It speaks length-prefixed JSON on fds it dups away from 0/1
+Runs as pid 1 inside bwrap (`--as-pid-1`), imported compiled by `python -I -u -B -c` (pool.py), so it must stay
+stdlib-only apart from the libraries it pre-imports for user code. It speaks length-prefixed JSON on fds it dups away from 0/1
 (the service's pipes), never runs user code itself, and has no handler for any signal user code could
 send, so inside its pid namespace it cannot be killed (pid_namespaces(7)). Each call runs in a fresh
 forked child (stateless) or in a fork of the session's holder (stateful); limits are hard rlimits set in
