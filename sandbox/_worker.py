@@ -453,6 +453,10 @@ class Server:
         self.dirty = None          # why this sandbox must not run another call
         self.null = None           # /dev/null, the stdin of pre-forked cells
         self.zygote = None         # (pid, socket) of the fork server
+        # the sweep kills every process it can see and the wipe empties /tmp and /dev/shm: only where they are
+        # the sandbox's own (pid 1 of its pid namespace, bwrap's hostname, /tmp a private mount). Pid 1 alone is
+        # not enough: run as pid 1 of a bare `unshare -fp --mount-proc`, the worker wiped the host's /tmp
+        self.in_sandbox = os.getpid() == 1 and os.uname().nodename == "sandbox" and os.path.ismount("/tmp")
 
     # -- bookkeeping
     def vm_size(self):
@@ -466,10 +470,10 @@ class Server:
         """Kill every process but pid 1, the fork server, its spare cell and the session holders, then reap.
         A fork bomb keeps forking while we kill, so repeat until the table is clean. `dead_cell`: the last
         cell, already dead, which its parent (the fork server) reaps later."""
-        if os.getpid() != 1:
-            # only pid 1 of a sandbox's own pid namespace may do this: anywhere else /proc is the host's, and
-            # the loop below would SIGKILL every process the caller may signal (a harness calling
-            # Server.run/cleanup outside bwrap did exactly that). Refusing marks the sandbox unclean.
+        if not self.in_sandbox:
+            # anywhere but in its sandbox /proc and /tmp are the host's: the loop below would SIGKILL every
+            # process the caller may signal (a harness calling Server.run/cleanup outside bwrap did exactly
+            # that) and the wipe would empty the host's /tmp. Refusing marks the sandbox unclean.
             return False
         keep = {h["pid"] for h in self.holders.values()}
         if self.spare is not None:
@@ -494,6 +498,8 @@ class Server:
 
     def wipe(self):
         """Remove whatever the call left in the writable places, except live sessions' directories."""
+        if not self.in_sandbox:
+            return
         keep = {h["cwd"] for h in self.holders.values()}
         if self.spare is not None:
             keep.add(self.spare["cwd"])

@@ -509,3 +509,42 @@ def test_an_interpreter_under_tmp_is_bound_over_the_private_scratch(monkeypatch)
     venv = next(i for i in range(len(argv) - 2) if argv[i:i + 3] == ["--ro-bind", sys.prefix, sys.prefix])
     assert scratch < venv
     assert ["--dir", "/tmp"] not in [argv[i:i + 2] for i in range(len(argv) - 1)]   # /tmp keeps the scratch's mode
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not __import__("shutil").which("unshare"),
+                    reason="needs root for a mount namespace")
+def test_the_worker_as_pid_1_outside_bwrap_neither_sweeps_nor_wipes(tmp_path):
+    """pid 1 of a bare `unshare -fp --mount-proc` is not a sandbox: the worker run there once emptied the host's
+    /tmp. Here /tmp is a bind of a test directory, so a regression costs that directory only."""
+    import json
+    import struct
+    import subprocess
+    import sys
+
+    from sandbox.limits import Limits
+    from sandbox.pool import WORKER_PY
+
+    keep = tmp_path / "keep"
+    keep.write_text("host file")
+    script = f"mount --bind {tmp_path} /tmp && exec {sys.executable} -I -S -u -B {WORKER_PY}"
+    proc = subprocess.Popen(["unshare", "-fpm", "--mount-proc", "sh", "-c", script], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE)
+
+    def ask(msg):
+        body = json.dumps(msg).encode()
+        proc.stdin.write(struct.pack(">I", len(body)) + body)
+        proc.stdin.flush()
+        (n,) = struct.unpack(">I", proc.stdout.read(4))
+        return json.loads(proc.stdout.read(n))
+
+    try:
+        lim = Limits(**TEST_LIMITS)
+        assert ask({"op": "init", "limits": lim.for_worker(), "uid": None, "preload": [], "path": []})["pid"] == 1
+        first = ask({"op": "exec", "code": "print(1)", "stdin": "", "timeout_s": 4.0, "session": None})
+        assert first["status"] == "ok" and first["stdout"] == "1\n", first
+        # the sweep after it refused, so this worker takes no further call
+        assert "refused" in ask({"op": "exec", "code": "print(2)", "stdin": "", "timeout_s": 4.0, "session": None})
+    finally:
+        proc.stdin.close()
+        proc.wait(30)
+    assert keep.read_text() == "host file"
