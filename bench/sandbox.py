@@ -1,6 +1,6 @@
 """Sandbox service throughput and latency vs one fresh `python3` per call (the public rStar2 service's way).
 
-    python bench/sandbox.py [--workers N] [--quick] [--repeats 3]
+    python bench/sandbox.py [--workers N] [--quick] [--repeats 5]
 
 Ours: a real service (`rstar-hpc sandbox serve`, a separate process) called over TCP by the batching client.
 Baseline: code-judge's executor in miniature: per call, write the code behind a prelude that sets the same
@@ -15,7 +15,7 @@ The baseline at 2,048 queued calls would take minutes (about 2,048 interpreter s
 imports for the math call), so its throughput there is the saturated rate measured at 64 and its latency is not
 measured ("null").
 On a shared machine the load drifts within a run (the same code measures up to 1.5x apart from one minute to the
-next), so the trivial workload's saturated levels are measured `--repeats` times (default 3), interleaved with the
+next), so the trivial workload's saturated levels are measured `--repeats` times (default 5), interleaved with the
 baseline: B0, ours, B1, ours, B2, ... Each repeat's ratio divides by the mean of the two baseline runs around it;
 the reported ratio is the median repeat's, and every repeat's figures are recorded ("repeats"), with the 1-minute
 load average at each phase. The numpy/sympy baseline (about 20 s) is measured once.
@@ -232,7 +232,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workers", type=int, default=0, help="sandboxes (default: one per core)")
     ap.add_argument("--quick", action="store_true", help="256 instead of 2,048 queued calls")
-    ap.add_argument("--repeats", type=int, default=3, help="interleaved ours/baseline repeats of the trivial "
+    ap.add_argument("--repeats", type=int, default=5, help="interleaved ours/baseline repeats of the trivial "
                     "saturated levels; the median repeat's ratio is reported")
     args = ap.parse_args()
     figures = asyncio.run(main_async(args))
