@@ -1052,6 +1052,11 @@ def main():
         os.setgid(uid)
         os.setuid(uid)
     set_dumpable(False)
+    if init.get("cpu") is not None:   # before any fork: the fork server, cells and session holders inherit it
+        try:
+            os.sched_setaffinity(0, {init["cpu"]})
+        except OSError as e:
+            sys.stderr.write(f"sandbox worker: cannot pin to CPU {init['cpu']}: {e!r}\n")
     if sys.flags.no_site:   # a light interpreter: what site would have given cells, without its .pth hooks
         import site  # under -S importing site runs nothing
         site.setquit()

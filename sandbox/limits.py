@@ -35,6 +35,9 @@ class Limits:
     recycle_after: int = 10000        # calls before a sandbox is replaced (a start costs ~0.15 s CPU)
     start_timeout_s: float = 60.0     # a sandbox that is not ready by then is an error
     hang_grace_s: float = 5.0         # a sandbox silent this long past a call's deadline is replaced
+    # each sandbox (pid 1, fork server, cells) on one CPU of this process's set, round-robin within each kind:
+    # a call's processes hand off on one core instead of waking each other across cores (bench/sandbox.py)
+    pin_cpus: bool = True
     preload: tuple[str, ...] = ("numpy", "sympy")
     # light sandboxes: stdlib-only interpreters (cheap to fork) for stateless calls that import nothing
     # heavy (sandbox.route); -1 = as many as the math sandboxes, 0 = none (every call runs in a math one)

@@ -138,9 +138,11 @@ def compiled_worker() -> str:
 class Sandbox:
     """One bwrap sandbox and its pid-1 fork server; one request at a time."""
 
-    def __init__(self, index: int, limits: Limits, seccomp_bpf: bytes | None, kind: str = MATH):
+    def __init__(self, index: int, limits: Limits, seccomp_bpf: bytes | None, kind: str = MATH,
+                 cpu: int | None = None):
         self.index = index
         self.kind = kind
+        self.cpu = cpu   # the CPU pid 1 pins itself (and so every process it forks) to; None: any
         self.limits = limits
         self.seccomp_bpf = seccomp_bpf
         self.proc: asyncio.subprocess.Process | None = None
@@ -177,7 +179,7 @@ class Sandbox:
             preload = list(self.limits.preload)
             warmup = self.limits.warmup if set(preload) >= {"numpy", "sympy"} else ""
         self._send({"op": "init", "limits": self.limits.for_worker(), "uid": uid, "preload": preload,
-                    "warmup": warmup, "path": path})
+                    "warmup": warmup, "path": path, "cpu": self.cpu})
         try:
             ready = await asyncio.wait_for(self._recv(), self.limits.start_timeout_s)
         except (asyncio.TimeoutError, SandboxDied) as e:
@@ -335,7 +337,9 @@ class Pool:
             from sandbox.seccomp import build_filter
             bpf = build_filter()
         n, m = self.limits.workers(), self.limits.light()
-        self.slots = [_Slot(i, Sandbox(i, self.limits, bpf, MATH if i < n else LIGHT)) for i in range(n + m)]
+        cpus = sorted(os.sched_getaffinity(0)) if self.limits.pin_cpus else [None]
+        self.slots = [_Slot(i, Sandbox(i, self.limits, bpf, MATH if i < n else LIGHT,
+                                       cpus[(i if i < n else i - n) % len(cpus)])) for i in range(n + m)]
         self.math_slots, self.light_slots = self.slots[:n], self.slots[n:]
         await asyncio.gather(*(s.sandbox.start() for s in self.slots))
         if self.light_slots:   # what a light cell can import for free (the same in every light sandbox)

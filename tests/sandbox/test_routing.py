@@ -2,6 +2,8 @@
 changes what a call sees."""
 from __future__ import annotations
 
+import ast
+import os
 import time
 
 import pytest
@@ -51,6 +53,23 @@ def test_calls_land_in_the_right_kind_of_sandbox(healthy):
     assert math["sandbox"] == "math" and math["stdout"] == "(x - 1)*(x + 1)\n", math
     s = healthy.run("x = 1", session="routing-s")
     assert s["sandbox"] == "math", s   # sessions always: a later cell may import numpy
+
+
+def test_each_sandbox_is_pinned_to_one_of_the_services_cpus(healthy):
+    cpus = set(os.sched_getaffinity(0))
+    code = "import os\nprint(sorted(os.sched_getaffinity(0)))"
+    light = healthy.run_many([{"code": code} for _ in range(16)])
+    math = healthy.run_many([{"code": code + "  # numpy"} for _ in range(16)])
+    seen = {}
+    for r in light + math:
+        assert r["status"] == "ok", r
+        got = ast.literal_eval(r["stdout"])
+        assert len(got) == 1 and got[0] in cpus, r   # one CPU, and one the service may use
+        seen.setdefault(r["sandbox"], set()).add(got[0])
+    # round-robin within each kind: its two sandboxes sit on two CPUs where there are two
+    assert seen["light"] and seen["math"]
+    if len(cpus) >= 2 and len(healthy.pool.light_slots) >= 2:
+        assert len(seen["light"]) == 2 and len(seen["math"]) == 2, seen
 
 
 def test_a_light_cell_that_imports_numpy_dynamically_still_gets_it(healthy):
