@@ -1,8 +1,8 @@
 """The in-sandbox half: pid 1 of one bwrap sandbox, a warm fork server.
 
-Runs as pid 1 inside bwrap (`--as-pid-1`), imported compiled by `python -I -u -B -c` (pool.py), so it must stay
-stdlib-only apart from the libraries it pre-imports for user code. It speaks length-prefixed JSON on fds it dups away from 0/1
-(the service's pipes), never runs user code itself, and has no handler for any signal user code could
+Runs as pid 1 inside bwrap (`--as-pid-1`), imported compiled by `python -I -u -B -c` (pool.py), so it must
+stay stdlib-only apart from the libraries it pre-imports for user code. It speaks length-prefixed JSON on fds it
+dups away from 0/1 (the service's pipes), never runs user code itself, and has no handler for any signal user code could
 send, so inside its pid namespace it cannot be killed (pid_namespaces(7)). Each call runs in a fresh
 forked child (stateless) or in a fork of the session's holder (stateful); limits are hard rlimits set in
 the child, the wall timer lives here, and after every call everything but pid 1, the fork server, its
@@ -497,9 +497,8 @@ class Server:
         return False
 
     def wipe(self):
-        """Remove whatever the call left in the writable places, except live sessions' directories."""
-        if not self.in_sandbox:
-            return
+        """Remove whatever the call left in the writable places, except live sessions' directories. Only the
+        sweep calls it, after its in-sandbox check."""
         keep = {h["cwd"] for h in self.holders.values()}
         if self.spare is not None:
             keep.add(self.spare["cwd"])

@@ -46,8 +46,8 @@ from sandbox.route import LIGHT, MATH, route
 log = logging.getLogger("sandbox")
 WORKER_PY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_worker.py")
 # pid 1 imports the worker compiled, from this read-only bind: run as a script, it would be compiled anew in
-# every sandbox, and the compiler's leftovers (~3 MB of half-used allocator arenas) would sit in every forked
-# cell's address space, which fork copies and exit frees per call (~5% of a trivial call's CPU)
+# every sandbox, and the compiler's leftovers (~2.5 MB of half-used allocator arenas) would sit in every forked
+# cell's address space, which fork copies and exit frees per call (~10% of a trivial call's CPU)
 WORKER_DIR = "/opt/sandbox"
 _BOOT = f"import sys; sys.path.insert(0, {WORKER_DIR!r}); import _worker; del sys.path[0]; _worker.main()"
 _HDR = struct.Struct(">I")

@@ -47,7 +47,7 @@ class SandboxConfig(Section):
     pin_cpus: bool = True
     """Pin each sandbox (its pid 1, fork server and cells) to one CPU of the service's allowed set, round-robin
     within each kind (math, light). A call's processes then hand off on one core instead of waking each other
-    across cores: ~9% more trivial calls per second on the 2-core bench machine (8 interleaved pairs, 6 won).
+    across cores: 9-12% more trivial calls per second on the 2-core bench machine (12 interleaved pairs, 10 won).
     Turn it off on a node the service shares with other busy jobs."""
     preload: list[str] = ["numpy", "sympy"]
     """Modules imported once in every math sandbox (calls fork from the warm interpreter)."""

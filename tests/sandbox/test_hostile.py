@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import socket
 
 import pytest
@@ -511,7 +512,7 @@ def test_an_interpreter_under_tmp_is_bound_over_the_private_scratch(monkeypatch)
     assert ["--dir", "/tmp"] not in [argv[i:i + 2] for i in range(len(argv) - 1)]   # /tmp keeps the scratch's mode
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or not __import__("shutil").which("unshare"),
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"),
                     reason="needs root for a mount namespace")
 def test_the_worker_as_pid_1_outside_bwrap_neither_sweeps_nor_wipes(tmp_path):
     """pid 1 of a bare `unshare -fp --mount-proc` is not a sandbox: the worker run there once emptied the host's
