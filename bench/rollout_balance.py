@@ -20,12 +20,15 @@ lengths every REPORT_S (the engine rank's heartbeat). `static` submits each engi
 t=0; `kv_aware_worst_case` is the paper's (reserve prompt + 8K for life, growth_reserve=1);
 `kv_aware` books context + growth_reserve x 8K and re-books from reports (the config default).
 
-Lower bound (policy-free): max(longest trajectory alone on an idle engine, total work / engines), where the
-work counts the fewest decode steps any schedule needs (a step serves at most max_num_seqs tokens and at most
-kv_tokens of context), each token's own c1 + c2*ctx, and one prefill of the prompt and tool tokens.
-It is loose where the tail is long: it lets the longest trajectory decode at batch-1 speed while every engine is
-also packed full. `kv_aware_oracle_longest_first` shows how loose: kv_aware fed the trajectories longest first,
-knowing every length in advance (no real scheduler can): even then the gap to the bound stays.
+Lower bound (policy-free): the largest of three (lower_bound): the longest trajectory alone on an idle engine;
+total work / engines, where the work counts the fewest decode steps any schedule needs (a step serves at most
+max_num_seqs tokens and at most kv_tokens of context), each token's own c1 + c2*ctx, and one prefill of the
+prompt and tool tokens; and the step bound (step_bound), which adds what the work bound misses: a trajectory
+of L tokens needs L decode steps on its engine, each paying c0 however few others share it, so the engines
+hosting long trajectories cannot run packed. Even so the bound stays loose where the tail is long: it does not
+see that a trajectory decodes slower when its engine is packed. `kv_aware_oracle_longest_first` shows how loose:
+kv_aware fed the trajectories longest first, knowing every length in advance (no real scheduler can): even
+then the gap to the bound stays.
 Each policy also reports when its last trajectory was admitted (`last_admit_s`), the tail after that
 (`tail_s`), and `admission_floor_s`: max over trajectories of (admission time + the trajectory alone on an
 idle engine), i.e. what the step would have taken had every trajectory decoded at batch-1 speed from its
@@ -112,9 +115,13 @@ def alone_s(t: Traj) -> float:
     return c
 
 
-def lower_bound(trace: list[Traj], engines: int) -> tuple[float, float, float]:
-    """Every decode step costs c0 + c1*batch + c2*(context read); a step serves at most max_num_seqs tokens
-    and at most kv_tokens of context, so #steps >= max(tokens / max_num_seqs, context-tokens / kv_tokens)."""
+def lower_bound(trace: list[Traj], engines: int) -> dict[str, float]:
+    """Three bounds no schedule can beat; the lower bound is their max.
+
+    An engine's busy time is exactly C0 * steps + C1 * tokens + C2 * context read + prefill: every term but
+    the first is fixed by the trajectories it hosts, and steps >= max(tokens / max_num_seqs, context read /
+    kv_tokens) (what one step can serve). `work`: total over engines / engines. `critical_path`: the longest
+    trajectory alone on an idle engine. `steps`: see step_bound."""
     tokens, ctx_tokens, prefill = 0, 0.0, 0.0
     for t in trace:
         ctx = t.prompt
@@ -124,10 +131,66 @@ def lower_bound(trace: list[Traj], engines: int) -> tuple[float, float, float]:
             ctx_tokens += gen * (ctx + (gen - 1) / 2)
             prefill += PREFILL * tool
             ctx += gen + tool
-    crit = max(alone_s(t) for t in trace)
     steps = max(tokens / MAX_NUM_SEQS, ctx_tokens / KV_TOKENS)
     work = (steps * C0 + C1 * tokens + C2 * ctx_tokens + prefill) / engines
-    return max(crit, work), crit, work
+    crit = max(alone_s(t) for t in trace)
+    step = step_bound(trace, engines)
+    return {"lower_bound_s": max(crit, work, step), "critical_path_s": crit, "work_bound_s": work,
+            "step_bound_s": step}
+
+
+def step_bound(trace: list[Traj], engines: int) -> float:
+    """The work bound, plus the decode steps that long trajectories force on the engines hosting them.
+
+    A trajectory of L generated tokens needs L decode steps on its engine (one token a step), so an engine
+    hosting one runs >= L steps, each paying C0, however few others share them. Per engine e: busy_e =
+    C0*S_e + K*B_e + U_e <= T, where B_e = context read / kv_tokens <= S_e (a step reads at most the KV),
+    K = C2*kv_tokens, U_e = its C1-per-token and prefill time. Take the m engines hosting a trajectory with
+    L >= x, whose trajectories with L >= x have context B(x) and U(x):
+      each has S_e >= x, so K*B_e + U_e <= T - C0*x, hence m >= (K*B(x) + U(x)) / (T - C0*x);
+      summing busy_e over all engines, with sum of S_e >= B_total + sum over the m of (x - B_e),
+      engines*T >= VAR + C0*B_total + C0*U(x)/K + C0*m*(x - (T - C0*x)/K).
+    Where x > T/(C0 + K) the last factor is positive, and the smallest m gives the smallest right-hand side.
+    The bound is the least T that satisfies this for every x (bisection: each condition only gets easier as
+    T grows). It charges the long tail that the work bound misses, without knowing the schedule."""
+    k_ = C2 * KV_TOKENS
+    rows = []   # (generated tokens L, context read / kv_tokens, C1 and prefill seconds)
+    for t in trace:
+        ctx, read, u, gen_total = t.prompt, 0.0, PREFILL * t.prompt, 0
+        for gen, tool, _ in t.turns:
+            read += gen * (ctx + (gen - 1) / 2)
+            u += C1 * gen + PREFILL * tool
+            ctx += gen + tool
+            gen_total += gen
+        rows.append((gen_total, read / KV_TOKENS, u))
+    rows.sort(key=lambda r: -r[0])
+    b_total, u_total = sum(r[1] for r in rows), sum(r[2] for r in rows)
+    base = k_ * b_total + u_total + C0 * b_total
+
+    def feasible(T: float) -> bool:
+        if engines * T < base or T <= C0 * rows[0][0]:
+            return False
+        bx = ux = 0.0
+        i = 0
+        while i < len(rows):
+            x = rows[i][0]
+            while i < len(rows) and rows[i][0] == x:
+                bx, ux, i = bx + rows[i][1], ux + rows[i][2], i + 1
+            slope = x - (T - C0 * x) / k_
+            if slope <= 0:
+                return True   # shorter x only lowers the condition further
+            m = math.ceil((k_ * bx + ux) / (T - C0 * x) - 1e-9)
+            if m > engines or engines * T < base + C0 * ux / k_ + C0 * m * slope:
+                return False
+        return True
+
+    lo, hi = 0.0, base
+    while not feasible(hi):
+        hi *= 2
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if feasible(mid) else (mid, hi)
+    return hi
 
 
 @dataclass
@@ -332,8 +395,9 @@ def main(argv=None) -> dict:
     figures: dict = {"per_engine": args.per_engine, "growth_reserve": args.growth_reserve, "seed": args.seed}
     for n in args.engines:
         trace = make_trace(n * args.per_engine, random.Random(args.seed + n))
-        lb, crit, work = lower_bound(trace, n)
-        row = {"lower_bound_s": round(lb, 2), "critical_path_s": round(crit, 2), "work_bound_s": round(work, 2),
+        bounds = lower_bound(trace, n)
+        lb = bounds["lower_bound_s"]
+        row = {**{k: round(v, 2) for k, v in bounds.items()},
                "mean_turns": round(sum(len(t.turns) for t in trace) / len(trace), 2)}
         for label, kw in policies.items():
             t0 = time.perf_counter()
