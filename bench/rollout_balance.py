@@ -115,32 +115,38 @@ def alone_s(t: Traj) -> float:
     return c
 
 
+def costs(t: Traj) -> tuple[int, float, float]:
+    """What any schedule spends on `t`: its generated tokens (= decode steps on its engine), the context
+    its tokens read (c2 per token of it), and its c1-per-token and prefill seconds (prompt and tools once)."""
+    ctx, read, other, generated = t.prompt, 0.0, PREFILL * t.prompt, 0
+    for gen, tool, _ in t.turns:
+        read += gen * (ctx + (gen - 1) / 2)
+        other += C1 * gen + PREFILL * tool
+        ctx += gen + tool
+        generated += gen
+    return generated, read, other
+
+
 def lower_bound(trace: list[Traj], engines: int) -> dict[str, float]:
     """Three bounds no schedule can beat; the lower bound is their max.
 
     An engine's busy time is exactly C0 * steps + C1 * tokens + C2 * context read + prefill: every term but
     the first is fixed by the trajectories it hosts, and steps >= max(tokens / max_num_seqs, context read /
-    kv_tokens) (what one step can serve). `work`: total over engines / engines. `critical_path`: the longest
-    trajectory alone on an idle engine. `steps`: see step_bound."""
-    tokens, ctx_tokens, prefill = 0, 0.0, 0.0
-    for t in trace:
-        ctx = t.prompt
-        prefill += PREFILL * t.prompt
-        for gen, tool, _ in t.turns:
-            tokens += gen
-            ctx_tokens += gen * (ctx + (gen - 1) / 2)
-            prefill += PREFILL * tool
-            ctx += gen + tool
-    steps = max(tokens / MAX_NUM_SEQS, ctx_tokens / KV_TOKENS)
-    work = (steps * C0 + C1 * tokens + C2 * ctx_tokens + prefill) / engines
+    kv_tokens) (what one step can serve). `work_bound`: total over engines / engines. `critical_path`: the
+    longest trajectory alone on an idle engine. `step_bound`: see step_bound()."""
+    rows = [costs(t) for t in trace]
+    tokens, read, other = (sum(col) for col in zip(*rows))
+    steps = max(tokens / MAX_NUM_SEQS, read / KV_TOKENS)
+    work = (steps * C0 + C2 * read + other) / engines
     crit = max(alone_s(t) for t in trace)
-    step = step_bound(trace, engines)
+    step = step_bound(rows, engines)
     return {"lower_bound_s": max(crit, work, step), "critical_path_s": crit, "work_bound_s": work,
             "step_bound_s": step}
 
 
-def step_bound(trace: list[Traj], engines: int) -> float:
+def step_bound(rows: list[tuple[int, float, float]], engines: int) -> float:
     """The work bound, plus the decode steps that long trajectories force on the engines hosting them.
+    `rows`: costs() of every trajectory.
 
     A trajectory of L generated tokens needs L decode steps on its engine (one token a step), so an engine
     hosting one runs >= L steps, each paying C0, however few others share them. Per engine e: busy_e =
@@ -148,22 +154,14 @@ def step_bound(trace: list[Traj], engines: int) -> float:
     K = C2*kv_tokens, U_e = its C1-per-token and prefill time. Take the m engines hosting a trajectory with
     L >= x, whose trajectories with L >= x have context B(x) and U(x):
       each has S_e >= x, so K*B_e + U_e <= T - C0*x, hence m >= (K*B(x) + U(x)) / (T - C0*x);
-      summing busy_e over all engines, with sum of S_e >= B_total + sum over the m of (x - B_e),
-      engines*T >= VAR + C0*B_total + C0*U(x)/K + C0*m*(x - (T - C0*x)/K).
+      summing busy_e over all engines (K*B_total + U_total of it fixed), with sum of S_e >= B_total + sum over
+      the m of (x - B_e),
+      engines*T >= K*B_total + U_total + C0*B_total + C0*U(x)/K + C0*m*(x - (T - C0*x)/K).
     Where x > T/(C0 + K) the last factor is positive, and the smallest m gives the smallest right-hand side.
     The bound is the least T that satisfies this for every x (bisection: each condition only gets easier as
     T grows). It charges the long tail that the work bound misses, without knowing the schedule."""
     k_ = C2 * KV_TOKENS
-    rows = []   # (generated tokens L, context read / kv_tokens, C1 and prefill seconds)
-    for t in trace:
-        ctx, read, u, gen_total = t.prompt, 0.0, PREFILL * t.prompt, 0
-        for gen, tool, _ in t.turns:
-            read += gen * (ctx + (gen - 1) / 2)
-            u += C1 * gen + PREFILL * tool
-            ctx += gen + tool
-            gen_total += gen
-        rows.append((gen_total, read / KV_TOKENS, u))
-    rows.sort(key=lambda r: -r[0])
+    rows = sorted(((n, read / KV_TOKENS, u) for n, read, u in rows), key=lambda r: -r[0])
     b_total, u_total = sum(r[1] for r in rows), sum(r[2] for r in rows)
     base = k_ * b_total + u_total + C0 * b_total
 
