@@ -328,5 +328,8 @@ def test_step_as_slurm_job_waits_for_its_policy(e2e, slurm_cluster):
     trajs = _read(paths, 2)
     assert len({t.key for t in trajs}) == len(trajs) == PROMPTS * SAMPLES, log.read_text()[-3000:]
     assert {t.policy_version for t in trajs} == {2} and {t.engine_rank for t in trajs} == {1}
-    summary = json.loads([x for x in log.read_text().splitlines() if x.startswith("{")][-1])
+    # the run directory's record, not the job log: there mpirun relays rank 0's stdout and stderr into one file,
+    # and a log line can land on the summary's line
+    records = [json.loads(x) for x in paths.metrics("rollout").read_text().splitlines()]
+    summary = [r for r in records if r["step"] == 2][-1]
     assert summary["policy_version"] == 2 and summary["trajectories"] == PROMPTS * SAMPLES
