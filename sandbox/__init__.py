@@ -18,7 +18,8 @@ targeted kernel exploit. Against it, each call is:
 - isolated from the host: its own user (or, when the service runs as root, a uid of its own), pid, net,
   ipc, uts and mount namespaces (bwrap). The file system is an empty tmpfs with /usr, the interpreter and
   its site-packages bound read-only; no /home, /etc, /work, project or scratch directory of the host, so
-  no other user's files, no keys, no tokens. The environment is rebuilt from scratch (bwrap is started
+  no other user's files, no keys, no tokens (an interpreter installed under /tmp is bound at its own path inside
+  the sandbox's /tmp; the wipe never enters or removes it). The environment is rebuilt from scratch (bwrap is started
   with a scrubbed environment, so not even /proc/1/environ shows the launcher's). No network (an empty
   net namespace: loopback only). No capabilities, no_new_privs, a new session (no tty injection), and a
   seccomp filter against ptrace, process_vm_*, new namespaces, mounts, keyrings, bpf, io_uring, perf,
@@ -38,9 +39,20 @@ targeted kernel exploit. Against it, each call is:
 - answered or failed over: a client whose service dies or freezes (SIGSTOP, a wedged host) gets every
   call back, retried elsewhere and flagged `maybe_executed_before` when it may have run; a frozen service is
   noticed once a call outlives its time limit plus the client's `reply_margin_s` with no reply at all.
-- reported on a separate channel: status, times and sizes are measured by pid 1 outside the cell, and the
-  result travels as length-prefixed JSON on pipes the cell does not hold; nothing printed on stdout or
-  stderr can change a result's status or fields. Sandbox output is never unpickled.
+- judged by what its process did: a cell holds no descriptor but its stdin, stdout and stderr (and the files it
+  opens), and its status follows from its exit status as the kernel reports it to its parent (the fork server,
+  or the session's holder), the signal that ended it, or the limit pid 1 enforced; times and sizes are measured
+  by pid 1 outside it. Nothing a cell writes, to any descriptor, turns a failure into `ok`. The exception fields
+  (exc_type, traceback, lineno) are read from the traceback the interpreter printed, for display only. Sandbox
+  output is never unpickled.
+- run as CPython runs a script: the cell is `python3 main.py` in its working directory (a real `__main__`
+  module with __file__, pickling of what it defines, multiprocessing and process pools, sys.exit and its exit
+  codes, KeyboardInterrupt as death by SIGINT, atexit, non-daemon threads joined at the end, input() on its
+  stdin). tests/sandbox/test_differential.py runs programs.yaml through both and compares. Where the sandbox
+  must differ it says so: wall/CPU time, memory, processes, output size, network, files outside the work dir
+  (a status or a `reason` naming the limit); a bare last expression is printed like IPython's (rStar2's tool
+  does that; `display_last_expression: false` turns it off); a cell has 5 frames less of recursion depth
+  than a script (the sandbox's own entry frames).
 
 What is not guaranteed
 ----------------------
@@ -53,8 +65,10 @@ What is not guaranteed
   process by pid (kill(-1) is blocked, enumerating /proc is not; the victim session is then reported
   "replayed") and can read or write the other session's scratch directory under /tmp. Another session's
   memory and results stay out of reach (non-dumpable processes, ptrace denied, private result pipes).
-- Within a session, the cell runs in the process that keeps the session's state, so it can misreport its
-  own exception on the result channel (never its status, time, output or another call's result).
+- Within a session, a cell runs in a fork of the process that keeps the session's state, so code of an earlier
+  cell (a patched builtin, a planted child process) can shape how later cells of the same session run, as in any
+  notebook; never another session's or a stateless call's result. Threads a session cell starts end with the
+  cell (the state lives on in a fork of the cell's process, which copies the calling thread only).
 - Denial of service by CPU: a cell can burn its CPU/wall limit; BLAS/OpenMP are pinned to one thread.
 - Unprivileged user namespaces must be enabled on the nodes (`rstar-hpc doctor` checks); Ubuntu >= 23.10
   needs an AppArmor profile for bwrap.

@@ -2,11 +2,15 @@
 
 Runs as pid 1 inside bwrap (`--as-pid-1`), imported compiled by `python -I -u -B -c` (pool.py), so it must
 stay stdlib-only apart from the libraries it pre-imports for user code. It speaks length-prefixed JSON on fds it
-dups away from 0/1 (the service's pipes), never runs user code itself, and has no handler for any signal user code could
-send, so inside its pid namespace it cannot be killed (pid_namespaces(7)). Each call runs in a fresh
-forked child (stateless) or in a fork of the session's holder (stateful); limits are hard rlimits set in
-the child, the wall timer lives here, and after every call everything but pid 1, the fork server, its
-pre-forked spare cell and live session holders is killed and the call's scratch directory removed.
+dups away from 0/1 (the service's pipes), never runs user code itself, and has no handler for any signal user
+code could send, so inside its pid namespace it cannot be killed (pid_namespaces(7)). Each call runs in a fresh
+forked child (stateless) or in a fork of the session's holder (stateful), as `python3 main.py` would run it
+(run_cell, finish_script); limits are hard rlimits set in the child, the wall timer lives here, and after every
+call everything but pid 1, the fork server, its pre-forked spare cell and live session holders is killed and
+the call's scratch directory removed.
+
+A cell holds no descriptor of ours: its stdin, stdout and stderr only. Its result is its exit status, which
+its parent takes from the kernel (wait4) and reports; nothing the cell writes reaches a channel of ours.
 
 Stateless cells are forked by a fork server, a child of pid 1 forked once from the warm interpreter, not
 by pid 1 itself: a fork write-protects the forking process's whole heap, and pid 1's per-call work
@@ -14,13 +18,18 @@ by pid 1 itself: a fork write-protects the forking process's whole heap, and pid
 forks and reaps on request, and a cell that kills or stops it (it is the cell's parent) costs a
 replacement at most.
 
-Session holders form a fork chain: holder H forks C for a cell; if C finishes the cell, C becomes the
-holder (its state includes the cell) and H is killed; if C dies (timeout, signal, os._exit, memory kill),
-H is still there with the state from before the cell: the cell is rolled back, and the result says so.
+Sessions: holder H keeps the state and a channel to pid 1. For a cell it forks C, which closes that channel
+and runs the cell; H reports C's exit status. A cell that ran to its end (even with an exception) forks D,
+its continuation with the state it left, and exits; D reaches pid 1 through the sandbox's holder rendezvous
+(an abstract Unix socket; pid 1 knows D from the kernel's peer credentials) and is the holder from then on.
+A cell that died (timeout, signal, os._exit, memory kill) forked no D: H still holds the state from before
+the cell, which is rolled back, and the result says so.
 """
 import _signal
 import _socket
 import ast
+import atexit
+import builtins
 import ctypes
 import gc
 import json
@@ -33,11 +42,16 @@ import sys
 import time
 import traceback
 
-CELL = "<cell>"
+SCRIPT = "main.py"   # a cell runs as `python3 main.py` in its working directory
+INTERRUPTED = -2     # run_cell's status for an uncaught KeyboardInterrupt (CPython then dies by SIGINT)
+_AST_ONLY = ast.PyCF_ONLY_AST
+_WORKER_FILE = sys._getframe().f_code.co_filename   # this module's frames, cut from tracebacks
+_SourceFileLoader = sys.modules["_frozen_importlib_external"].SourceFileLoader   # what a script's __loader__ is
 _HDR = struct.Struct(">I")
 _REQ = struct.Struct(">II")     # a stateless cell's request: code bytes, stdin bytes
-_ZREQ = struct.Struct("=i?")    # to the fork server: dead cell to reap (0: none), fork a spare (fds attached)
-_ZREP = struct.Struct("=idi")   # from it: the reaped cell's wait status (-1: none, -2: not ours), CPU s, new pid
+_ZREQ = struct.Struct("=i")     # pid 1 -> fork server: 0 = fork a spare (its fds attached), > 0 = reap this cell
+_ZFORK = struct.Struct("=i")    # fork server -> pid 1: the new spare's pid (<= 0: the fork failed)
+_ZEXIT = struct.Struct("=iid")  # fork server -> pid 1: a reaped cell's pid, wait status (-1: not ours), CPU s
 SPARE_CWD = "/tmp/call"
 _IGNORED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
             signal.SIGPIPE, signal.SIGALRM, signal.SIGXCPU, signal.SIGXFSZ, signal.SIGTSTP, signal.SIGTTIN,
@@ -50,9 +64,43 @@ _CELL_SIGNALS = tuple((int(s), {signal.SIGINT: signal.default_int_handler, signa
 _LIMIT_PLAN = None   # set_limits' (resource, (soft, hard)) pairs, computed once in pid 1
 _TICK = os.sysconf("SC_CLK_TCK")
 _exit = os._exit   # bound before any cell runs: a cell that replaces os._exit cannot keep a spare going
-# the usual report, sent as fixed bytes: json.dumps in every cell cost it ~35 page faults for nothing
-OK_REPORT = {"exc_type": None}
-_OK_BYTES = json.dumps(OK_REPORT).encode()
+_LIM = None          # pid 1's limits (the for_worker() dict), set before the first fork
+_BASE_VM = 0         # the warm interpreter's address space, which RLIMIT_AS adds to
+_HOLDER_ADDRESS = None   # the abstract socket a session's next holder reaches pid 1 on (Server.listen_holders)
+
+
+# ---------------------------------------------------------------- every process's entry
+class Become(BaseException):
+    """Raised by a freshly forked child to leave the stack it inherited: boot() catches it and calls the
+    target from the top. The fork server and each session holder start this way, so whatever depth they were
+    forked at, they run at boot -> loop, and the cells they fork (called directly: unwinding costs a forked
+    cell ~60 copy-on-write faults) always start at the same depth: 5 frames below a script's module frame,
+    so a cell recurses 5 levels less deep than `python3 main.py` before RecursionError. Without it, a
+    session's holders would nest one generation deeper with every cell."""
+
+    def __init__(self, target, args):
+        self.target, self.args = target, args
+
+
+def become(target, *args):
+    raise Become(target, args)
+
+
+def boot():
+    """pid 1's entry (pool.py runs it): main(), and in a forked child, the target it became."""
+    try:
+        return main()
+    except Become as b:
+        target, args = b.target, b.args
+    while True:
+        try:
+            target(*args)
+        except Become as b:   # a child forked by the target (the fork server's cells, a cell's next holder)
+            target, args = b.target, b.args
+            continue
+        except BaseException:
+            pass
+        _exit(0)
 
 
 # ---------------------------------------------------------------- framing
@@ -114,6 +162,38 @@ def read_request(fd):
 def send_fds(sock, msg, fds):
     sock.sendmsg([msg], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS,
                           b"".join(fd.to_bytes(4, sys.byteorder, signed=True) for fd in fds))])
+
+
+def send_session_request(sock, obj, fds):
+    """A session cell's request to its holder: a length-prefixed JSON frame, the cell's descriptors attached
+    to its first bytes (the channel is a stream socket, so a large frame arrives in pieces)."""
+    body = json.dumps(obj).encode()
+    data = _HDR.pack(len(body)) + body
+    sock.settimeout(None)
+    sent = sock.sendmsg([data], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS,
+                                  b"".join(fd.to_bytes(4, sys.byteorder, signed=True) for fd in fds))])
+    if sent < len(data):
+        sock.sendall(data[sent:])
+
+
+def recv_session_request(sock):
+    """(request, fds) as send_session_request sent them; (None, fds) if the channel closed."""
+    data, fds = recv_fds(sock, 65536, 8)
+    while 0 < len(data) < _HDR.size:
+        more = sock.recv(65536)
+        if not more:
+            return None, fds
+        data += more
+    if not data:
+        return None, fds
+    n = _HDR.unpack(data[:_HDR.size])[0]
+    body = bytearray(data[_HDR.size:])
+    while len(body) < n:
+        more = sock.recv(min(1 << 20, n - len(body)))
+        if not more:
+            return None, fds
+        body += more
+    return json.loads(body), fds
 
 
 def recv_fds(sock, bufsize, maxfds):
@@ -211,17 +291,22 @@ def set_limits(lim, base_vm):
         setrlimit(res, values)
 
 
-def enter_cell(stdin_fd, out_w, err_w, keep_fds, lim, base_vm, cwd):
-    """Turn a freshly forked child into a sandboxed cell: own fds, signals, hard limits, RNGs, cwd."""
+def enter_cell(stdin_fd, out_w, err_w, lim, base_vm, cwd, keep=(), close_all=True):
+    """Turn a freshly forked child into a sandboxed cell: own fds, signals, hard limits, RNGs, cwd.
+    `close_all`: close every descriptor but 0, 1, 2 and `keep` (a stateless cell: it inherited only ours);
+    a session's cell closes only the ones it was handed, and keeps the files earlier cells opened."""
     os.dup2(stdin_fd, 0)
     os.dup2(out_w, 1)
     os.dup2(err_w, 2)
-    keep = sorted({0, 1, 2, *keep_fds})
-    lo = 0
-    for fd in keep + [65536]:
-        if fd > lo:
-            os.closerange(lo, fd)
-        lo = fd + 1
+    if close_all:
+        lo = 0
+        for fd in sorted({0, 1, 2, *keep}) + [65536]:
+            if fd > lo:
+                os.closerange(lo, fd)
+            lo = fd + 1
+    else:
+        for fd in {stdin_fd, out_w, err_w} - {0, 1, 2}:
+            os.close(fd)
     sig_set = _signal.signal
     for sig, handler in _CELL_SIGNALS:
         sig_set(sig, handler)
@@ -250,112 +335,211 @@ def reseed():
         np.random.seed()
 
 
-def _strip(te):
-    """Drop the server's own frames (everything before the first frame of the cell) from a traceback."""
-    frames = list(te.stack)
-    first = next((i for i, fr in enumerate(frames) if fr.filename == CELL), len(frames))
-    te.stack = traceback.StackSummary.from_list(frames[first:])
-    for nxt in (te.__cause__, te.__context__):
-        if nxt is not None:
-            _strip(nxt)
-    return te
+# ---------------------------------------------------------------- running a cell the way `python3 main.py` would
+def new_main(path):
+    """A fresh `__main__` module, registered as sys.modules["__main__"], with what CPython gives a script run
+    as `python3 main.py`: pickle and multiprocessing find cell-defined functions and classes through it."""
+    mod = type(sys)("__main__")
+    mod.__dict__.update(__file__=path, __builtins__=builtins, __cached__=None,
+                        __loader__=_SourceFileLoader("__main__", path))
+    sys.modules["__main__"] = mod
+    return mod.__dict__
 
 
-def describe(exc):
-    te = _strip(traceback.TracebackException.from_exception(exc))
-    text = "".join(te.format())
-    lineno = getattr(exc, "lineno", None) if isinstance(exc, SyntaxError) else None
-    tb = exc.__traceback__
-    while tb is not None:
-        if tb.tb_frame.f_code.co_filename == CELL:
-            lineno = tb.tb_lineno
-        tb = tb.tb_next
-    return {"exc_type": type(exc).__name__, "exc_message": str(exc)[:2000], "traceback": text[-20000:],
-            "lineno": lineno, "memory": isinstance(exc, MemoryError),
-            "clean_exit": isinstance(exc, SystemExit) and exc.code in (None, 0)}
-
-
-def exec_cell(code, g):
-    """Run one cell in globals `g`; the value of a bare last expression is printed as repr(), like IPython."""
-    lines = code.splitlines(True)
-    linecache.cache[CELL] = (len(code), None, lines, CELL)
+def enter_script(g, cwd, code, filename):
+    """Point __main__, sys.argv, sys.path[0] and linecache at this cell's script `<cwd>/main.py`, written to
+    disk as `python3 main.py` would find it (open(__file__), inspect, multiprocessing's spawn)."""
+    path = os.path.join(cwd, SCRIPT)
+    g["__file__"] = path
+    sys.argv[:] = [SCRIPT]
+    if not sys.path or sys.path[0] != cwd:
+        sys.path.insert(0, cwd)
     try:
-        tree = ast.parse(code, CELL, "exec")
-        last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
-        exec(compile(tree, CELL, "exec"), g)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            write_all(fd, code.encode("utf-8", "surrogatepass"))
+        finally:
+            os.close(fd)
+    except OSError:
+        pass   # a file-size limit below the code's size: the cell still runs, from memory
+    linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
+
+
+def _exit_status_of(exc):
+    """The exit status CPython gives an uncaught SystemExit (Python/pythonrun.c, _Py_HandleSystemExit): None
+    is 0, an int is its low byte as exit() keeps it (out of a C long's range it is -1), anything else is
+    printed to stderr and the status is 1."""
+    code = exc.code
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return (code if -2**63 <= code < 2**63 else -1) & 0xFF
+    try:
+        sys.stderr.write(str(code) + "\n")
+    except Exception:
+        pass
+    return 1
+
+
+def _print_uncaught(exc):
+    """sys.excepthook, as CPython calls it for an uncaught exception, on a traceback without this module's
+    frames (the cell's first frame is its module)."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename == _WORKER_FILE:
+        tb = tb.tb_next
+    exc.__traceback__ = tb
+    try:
+        sys.excepthook(type(exc), exc, tb)
+    except BaseException as hook_error:   # CPython's words when the hook itself fails
+        try:
+            sys.stderr.write("Error in sys.excepthook:\n")
+            traceback.print_exception(hook_error)
+            sys.stderr.write("\nOriginal exception was:\n")
+            traceback.print_exception(exc)
+        except Exception:
+            pass
+
+
+def run_cell(code, g, filename, display):
+    """Run one cell in module globals `g`; the exit status CPython would give a script that ends here
+    (INTERRUPTED: an uncaught KeyboardInterrupt, which CPython turns into death by SIGINT). With `display`,
+    a bare last expression's value is printed as repr(), as rStar2's tool and IPython do."""
+    try:
+        tree = compile(code, filename, "exec", _AST_ONLY)
+        last = tree.body.pop() if display and tree.body and isinstance(tree.body[-1], ast.Expr) else None
+        exec(compile(tree, filename, "exec"), g)
         if last is not None:
-            value = eval(compile(ast.Expression(last.value), CELL, "eval"), g)
+            value = eval(compile(ast.Expression(last.value), filename, "eval"), g)
             if value is not None:
                 g["_"] = value
                 sys.stdout.write(repr(value) + "\n")
-        report = OK_REPORT
-    except BaseException as e:   # noqa: B036 - SystemExit/KeyboardInterrupt are results here too
-        report = describe(e)
-        if not report["clean_exit"]:
-            try:
-                os.write(2, report["traceback"].encode("utf-8", "replace"))
-            except OSError:
-                pass
+        status = 0
+    except SystemExit as e:
+        status = _exit_status_of(e)
+    except BaseException as e:   # noqa: B036 - what the interpreter does with any uncaught exception
+        _print_uncaught(e)
+        status = INTERRUPTED if isinstance(e, KeyboardInterrupt) else 1
+    return status
+
+
+def flush_std():
+    """Flush stdout and stderr; 120 if stdout cannot be flushed (CPython's status for that), else 0."""
+    bad = 0
     for stream in (sys.stdout, sys.stderr):
         try:
-            stream.flush()
+            if stream is not None:
+                stream.flush()
         except Exception:
+            bad = bad or (120 if stream is sys.stdout else 0)
+    return bad
+
+
+def finish_script(status):
+    """What CPython does after the main module of a script, then exit: wait for non-daemon threads, run
+    atexit callbacks, flush the standard streams, re-raise SIGINT for an uncaught KeyboardInterrupt."""
+    try:
+        threading = sys.modules.get("threading")
+        if threading is not None:
+            try:
+                threading._shutdown()
+            except BaseException:
+                pass
+        try:
+            atexit._run_exitfuncs()
+        except BaseException:
             pass
-    return report
+        status = flush_std() or status
+        if status == INTERRUPTED:
+            die_by_sigint()
+    finally:
+        _exit(130 if status == INTERRUPTED else status)
 
 
-def send_report(res_w, report):
-    try:
-        write_all(res_w, _OK_BYTES if report is OK_REPORT else json.dumps(report).encode())
-    except (OSError, TypeError, ValueError):
-        pass
-    try:
-        os.close(res_w)
-    except OSError:
-        pass
+def die_by_sigint():
+    _signal.signal(_signal.SIGINT, _signal.SIG_DFL)
+    os.kill(os.getpid(), _signal.SIGINT)
 
 
-# ---------------------------------------------------------------- session holder loop (runs in the holder)
-def holder_loop(sock, g, lim, base_vm):
-    """Serve cells of one session. Runs in the session's holder process (which user code also ran in)."""
+# ---------------------------------------------------------------- session holders (each runs in a session's process)
+def holder_loop(sock, g):
+    """Serve the cells of one session. Runs in the process that holds the session's state, forked from pid 1
+    for the first cell and, after that, from the cell before (see continue_session). Each cell runs in a
+    child that keeps no descriptor of ours: its status is its exit status, which this process reports."""
     while True:
         try:
-            msg, fds = recv_fds(sock, 1 << 20, 8)
-        except OSError:
-            os._exit(0)
-        if not msg:
-            os._exit(0)
-        req = json.loads(msg)
-        stdin_fd, out_w, err_w, res_w = fds
+            req, fds = recv_session_request(sock)
+        except (OSError, ValueError):
+            _exit(0)
+        if req is None or len(fds) != 3:
+            _exit(0)
+        stdin_fd, out_w, err_w = fds
         child = os.fork()
         if child == 0:
-            enter_cell(stdin_fd, out_w, err_w, (res_w, sock.fileno()), lim, base_vm, req["cwd"])
-            report = dict(exec_cell(req["code"], g))
-            report["pid"] = os.getpid()
-            send_report(res_w, report)
-            # this process is the holder now; later writes by its threads must not reach the next cell
+            sock.close()   # the session's channel: the one descriptor of ours this process holds
+            session_cell(stdin_fd, out_w, err_w, req, g)   # never returns
+        for fd in fds:
+            os.close(fd)
+        try:
+            sock.sendall(b'{"forked": %d}\n' % child)
+            _, status, ru = os.wait4(child, 0)
+            sock.sendall(json.dumps({"ended": child, "status": status,
+                                     "cpu_s": ru.ru_utime + ru.ru_stime}).encode() + b"\n")
+        except OSError:
+            _exit(0)
+
+
+def session_cell(stdin_fd, out_w, err_w, req, g):
+    """One cell of a session, in a child of its holder: the holder's state, the cell's descriptors only."""
+    try:
+        enter_cell(stdin_fd, out_w, err_w, _LIM, _BASE_VM, req["cwd"], close_all=False)
+        enter_script(g, req["cwd"], req["code"], req["filename"])
+    except BaseException as e:
+        os.write(2, f"sandbox: cell setup failed: {e!r}\n".encode())
+        _exit(1)
+    continue_session(run_cell(req["code"], g, req["filename"], _LIM.get("display", True)), g)
+
+
+def continue_session(status, g):
+    """End a session cell that ran to its end: fork the session's next holder (it carries the state the cell
+    left), let it reach pid 1 through the sandbox's holder rendezvous, then exit with the cell's status.
+    The cell's process never held a channel to pid 1; its child gets one only after the cell's code is done
+    (its threads are not carried over: fork copies the calling thread only)."""
+    flush_std()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(r)
             null = os.open("/dev/null", os.O_RDWR)
             for fd in (0, 1, 2):
                 os.dup2(null, fd)
             os.close(null)
-            continue
-        for fd in fds:
-            os.close(fd)
-        try:
-            sock.sendall(json.dumps({"forked": child}).encode() + b"\n")
-            _, status, ru = os.wait4(child, 0)
-        except OSError:
-            os._exit(0)
-        # the cell died: this process still holds the state from before it
-        sock.sendall(json.dumps({"died": child, "status": status,
-                                 "cpu_s": ru.ru_utime + ru.ru_stime}).encode() + b"\n")
+            sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+            sock.settimeout(5.0)
+            sock.connect(_HOLDER_ADDRESS)
+            sock.settimeout(None)
+            os.write(w, b"1")
+            os.close(w)
+        except BaseException:
+            _exit(0)
+        become(holder_loop, sock, g)
+    os.close(w)
+    try:
+        os.read(r, 1)   # the next holder is registered (or gave up): only now may this cell end
+    except OSError:
+        pass
+    if status == INTERRUPTED:
+        die_by_sigint()
+    _exit(130 if status == INTERRUPTED else status)
 
 
 # ---------------------------------------------------------------- the fork server (a child of pid 1)
-def spare_cell(null, out_w, err_w, res_w, go_r, lim, base_vm):
-    """A freshly forked stateless cell: set up, then wait for its one request and run it."""
+def spare_cell(null, out_w, err_w, go_r, lim, base_vm):
+    """A freshly forked stateless cell: set up, wait for its one request, run it as `python3 main.py` would,
+    exit with the status CPython would. It holds no descriptor of ours once the request is read."""
+    path = os.path.join(SPARE_CWD, SCRIPT)
     try:
-        enter_cell(null, out_w, err_w, (res_w, go_r), lim, base_vm, SPARE_CWD)
+        enter_cell(null, out_w, err_w, lim, base_vm, SPARE_CWD, keep=(go_r,))
         req = read_request(go_r)
         os.close(go_r)
         if req is None:
@@ -367,17 +551,16 @@ def spare_cell(null, out_w, err_w, res_w, go_r, lim, base_vm):
             os.lseek(fd, 0, 0)
             os.dup2(fd, 0)
             os.close(fd)
+        g = new_main(path)
+        enter_script(g, SPARE_CWD, code, path)
     except BaseException as e:
-        send_report(res_w, {"internal": f"cell setup failed: {e!r}"})
-        _exit(70)
-    try:
-        send_report(res_w, exec_cell(code, {"__name__": "__main__", "__builtins__": __builtins__}))
-    finally:
-        _exit(0)
+        os.write(2, f"sandbox: cell setup failed: {e!r}\n".encode())
+        _exit(1)
+    finish_script(run_cell(code, g, path, lim.get("display", True)))
 
 
 def warm_cell_path(rounds=64):
-    """Run a cell's own code path (compile, exec, display, tracebacks, report and request framing) here
+    """Run a cell's own code path (compile, exec, display, tracebacks, exit status and request framing) here
     before the first fork, with output to /dev/null. CPython quickens and specializes bytecode in place
     and fills its type-attribute cache on first use: done once here, every forked cell finds it done
     instead of writing, and copy-on-write faulting, those pages again."""
@@ -386,11 +569,15 @@ def warm_cell_path(rounds=64):
     r, w = os.pipe()
     os.dup2(null, 1)
     os.dup2(null, 2)
+    main, argv, path0 = sys.modules.get("__main__"), list(sys.argv), list(sys.path)
+    path = "/nonexistent/" + SCRIPT
     try:
         for _ in range(rounds):
-            for code in ("_ = None", "print(1 + 1)", "x = [i * i for i in range(3)]\nx[-1]", "1 / 0"):
-                report = exec_cell(code, {"__name__": "__main__", "__builtins__": __builtins__})
-                json.loads(json.dumps(dict(report, pid=2)))
+            for code in ("_ = None", "print(1 + 1)", "x = [i * i for i in range(3)]\nx[-1]", "1 / 0",
+                         "import sys\nsys.exit(2)"):
+                linecache.cache[path] = (len(code), None, code.splitlines(True), path)
+                run_cell(code, new_main(path), path, True)
+                flush_std()
                 write_all(w, pack_request(code, ""))
                 read_request(r)
     finally:
@@ -398,14 +585,15 @@ def warm_cell_path(rounds=64):
         os.dup2(saved[1], 2)
         for fd in (*saved, null, r, w):
             os.close(fd)
-        linecache.cache.pop(CELL, None)
+        linecache.cache.pop(path, None)
+        sys.modules["__main__"], sys.argv[:], sys.path[:] = main, argv, path0
 
 
 def zygote_loop(sock, null, lim, base_vm):
-    """The fork server: forks stateless cells and reaps them, on pid 1's request. It does nothing else, so
-    between two forks it writes (copy-on-write faults) only a handful of pages, and every cell forks
-    from the same warm, untouched state. User code never runs here; its cells are its only children
-    (the seccomp filter denies CLONE_PARENT), so pid 1 learns their exit status from it."""
+    """The fork server: forks stateless cells and reaps them (their wait status is the call's result), on
+    pid 1's request. It does nothing else, so between two forks it writes (copy-on-write faults) only a
+    handful of pages, and every cell forks from the same warm, untouched state. User code never runs here;
+    its cells are its only children (the seccomp filter denies CLONE_PARENT)."""
     fork, wait4, close = os.fork, os.wait4, os.close
     while True:
         try:
@@ -414,28 +602,78 @@ def zygote_loop(sock, null, lim, base_vm):
             _exit(0)
         if len(msg) != _ZREQ.size:
             _exit(0)   # pid 1 closed its end (or spoke nonsense): nothing to serve
-        reap, want = _ZREQ.unpack(msg)
-        status, cpu, pid = -1, 0.0, 0
+        (reap,) = _ZREQ.unpack(msg)
         if reap > 0:
             try:
                 _, status, ru = wait4(reap, 0)
-                cpu = ru.ru_utime + ru.ru_stime
+                reply = _ZEXIT.pack(reap, status, ru.ru_utime + ru.ru_stime)
             except ChildProcessError:
-                status = -2
-        if want and len(fds) == 4:
+                reply = _ZEXIT.pack(reap, -1, 0.0)
+        elif len(fds) == 3:
             try:
                 pid = fork()
             except OSError:
                 pid = -1
             if pid == 0:
                 sock.close()
-                spare_cell(null, *fds, lim, base_vm)   # never returns
+                spare_cell(null, *fds, lim, base_vm)   # never returns (called, not become(): see Become)
+            reply = _ZFORK.pack(pid)
+        else:
+            reply = _ZFORK.pack(-1)
         for fd in fds:
             close(fd)
         try:
-            sock.send(_ZREP.pack(status, cpu, pid))
+            sock.send(reply)
         except OSError:
             _exit(0)
+
+
+# ---------------------------------------------------------------- reading what the interpreter printed (pid 1)
+_TB_HEAD = "Traceback (most recent call last):"
+_SYNTAX = ("SyntaxError", "IndentationError", "TabError")
+
+
+def uncaught(stderr, interrupted=False):
+    """exc_type, traceback and lineno of the uncaught exception the cell's interpreter printed last, for the
+    result's display fields; {} when stderr ends with none (sys.exit("message"), a cell that printed and
+    exited). Only display: the status comes from the exit status, never from this text."""
+    text = stderr.rstrip("\n")
+    last = text.rpartition("\n")[2]
+    name = last.partition(":")[0]
+    if not name or not name.replace(".", "").replace("_", "").isalnum():
+        return {}
+    start = text.rfind(_TB_HEAD)
+    if start < 0 and name.rpartition(".")[2] in _SYNTAX:
+        start = text.rfind('  File "')   # a script that does not compile: printed without the header
+    if start < 0:
+        return {}
+    tb = text[start:]
+    lineno = None
+    for line in tb.split("\n"):
+        if line.startswith('  File "'):
+            path, _, rest = line[8:].partition('", line ')
+            if path.endswith("/" + SCRIPT) or path.startswith("<cell"):
+                digits = rest.partition(",")[0]
+                lineno = int(digits) if digits.isdigit() else lineno
+    return {"exc_type": name.rpartition(".")[2][:200], "traceback": tb[-20000:], "lineno": lineno}
+
+
+def limit_hit(exc_type, stderr, lim):
+    """A clear reason when a cell failed on one of the sandbox's limits rather than on its own logic (where
+    the sandbox must differ from a plain `python3`, it says so)."""
+    last = stderr.rstrip("\n").rpartition("\n")[2]
+    for marker, why in (
+            ("[Errno 11]", f"process limit: at most {lim['nproc']} processes and threads in the sandbox"),
+            ("can't start new thread", f"process limit: at most {lim['nproc']} processes and threads in the sandbox"),
+            ("[Errno 24]", f"open files limit: at most {lim['open_files']} descriptors"),
+            ("[Errno 27]", f"file size limit: files of at most {lim['file_size_mb']} MiB"),
+            ("[Errno 28]", f"scratch space limit: {lim.get('scratch_mb', '?')} MiB for the work dir, /tmp and /dev/shm"),
+            ("[Errno 30]", "only the work dir, /tmp and /dev/shm are writable in the sandbox"),
+            ("[Errno 101]", "no network in the sandbox"), ("[Errno -3]", "no network in the sandbox"),
+            ("[Errno -2]", "no network in the sandbox"), ("[Errno 111]", "no network in the sandbox")):
+        if marker in last:
+            return f"{exc_type}: sandbox limit ({why})"
+    return None
 
 
 # ---------------------------------------------------------------- pid 1
@@ -443,20 +681,24 @@ class Server:
     def __init__(self, ctl_in, ctl_out, init):
         self.ctl_in, self.ctl_out = ctl_in, ctl_out
         self.lim = init["limits"]
-        self.holders = {}   # session -> {"pid", "sock", "cwd"}
+        self.holders = {}   # session -> {"pid", "sock", "cwd", "buf", "cells"}
         self.lost = {}      # session -> why its holder vanished outside a call
         self.calls = 0
         self.base_vm = 0
         self.base_anon = 0
         self.spare = None          # the pre-forked next stateless cell
-        self.cleanup_later = None  # (pid, pidfd) of the last stateless cell, ended after its reply
+        self.cleanup_later = False  # the last stateless call's leftovers are swept after its reply
         self.dirty = None          # why this sandbox must not run another call
         self.null = None           # /dev/null, the stdin of pre-forked cells
         self.zygote = None         # (pid, socket) of the fork server
+        self.listener = None       # the holder rendezvous (listen_holders), made with the first session
         # the sweep kills every process it can see and the wipe empties /tmp and /dev/shm: only where they are
         # the sandbox's own (pid 1 of its pid namespace, bwrap's hostname, /tmp a private mount). Pid 1 alone is
         # not enough: run as pid 1 of a bare `unshare -fp --mount-proc`, the worker wiped the host's /tmp
         self.in_sandbox = os.getpid() == 1 and os.uname().nodename == "sandbox" and os.path.ismount("/tmp")
+        # what bwrap put into the scratch before any call (the directories leading to an interpreter bound
+        # under /tmp, and the bind itself): never removed, and the wipe never descends into another mount
+        self.skeleton = self.scan_skeleton() if self.in_sandbox else {}
 
     # -- bookkeeping
     def vm_size(self):
@@ -466,10 +708,27 @@ class Server:
                     return int(line.split()[1]) * 1024
         return 0
 
-    def sweep(self, dead_cell=0):
-        """Kill every process but pid 1, the fork server, its spare cell and the session holders, then reap.
-        A fork bomb keeps forking while we kill, so repeat until the table is clean. `dead_cell`: the last
-        cell, already dead, which its parent (the fork server) reaps later."""
+    @staticmethod
+    def scan_skeleton():
+        """{path: is a directory of the scratch tmpfs} for everything under /tmp and /dev/shm at start-up; a
+        path on another device (an interpreter's read-only bind) maps to False and is never entered."""
+        found = {}
+        for root in ("/tmp", "/dev/shm"):
+            dev = os.lstat(root).st_dev
+            todo = [root]
+            while todo:
+                d = todo.pop()
+                for entry in os.scandir(d):
+                    st = entry.stat(follow_symlinks=False)
+                    inside = st.st_dev == dev and entry.is_dir(follow_symlinks=False)
+                    found[entry.path] = inside
+                    if inside:
+                        todo.append(entry.path)
+        return found
+
+    def sweep(self):
+        """Kill every process but pid 1, the fork server, its spare cell and the session holders, then reap
+        and wipe. A fork bomb keeps forking while we kill, so repeat until the table is clean."""
         if not self.in_sandbox:
             # anywhere but in its sandbox /proc and /tmp are the host's: the loop below would SIGKILL every
             # process the caller may signal (a harness calling Server.run/cleanup outside bwrap did exactly
@@ -480,8 +739,6 @@ class Server:
             keep.add(self.spare["pid"])
         if self.zygote is not None:
             keep.add(self.zygote[0])
-        if dead_cell:
-            keep.add(dead_cell)
         for _ in range(200):
             alive = [int(p) for p in os.listdir("/proc") if p.isdigit() and p != "1" and int(p) not in keep]
             for pid in alive:
@@ -492,28 +749,38 @@ class Server:
             self.reap()
             if not alive:
                 self.wipe()
+                self.drain_holders()
                 return True
             time.sleep(0.001)
         return False
 
-    def wipe(self):
-        """Remove whatever the call left in the writable places, except live sessions' directories. Only the
-        sweep calls it, after its in-sandbox check."""
+    def wipe(self, root=None):
+        """Remove whatever the call left in the writable places, except live sessions' directories and the
+        skeleton (scan_skeleton): nothing outside the scratch tmpfs is ever walked or deleted. Only the sweep
+        calls it, after its in-sandbox check."""
         keep = {h["cwd"] for h in self.holders.values()}
         if self.spare is not None:
             keep.add(self.spare["cwd"])
-        for root in ("/tmp", "/dev/shm"):
+        for top in (("/tmp", "/dev/shm") if root is None else (root,)):
             try:
-                names = os.listdir(root)
+                names = os.listdir(top)
             except OSError:
                 continue
             for name in names:
-                path = os.path.join(root, name)
+                path = os.path.join(top, name)
                 if path in keep:
+                    continue
+                if path in self.skeleton:
+                    if self.skeleton[path]:
+                        self.wipe(path)   # a directory leading to a bind: clean what a cell added in it
                     continue
                 if os.path.isdir(path) and not os.path.islink(path):
                     try:
-                        os.rmdir(path)   # the usual case: the call left its directory empty
+                        os.unlink(path + "/" + SCRIPT)   # the usual case: the call left only its script
+                    except OSError:
+                        pass
+                    try:
+                        os.rmdir(path)
                     except OSError:
                         _rmtree(path)
                 else:
@@ -569,35 +836,35 @@ class Server:
         os.lseek(fd, 0, 0)
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
-        res_r, res_w = os.pipe()
-        for r in (out_r, err_r, res_r):
+        for r in (out_r, err_r):
             os.set_blocking(r, False)
-        return fd, (out_r, out_w), (err_r, err_w), (res_r, res_w)
+        return fd, (out_r, out_w), (err_r, err_w)
 
-    def supervise(self, pidfd, out_r, err_r, res_r, timeout, start=None):
-        """Collect output and the report until the cell is done (it exited, or closed its report channel
-        after a well-formed report), the wall deadline passes, or output floods."""
+    def supervise(self, done_fds, out_r, err_r, timeout, start=None, exited=None):
+        """Collect output until the cell's process has exited (one of `done_fds` readable and `exited(fd)`
+        true; by default they are the cell's pidfd), the wall deadline passes, or output floods. Whatever is
+        already in the pipes when it ends is read too (its children may hold them open)."""
         lim = self.lim
         out, err = Capture(lim["max_output_bytes"]), Capture(lim["max_output_bytes"])
-        res = bytearray()
         import select
         poll = select.poll()
-        names = {out_r: out, err_r: err, res_r: res}
-        for fd in (out_r, err_r, res_r, pidfd):
+        names = {out_r: out, err_r: err}
+        for fd in (out_r, err_r, *done_fds):
             poll.register(fd, select.POLLIN)
         start = time.monotonic() if start is None else start
         deadline = start + timeout
         why = None
-        exited = res_eof = False
-        while True:
+        ended = False
+        while not ended:
             left = deadline - time.monotonic()
             if left <= 0:
                 why = "timeout"
                 break
             for fd, _ in poll.poll(max(1, int(left * 1000))):
-                if fd == pidfd:
-                    exited = True
-                    poll.unregister(pidfd)
+                if fd in done_fds:
+                    ended = True if exited is None else exited(fd)
+                    if ended:
+                        break
                     continue
                 try:
                     data = os.read(fd, 1 << 16)
@@ -605,49 +872,23 @@ class Server:
                     continue
                 if not data:
                     poll.unregister(fd)
-                    if fd == res_r:
-                        res_eof = True
                     continue
-                if fd == res_r:
-                    res += data[: 1 << 20]
-                else:
-                    names[fd].add(data)
+                names[fd].add(data)
             if out.total + err.total > lim["output_kill_bytes"]:
                 why = "output"
                 break
-            if exited:
-                break
-            if res_eof:
-                try:
-                    if isinstance(json.loads(res), dict):
-                        break
-                except ValueError:
-                    pass
-                res_eof = False   # garbled or missing report: wait for the exit or the deadline
-                res.clear()
         wall = time.monotonic() - start
-        for fd in (out_r, err_r, res_r):   # what is already in the pipes, without waiting for EOF
-            while True:
+        for fd in (out_r, err_r):
+            while names[fd].total < lim["output_kill_bytes"]:
                 try:
                     data = os.read(fd, 1 << 16)
                 except (BlockingIOError, OSError):
                     break
                 if not data:
                     break
-                if fd == res_r:
-                    res += data[: 1 << 20]
-                elif names[fd].total < lim["output_kill_bytes"]:
-                    names[fd].add(data)
-                else:
-                    break
+                names[fd].add(data)
             os.close(fd)
-        try:
-            report = json.loads(res) if res else None
-            if not isinstance(report, dict):
-                report = None
-        except ValueError:
-            report = None
-        return out, err, report, wall, why, exited
+        return out, err, wall, why
 
     def run(self, req):
         self.calls += 1
@@ -676,15 +917,14 @@ class Server:
             self.null = os.open("/dev/null", os.O_RDONLY)
         pid = os.fork()
         if pid == 0:
-            try:
-                ours.close()
-                for fd in (self.ctl_in, self.ctl_out):
-                    os.close(fd)
-                for h in self.holders.values():
-                    h["sock"].close()
-                zygote_loop(theirs, self.null, self.lim, self.base_vm)
-            finally:
-                _exit(0)
+            ours.close()
+            for fd in (self.ctl_in, self.ctl_out):
+                os.close(fd)
+            for h in self.holders.values():
+                h["sock"].close()
+            if self.listener is not None:
+                self.listener.close()
+            become(zygote_loop, theirs, self.null, self.lim, self.base_vm)
         theirs.close()
         self.zygote = (pid, ours)
 
@@ -701,74 +941,67 @@ class Server:
             pass
 
     def zygote_call(self, reap=0, fds=None):
-        """Ask the fork server to reap the (dead) cell `reap` and/or fork a new spare cell on `fds`.
-        (status of the reaped cell or -1 / -2 (not its child), its CPU seconds, the new cell's pid or <= 0);
-        None if the fork server failed (it is then replaced; a cell it had is now our child)."""
+        """One request to the fork server: reap cell `reap` (> 0; it is dead or being killed) or fork a spare
+        on `fds`. The reply's fields ((pid, wait status, CPU s) or (new pid,)); None if the fork server
+        failed (it is then replaced; a cell it had is now our child)."""
         if self.zygote is None:
             self.start_zygote()
         pid, sock = self.zygote
         try:
             os.kill(pid, signal.SIGCONT)   # a cell may have stopped it (it may signal its parent)
-            msg = _ZREQ.pack(reap, fds is not None)
+            msg = _ZREQ.pack(reap)
             if fds is None:
                 sock.send(msg)
             else:
                 send_fds(sock, msg, fds)
             if _readable(sock, 10.0):
                 data = sock.recv(64)
-                if len(data) == _ZREP.size:
-                    return _ZREP.unpack(data)
+                if len(data) == (_ZEXIT.size if reap else _ZFORK.size):
+                    return (_ZEXIT if reap else _ZFORK).unpack(data)
         except OSError:
             pass
         self.stop_zygote()
         return None
 
     def reap_cell(self, pid):
-        """(wait status, CPU seconds) of a cell that is dead or being killed, reaped by its parent."""
+        """(wait status, CPU seconds) of a stateless cell that has ended or is being killed; (None, 0.0) if
+        its status was lost."""
         rep = self.zygote_call(reap=pid)
-        if rep is not None and rep[0] >= 0:
-            return rep[0], rep[1]
+        if rep is not None and rep[1] >= 0:
+            return rep[1], rep[2]
         try:   # the fork server died: the cell is our child now
             _, status, ru = os.wait4(pid, 0)
             return status, ru.ru_utime + ru.ru_stime
         except ChildProcessError:
-            return 0, self.cpu_of(pid)
+            return None, 0.0
 
-    def prefork(self, reap=0):
+    def prefork(self):
         """Have the fork server fork and prepare the next stateless cell ahead of its request (limits, fds,
-        RNGs, cwd), so a call's latency is exec + report, not fork + setup. The child blocks reading its
-        request. `reap`: a dead cell the fork server reaps first (one round trip for both)."""
+        RNGs, cwd), so a call's latency is exec + exit, not fork + setup. The child blocks reading its
+        request."""
         if self.spare is not None:
-            if reap:
-                self.reap_cell(reap)
             return
         cwd = self.scratch("call")
-        pipes = [os.pipe() for _ in range(4)]   # stdout, stderr, report; the request
-        (out_r, out_w), (err_r, err_w), (res_r, res_w), (go_r, go_w) = pipes
-        child_ends = [out_w, err_w, res_w, go_r]
+        pipes = [os.pipe() for _ in range(3)]   # stdout, stderr; the request
+        (out_r, out_w), (err_r, err_w), (go_r, go_w) = pipes
+        child_ends = [out_w, err_w, go_r]
         pid = 0
         for _ in range(2):   # a fork server that died (a cell may kill its parent) is replaced once
-            rep = self.zygote_call(reap, child_ends)
+            rep = self.zygote_call(0, child_ends)
             if rep is not None:
-                pid = rep[2]
+                pid = rep[0]
                 break
-            if reap:
-                try:
-                    os.waitpid(reap, 0)   # the old fork server's cell is our child now
-                except ChildProcessError:
-                    pass
-                reap = 0
         for fd in child_ends:
             os.close(fd)
         if pid <= 0:
-            for fd in (out_r, err_r, res_r, go_w):
+            for fd in (out_r, err_r, go_w):
                 os.close(fd)
             self.dirty = "the fork server could not fork a cell"
             return
-        for fd in (out_r, err_r, res_r):
+        for fd in (out_r, err_r):
             os.set_blocking(fd, False)
-        self.spare = {"pid": pid, "pidfd": os.pidfd_open(pid), "out_r": out_r, "err_r": err_r, "res_r": res_r,
-                      "go_w": go_w, "cwd": cwd}
+        self.spare = {"pid": pid, "pidfd": os.pidfd_open(pid), "out_r": out_r, "err_r": err_r, "go_w": go_w,
+                      "cwd": cwd}
 
     def run_stateless(self, req):
         self.prefork()
@@ -776,74 +1009,112 @@ class Server:
             return {"status": "internal_error", "reason": self.dirty or "no cell could be forked"}
         sp, self.spare = self.spare, None
         pid = sp["pid"]
+        if _readable(sp["pidfd"], 0):
+            # the spare died before its request (nothing ran): an infrastructure fault, never a result
+            for fd in (sp["out_r"], sp["err_r"], sp["go_w"], sp["pidfd"]):
+                os.close(fd)
+            self.reap_cell(pid)
+            self.dirty = "the pre-forked cell died before its call"
+            return {"status": "internal_error", "reason": self.dirty}
         cpu0 = self.cpu_of(pid)   # its set-up is not the call's CPU time
         try:
             write_all(sp["go_w"], pack_request(req["code"], req.get("stdin", "")))
         except OSError:
-            pass   # the spare died before its call (its report or exit status says how)
+            pass   # it died meanwhile: its exit status says how
         os.close(sp["go_w"])
-        out, err, report, wall, why, exited = self.supervise(sp["pidfd"], sp["out_r"], sp["err_r"], sp["res_r"],
-                                                           req["timeout_s"])
-        status, cpu = 0, max(0.0, self.cpu_of(pid) - cpu0)
-        if why is not None or report is None:
-            if why is not None:
-                os.kill(pid, signal.SIGKILL)
-            status, cpu = self.reap_cell(pid)
-            self.cleanup_later = (None, sp["pidfd"])
-        else:
-            self.cleanup_later = (pid, sp["pidfd"])   # reply first; kill, reap and sweep after
-        return self.classify(out, err, report, wall, why, status, cpu)
+        out, err, wall, why = self.supervise((sp["pidfd"],), sp["out_r"], sp["err_r"], req["timeout_s"])
+        os.close(sp["pidfd"])
+        if why is not None:
+            os.kill(pid, signal.SIGKILL)
+        status, cpu = self.reap_cell(pid)
+        self.cleanup_later = True
+        return self.classify(out, err, wall, why, status, max(0.0, cpu - cpu0))
 
     def cleanup(self):
-        """After a stateless reply went out: end the cell, sweep, and prepare the next one."""
-        reap = 0
-        if self.cleanup_later is not None:
-            pid, pidfd = self.cleanup_later
-            self.cleanup_later = None
-            if pid is not None:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                # dead (a zombie of the fork server, which reaps it with the next fork), so nothing of it
-                # runs during the sweep; its children are ours now and the sweep ends them
-                _readable(pidfd, 10.0)
-                reap = pid
-            os.close(pidfd)
-            if not self.sweep(reap):
+        """After a reply went out: end what the stateless cell left, sweep, and prepare the next one."""
+        if self.cleanup_later:
+            self.cleanup_later = False
+            if not self.sweep():
                 self.dirty = "processes survived the sweep after a call"
         if self.dirty is None:
-            self.prefork(reap)
-        elif reap:
-            self.reap_cell(reap)
+            self.prefork()
+
+    # -- sessions
+    def listen_holders(self):
+        """The rendezvous a session's next holder connects to (continue_session): an abstract Unix socket,
+        private to the sandbox's network namespace. Who connected is known from the kernel (SO_PEERCRED),
+        and a connection counts only from the child a session cell forked as its last act (accept_holder)."""
+        global _HOLDER_ADDRESS
+        if self.listener is None:
+            self.listener = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+            _HOLDER_ADDRESS = b"\0rstar-sandbox-holder-" + os.urandom(8).hex().encode()
+            self.listener.bind(_HOLDER_ADDRESS)
+            self.listener.listen(64)
+            self.listener.setblocking(False)
+
+    def pending_holders(self):
+        """Every connection waiting on the rendezvous, as (socket, peer pid)."""
+        conns = []
+        while self.listener is not None:
+            try:
+                fd, _ = self.listener._accept()
+            except (BlockingIOError, OSError):
+                break
+            conn = _socket.socket(fileno=fd)
+            pid = struct.unpack("3i", conn.getsockopt(_socket.SOL_SOCKET, _socket.SO_PEERCRED, 12))[0]
+            conns.append((conn, pid))
+        return conns
+
+    def drain_holders(self):
+        """Close what waits on the rendezvous between calls: a cell that connected (say, to fill the backlog
+        or to pose as a later cell's holder) gets nothing, and its connection is gone before the next call."""
+        for conn, _ in self.pending_holders():
+            conn.close()
+
+    def accept_holder(self, cell):
+        """The next holder of a session whose cell `cell` ran to its end: the last connection whose peer is a
+        child of that cell, now ours (its parent exited), and no process we already know. Others are closed.
+        (A child the cell's own code forked could pose as it: code of a session can always shape the later
+        cells of that session, as in any notebook; never another session's or a stateless call's.)"""
+        known = {h["pid"] for h in self.holders.values()} | {cell}
+        if self.zygote is not None:
+            known.add(self.zygote[0])
+        chosen = None
+        for conn, pid in self.pending_holders():   # the last one: the cell's own code had finished by then
+            if pid not in known and self.ppid(pid) == 1:
+                if chosen is not None:
+                    chosen[0].close()
+                chosen = (conn, pid)
+            else:
+                conn.close()
+        return chosen
 
     def new_holder(self, sid):
+        """Fork the first holder of a session from this (warm) process: it keeps the session's channel and
+        nothing else of ours."""
+        self.listen_holders()
         parent, child = socketpair()
         cwd = self.scratch("s-" + str(abs(hash(sid)) % 10**12))
         pid = os.fork()
         if pid == 0:
-            parent.close()
-            os.close(self.ctl_in)
-            os.close(self.ctl_out)
-            for h in self.holders.values():
-                h["sock"].close()
-            if self.zygote is not None:
-                self.zygote[1].close()
+            null = os.open("/dev/null", os.O_RDWR)
+            for fd in (0, 1, 2):
+                os.dup2(null, fd)
+            lo = 3
+            for fd in (child.fileno(), 65536):
+                os.closerange(lo, fd)
+                lo = fd + 1
             for sig in _IGNORED:
                 signal.signal(sig, signal.SIG_DFL)
             os.setsid()
-            try:
-                holder_loop(child, {"__name__": "__main__", "__builtins__": __builtins__}, self.lim, self.base_vm)
-            finally:
-                os._exit(0)
+            become(holder_loop, child, new_main(os.path.join(cwd, SCRIPT)))
         child.close()
-        parent.settimeout(None)
-        self.holders[sid] = h = {"pid": pid, "sock": parent, "cwd": cwd, "buf": b""}
+        self.holders[sid] = h = {"pid": pid, "sock": parent, "cwd": cwd, "buf": b"", "cells": 0}
         return h
 
     def holder_msg(self, h, timeout):
-        """One newline-delimited JSON message from a holder (the holder side, not user code, writes these;
-        user code in the current cell could write too, so callers check what they get)."""
+        """One newline-delimited JSON message from a holder (its loop writes them; code of earlier cells of
+        the same session runs in that process too, so callers check what they get)."""
         deadline = time.monotonic() + timeout
         while b"\n" not in h["buf"]:
             left = deadline - time.monotonic()
@@ -865,73 +1136,76 @@ class Server:
         return msg if isinstance(msg, dict) else None
 
     def run_session(self, sid, req):
+        """One cell of a session: the holder forks it and reports its exit status; a cell that ran to its end
+        forked the next holder (the state it left), a cell that died did not, and the state from before it
+        stays (the cell is rolled back)."""
         note = None
         h = self.holders.get(sid)
-        if h is None:
+        created = h is None
+        if created:
             note = self.lost.pop(sid, None)
             h = self.new_holder(sid)
-            created = True
-        else:
-            created = False
-        stdin_fd, (out_r, out_w), (err_r, err_w), (res_r, res_w) = self.pipes(req.get("stdin", ""))
-        msg = json.dumps({"code": req["code"], "cwd": h["cwd"]}).encode()
+        h["cells"] += 1
+        stdin_fd, (out_r, out_w), (err_r, err_w) = self.pipes(req.get("stdin", ""))
+        msg = {"code": req["code"], "cwd": h["cwd"], "filename": f"<cell {h['cells']}>"}
         start = time.monotonic()
         try:
-            send_fds(h["sock"], msg, [stdin_fd, out_w, err_w, res_w])
+            send_session_request(h["sock"], msg, [stdin_fd, out_w, err_w])
+        except OSError:
+            pass   # a holder that died between calls: it sends no "forked" below
         finally:
-            for fd in (stdin_fd, out_w, err_w, res_w):
+            for fd in (stdin_fd, out_w, err_w):
                 os.close(fd)
         forked = self.holder_msg(h, 5.0)
         cell = forked.get("forked") if forked else None
         pidfd = None
-        if isinstance(cell, int) and cell > 1:
+        if isinstance(cell, int) and cell > 1 and self.ppid(cell) == h["pid"]:
             try:
                 pidfd = os.pidfd_open(cell)
             except ProcessLookupError:
                 pidfd = os.eventfd(1)   # it already ended (and was reaped by the holder): "exited" at once
-            else:
-                if self.ppid(cell) not in (h["pid"], None):
-                    os.close(pidfd)
-                    pidfd = None   # not the holder's child: a garbled or forged message
         if pidfd is None:
-            for fd in (out_r, err_r, res_r):
+            for fd in (out_r, err_r):
                 os.close(fd)
             self.forget(sid, "session process stopped answering")
             self.lost.pop(sid, None)
             self.sweep()
             return {"status": "internal_error", "reason": "session process did not start the cell",
                     "stdout": "", "stderr": "", "wall_s": 0.0, "cpu_s": 0.0, "session_alive": False}
-        out, err, report, wall, why, exited = self.supervise(pidfd, out_r, err_r, res_r, req["timeout_s"], start)
+        out, err, wall, why = self.supervise((pidfd,), out_r, err_r, req["timeout_s"], start)
         os.close(pidfd)
-        ok = why is None and not exited and report is not None and report.get("pid") == cell
-        status, cpu = 0, self.cpu_of(cell)
-        if ok:
-            # the cell's process carries the new state: it becomes the holder, the old one goes
-            os.kill(h["pid"], signal.SIGKILL)
-            h["pid"] = cell
-            h["buf"] = b""
-        else:
+        if why is not None:
             try:
                 os.kill(cell, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-            died = None
-            for _ in range(4):   # the holder reports how the cell ended (it is the cell's parent)
-                died = self.holder_msg(h, 2.0)
-                if died is None or died.get("died") == cell:
-                    break
-            if died is None or died.get("died") != cell:
-                self.forget(sid, "session process stopped answering after a failed cell")
-            else:
-                status = died.get("status", 0)
-                cpu = float(died.get("cpu_s", cpu))
+        ended = None
+        for _ in range(4):   # the holder is the cell's parent: it reports the exit status
+            ended = self.holder_msg(h, 2.0)
+            if ended is None or ended.get("ended") == cell:
+                break
+        status, cpu = None, self.cpu_of(cell)
+        if ended is None or ended.get("ended") != cell:
+            self.forget(sid, "session process stopped answering after a cell")
+        else:
+            status, cpu = ended.get("status"), float(ended.get("cpu_s", cpu))
+        nxt = self.accept_holder(cell) if why is None and sid in self.holders else None
+        if nxt is not None:
+            # the cell's child carries the state the cell left: it is the holder now, the old one goes
+            conn, pid = nxt
+            try:
+                os.kill(h["pid"], signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            h["sock"].close()
+            h.update(pid=pid, sock=conn, buf=b"")
         if not self.sweep():
             self.dirty = "processes survived the sweep after a session cell"
-        result = self.classify(out, err, report if ok or exited else None, wall, why, status, cpu)
+        result = self.classify(out, err, wall, why, status if isinstance(status, int) else None, cpu)
         alive = sid in self.holders
         result["session_alive"] = alive
         result["session_created"] = created
-        result["session_rolled_back"] = not ok and alive
+        result["session_rolled_back"] = nxt is None and alive
         if note:
             result["session_note"] = note
         if alive:
@@ -968,42 +1242,42 @@ class Server:
         except (OSError, ValueError, IndexError):
             return 0.0
 
-    def classify(self, out, err, report, wall, why, status, cpu):
+    def classify(self, out, err, wall, why, status, cpu):
+        """The result of a cell from what its process did: the wait status (`status`, None if it was lost),
+        why we stopped it (`why`), and its output. The exception fields are read from the traceback the
+        interpreter printed, for display only: no text of the cell's decides its status."""
         lim = self.lim
-        r = {"stdout": out.text(), "stderr": err.text(), "stdout_bytes": out.total, "stderr_bytes": err.total,
+        stderr = err.text()
+        r = {"stdout": out.text(), "stderr": stderr, "stdout_bytes": out.total, "stderr_bytes": err.total,
              "wall_s": round(wall, 6), "cpu_s": round(cpu, 6), "exc_type": None, "traceback": None,
              "reason": None, "exit_code": None, "signal": None}
-        truncated = out.truncated or err.truncated
-        if report and report.get("exc_type"):
-            r["exc_type"] = str(report["exc_type"])[:200]
-            r["traceback"] = str(report.get("traceback") or "")[-20000:]
-            r["lineno"] = report.get("lineno")
-        if report and report.get("internal"):
-            r["status"], r["reason"] = "internal_error", str(report["internal"])[:500]
-            return r
-        if os.WIFSIGNALED(status):
-            r["signal"] = signal.Signals(os.WTERMSIG(status)).name if os.WTERMSIG(status) in signal.valid_signals() \
-                else str(os.WTERMSIG(status))
-        elif os.WIFEXITED(status):
+        if status is not None and os.WIFSIGNALED(status):
+            sig = os.WTERMSIG(status)
+            r["signal"] = signal.Signals(sig).name if sig in signal.valid_signals() else str(sig)
+        elif status is not None and os.WIFEXITED(status):
             r["exit_code"] = os.WEXITSTATUS(status)
+        if (r["exit_code"] or r["signal"] == "SIGINT") and why is None:
+            r.update(uncaught(stderr, r["signal"] == "SIGINT"))
+        limit = limit_hit(r["exc_type"], stderr, lim) if r["exc_type"] else None
         if why == "timeout":
             r["status"], r["reason"] = "timeout", f"wall time limit ({round(wall, 2)} s) exceeded; killed"
         elif why == "output":
             r["status"] = "output_truncated"
             r["reason"] = f"output exceeded {lim['output_kill_bytes']} bytes; killed"
-        elif r["signal"] in ("SIGXCPU",) or (r["signal"] == "SIGKILL" and cpu >= lim["cpu_time_s"] - 0.05):
+        elif status is None:
+            r["status"], r["reason"] = "internal_error", "the cell's exit status was lost"
+        elif r["signal"] == "SIGXCPU" or (r["signal"] == "SIGKILL" and cpu >= lim["cpu_time_s"] - 0.05):
             r["status"], r["reason"] = "timeout", f"CPU time limit ({lim['cpu_time_s']} s) exceeded; killed"
+        elif r["signal"] == "SIGINT":
+            r["status"], r["reason"] = "error", "KeyboardInterrupt: the process ended by SIGINT, as CPython's does"
         elif r["signal"]:
             r["status"], r["reason"] = "killed", f"killed by {r['signal']}"
-        elif report is None and r["exit_code"] not in (0, None):
-            r["status"], r["reason"] = "error", f"exited with code {r['exit_code']}"
-        elif report is None and r["exit_code"] is None:
-            r["status"], r["reason"] = "killed", "the cell ended without a result"
-        elif report and report.get("memory"):
+        elif (r["exc_type"] or "").endswith("MemoryError"):   # numpy raises _ArrayMemoryError, a subclass
             r["status"], r["reason"] = "memory", f"memory limit ({lim['memory_mb']} MiB) exceeded"
-        elif report and report.get("exc_type") and not report.get("clean_exit"):
+        elif r["exit_code"]:
             r["status"] = "error"
-        elif truncated:
+            r["reason"] = limit or f"exited with code {r['exit_code']}"
+        elif out.truncated or err.truncated:
             r["status"] = "output_truncated"
             r["reason"] = f"output longer than {lim['max_output_bytes']} bytes; head and tail kept"
         else:
@@ -1072,14 +1346,17 @@ def main():
             exec(compile(init["warmup"], "<warmup>", "exec"), {"__name__": "__warmup__"})
         except Exception as e:
             sys.stderr.write(f"sandbox worker: warm-up failed: {e!r}\n")
+    global _LIM, _LIMIT_PLAN, _BASE_VM
+    _LIM = init["limits"]
     srv = Server(ctl_in, ctl_out, init)
     warm_cell_path()
+    atexit._clear()   # the preloaded libraries' exit hooks are not the cell's: a cell runs only its own
     reseed()   # numpy's first seed() builds lazily-initialised state (seconds); pay it once, here
     gc.collect()
     gc.freeze()   # children then never touch the pre-imported objects' GC headers: fewer copy-on-write pages
     srv.base_vm = srv.vm_size()
     srv.base_anon = srv.anon_bytes(os.getpid())
-    global _LIMIT_PLAN
+    _BASE_VM = srv.base_vm
     _LIMIT_PLAN = limit_plan(srv.lim, srv.base_vm)
     modules = sorted({m.partition(".")[0] for m in sys.modules})   # what cells find loaded: the fork server's
     srv.start_zygote()
@@ -1091,4 +1368,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    boot()

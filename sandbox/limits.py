@@ -30,6 +30,9 @@ class Limits:
     max_code_bytes: int = 1 << 20     # code of one call
     max_stdin_bytes: int = 1 << 20    # stdin of one call
     max_request_bytes: int = 16 << 20  # one network frame (a batch of calls)
+    # print a cell's bare last expression as repr(), as rStar2's tool (and IPython) do; off: exactly what
+    # `python3 main.py` prints
+    display_last_expression: bool = True
     # pool
     num_workers: int = 0              # sandboxes; 0 = one per core this process may use
     recycle_after: int = 10000        # calls before a sandbox is replaced (a start costs ~0.15 s CPU)
@@ -88,4 +91,5 @@ class Limits:
         """The subset pid 1 inside the sandbox needs, as plain JSON."""
         return {"cpu_time_s": self.cpu_time_s, "memory_mb": self.memory_mb, "nproc": self.nproc(),
                 "open_files": self.open_files, "file_size_mb": self.file_size_mb,
-                "max_output_bytes": self.max_output_bytes, "output_kill_bytes": self.output_kill_bytes}
+                "max_output_bytes": self.max_output_bytes, "output_kill_bytes": self.output_kill_bytes,
+                "scratch_mb": self.scratch_mb, "display": self.display_last_expression}

@@ -49,7 +49,7 @@ WORKER_PY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_worker.py
 # every sandbox, and the compiler's leftovers (~2.5 MB of half-used allocator arenas) would sit in every forked
 # cell's address space, which fork copies and exit frees per call (~10% of a trivial call's CPU)
 WORKER_DIR = "/opt/sandbox"
-_BOOT = f"import sys; sys.path.insert(0, {WORKER_DIR!r}); import _worker; del sys.path[0]; _worker.main()"
+_BOOT = f"import sys; sys.path.insert(0, {WORKER_DIR!r}); import _worker; del sys.path[0]; _worker.boot()"
 _HDR = struct.Struct(">I")
 LATENCY_BUCKETS_MS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 60000)
 
@@ -110,15 +110,19 @@ def bwrap_argv(limits: Limits, seccomp_fd: int | None, as_root: bool, kind: str 
     for path in ("/etc/ld.so.cache", "/etc/localtime"):
         argv += ["--ro-bind-try", path, path]
     argv += ["--ro-bind", compiled_worker(), WORKER_DIR, "--chdir", "/tmp", "--hostname", "sandbox", "--clearenv"]
-    env = {"PATH": f"{sys.prefix}/bin:/usr/bin:/bin", "HOME": "/tmp", "TMPDIR": "/tmp", "LANG": "C.UTF-8",
-           "PYTHONIOENCODING": "utf-8", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
-           "MKL_NUM_THREADS": "1", "NUMEXPR_NUM_THREADS": "1", "MALLOC_ARENA_MAX": "2", "MPLBACKEND": "Agg"}
-    for k, v in env.items():
+    for k, v in bwrap_env().items():
         argv += ["--setenv", k, v]
     # light interpreters skip site: no site-packages, .pth hooks or import finders in every forked cell
     flags = ["-I", "-u", "-B"] + (["-S"] if kind == LIGHT else [])
     argv += ["--", sys.executable, *flags, "-c", _BOOT]
     return argv
+
+
+def bwrap_env() -> dict[str, str]:
+    """The whole environment of a sandbox (bwrap starts from an empty one): one thread per math library."""
+    return {"PATH": f"{sys.prefix}/bin:/usr/bin:/bin", "HOME": "/tmp", "TMPDIR": "/tmp", "LANG": "C.UTF-8",
+            "PYTHONIOENCODING": "utf-8", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
+            "MKL_NUM_THREADS": "1", "NUMEXPR_NUM_THREADS": "1", "MALLOC_ARENA_MAX": "2", "MPLBACKEND": "Agg"}
 
 
 @functools.cache

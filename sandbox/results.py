@@ -1,10 +1,12 @@
 """Results: the structured record every call gets, and the rStar2 text the model sees.
 
 Status values:
-  ok                the cell ran to the end (a SystemExit(0) counts)
-  error             it raised (exc_type, traceback), or exited non-zero
+  ok                its process exited with status 0 (a SystemExit(0) or os._exit(0) counts)
+  error             it exited non-zero: an uncaught exception (exc_type, traceback), sys.exit(n), ...; or an
+                    uncaught KeyboardInterrupt (death by SIGINT, as CPython's); `reason` names a sandbox limit
+                    when one caused it (processes, open files, file size, scratch space, network)
   timeout           wall or CPU time limit; the cell was killed
-  memory            MemoryError under the address-space limit
+  memory            an uncaught MemoryError under the address-space limit
   output_truncated  output beyond max_output_bytes (head + tail kept); killed if it passed output_kill_bytes
   killed            ended by a signal we did not send (SIGSEGV from a C stack overflow, the OOM killer, ...)
   invalid_request   the request itself was malformed (message in `reason`); nothing ran

@@ -39,6 +39,9 @@ class SandboxConfig(Section):
     """Largest stdin of one call."""
     max_request_bytes: int = Field(16 << 20, ge=1 << 16)
     """Largest network frame (one batch of up to 64 calls)."""
+    display_last_expression: bool = True
+    """Print a cell's bare last expression as repr(), as rStar2's tool (and IPython) do; false: exactly what
+    `python3 main.py` prints."""
     recycle_after: int = Field(10000, ge=1)
     """Calls before a sandbox is replaced by a fresh one. A guard against slow drift of the long-lived pid 1 and
     fork server (neither runs user code; each call's processes and files are swept): a replacement costs ~0.15 s
