@@ -9,7 +9,9 @@ Never imports torch or vLLM (standard library; numpy and sympy are imported only
     sandbox.client   SandboxClient: batching, load-spreading, retrying client for many services
     sandbox.results  result record, statuses, render_rstar2() (the text the model sees)
     sandbox.protocol wire format and call validation
-    sandbox._worker  pid 1 inside each sandbox (stdlib only)
+    sandbox.bwrap    one sandbox: the bwrap recipe and the process running the worker as its pid 1
+    sandbox.worker   pid 1 inside each sandbox, its fork server, cells and session holders (stdlib only)
+    sandbox.stats    what a pool counts
 
 Threat model: what is guaranteed
 --------------------------------

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from sandbox.pool import bwrap_env
+from sandbox.bwrap import bwrap_env
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]

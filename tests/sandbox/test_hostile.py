@@ -579,7 +579,7 @@ def test_an_interpreter_under_tmp_is_bound_over_the_private_scratch(monkeypatch)
     import sys
 
     from sandbox.limits import Limits
-    from sandbox.pool import bwrap_argv
+    from sandbox.bwrap import bwrap_argv
 
     monkeypatch.setattr(sys, "prefix", "/tmp/fresh/.venv")
     argv = bwrap_argv(Limits(), None, as_root=True)
@@ -599,17 +599,19 @@ def test_the_worker_as_pid_1_outside_bwrap_neither_sweeps_nor_wipes(tmp_path):
     import subprocess
     import sys
 
+    from sandbox.bwrap import _BOOT, WORKER_DIR, compile_worker
     from sandbox.limits import Limits
-    from sandbox.pool import WORKER_PY
 
-    # the bind hides everything under /tmp, a checkout there included: the worker is opened before it, and the
-    # venv's base interpreter runs it (pid 1 needs only the standard library)
+    # the bind hides everything under /tmp, a checkout there included: the worker is compiled into the directory
+    # that is bound there, and the venv's base interpreter runs it (pid 1 needs only the standard library)
     python = os.path.realpath(sys.executable)
     if python.startswith("/tmp/"):
         pytest.skip(f"the interpreter itself lives under /tmp ({python})")
     keep = tmp_path / "keep"
     keep.write_text("host file")
-    script = f"exec 3<{WORKER_PY} && mount --bind {tmp_path} /tmp && exec {python} -I -S -u -B /dev/fd/3"
+    compile_worker(str(tmp_path / "worker"))
+    boot = _BOOT.replace(repr(WORKER_DIR), repr("/tmp/worker"))
+    script = f"mount --bind {tmp_path} /tmp && exec {python} -I -S -u -B -c \"{boot}\""
     proc = subprocess.Popen(["unshare", "-fpm", "--mount-proc", "sh", "-c", script], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE)
 
