@@ -1,10 +1,10 @@
 """The pool: N long-lived bwrap sandboxes on this node, a queue, sessions, stats.
 
-Each sandbox (sandbox/bwrap.py) runs the worker package (sandbox/worker/) as its pid 1 and takes one call at a time. Two kinds: math sandboxes
-(`num_workers`, numpy and sympy pre-imported; they hold every session) and light ones (`light_workers`,
-stdlib only, several times cheaper to fork) for stateless calls that import nothing a light interpreter
-lacks (sandbox.route); either kind alone can keep the cores busy. Stateless calls go to their kind's
-shared FIFO; a session's calls go to the sandbox that holds the session, in the order they were submitted
+Each sandbox (sandbox/bwrap.py) runs the worker package (sandbox/worker/) as its pid 1 and takes one call at a
+time. Two kinds: math sandboxes (`num_workers`, numpy and sympy pre-imported; they hold every session) and light
+ones (`light_workers`, stdlib only, several times cheaper to fork) for stateless calls that import nothing a
+light interpreter lacks (sandbox.route); either kind alone can keep the cores busy. Stateless calls go to their
+kind's shared FIFO; a session's calls go to the sandbox that holds the session, in the order they were submitted
 (one at a time, since a sandbox runs one call at a time). A sandbox is replaced after `recycle_after` calls, when
 it dies, when it stops answering (`hang_grace_s` past a call's deadline), or when its sweep after a call
 fails; the other sandboxes keep serving meanwhile.
