@@ -91,7 +91,8 @@ def show(run: str, step: int, stage: str | None, uid: str | None, sample_index: 
     """A readable conversation: reasoning, tool calls and results, answer, reward, RoC penalties and decision."""
     from rich.console import Console
 
-    from rstar_hpc.exchange.reader import StepReader, from_table
+    from rstar_hpc.exchange.columns import from_table
+    from rstar_hpc.exchange.reader import StepReader
 
     paths = _paths(run)
     stage = _stage(paths, stage)
@@ -124,7 +125,7 @@ def export(run: str, fmt: str, stage: str | None, step: int | None, out: str | N
     from pathlib import Path
 
     from rstar_hpc.exchange.reader import StepReader
-    from rstar_hpc.exchange.writer import export_table
+    from rstar_hpc.exchange.export import export_table
 
     paths = _paths(run)
     stage = _stage(paths, stage)

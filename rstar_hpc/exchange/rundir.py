@@ -33,7 +33,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rstar_hpc.exchange import rendezvous
+from rstar_hpc.exchange.atomic import is_tmp
 
+COMMIT_SUFFIX = ".commit.json"   # <producer><COMMIT_SUFFIX>: a producer's commit record of a trajectory step
 RUN_ROOT_ENV = "RSTAR_HPC_RUN_ROOT"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
 STRIPING = {
@@ -121,7 +123,13 @@ class RunPaths:
         return self.traj_stage_dir(stage) / f"step-{_step(step):08d}"
 
     def traj_commit(self, stage: str, step: int, producer: str) -> Path:
-        return self.traj_step_dir(stage, step) / f"{_check('producer', producer)}.commit.json"
+        return self.traj_step_dir(stage, step) / f"{_check('producer', producer)}{COMMIT_SUFFIX}"
+
+    def traj_commits(self, stage: str, step: int) -> dict[str, Path]:
+        """The commit records present in a step directory, by producer (tmp files of a commit in flight skipped)."""
+        folder = self.traj_step_dir(stage, step)
+        return {name[: -len(COMMIT_SUFFIX)]: folder / name
+                for name in _listdir(folder) if name.endswith(COMMIT_SUFFIX) and not is_tmp(name)}
 
     def traj_stages(self) -> list[str]:
         return _listdir(self.dir / "traj")

@@ -234,7 +234,8 @@ def e2e(tiny_model_dir, tmp_path_factory):
 
 
 def _read(paths, step):
-    from rstar_hpc.exchange.reader import StepReader, from_table
+    from rstar_hpc.exchange.columns import from_table
+    from rstar_hpc.exchange.reader import StepReader
     return from_table(StepReader(paths, "rl").read(step))
 
 

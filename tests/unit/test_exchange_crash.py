@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from rstar_hpc.exchange.reader import Consumer, StepReader, from_table
+from rstar_hpc.exchange.columns import from_table
+from rstar_hpc.exchange.reader import Consumer, StepReader
 from rstar_hpc.exchange.rundir import RunPaths
 from rstar_hpc.exchange.writer import ShardWriter
 

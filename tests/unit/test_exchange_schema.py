@@ -4,10 +4,9 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from rstar_hpc.exchange.reader import conform, from_table
+from rstar_hpc.exchange.columns import conform, from_table, to_table
 from rstar_hpc.exchange.schema import (SCHEMA, SCHEMA_VERSION, TOOL_STATUSES, ToolCall, Trajectory, Turn)
 from rstar_hpc.exchange.synthetic import make_step
-from rstar_hpc.exchange.writer import to_table
 
 
 def _equal(a: Trajectory, b: Trajectory) -> bool:
