@@ -124,8 +124,8 @@ def export(run: str, fmt: str, stage: str | None, step: int | None, out: str | N
     """Copy committed steps to Parquet (analytics, DuckDB) or JSON Lines (one trajectory per line)."""
     from pathlib import Path
 
-    from rstar_hpc.exchange.reader import StepReader
     from rstar_hpc.exchange.export import export_table
+    from rstar_hpc.exchange.reader import StepReader
 
     paths = _paths(run)
     stage = _stage(paths, stage)

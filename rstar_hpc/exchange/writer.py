@@ -110,7 +110,8 @@ class ShardWriter:
 
     def _remove_leftovers(self) -> None:
         # uncommitted shards and tmp files of an earlier, crashed attempt of this producer; never listed anywhere
-        mine = re.compile(rf"\.?{re.escape(self.producer)}(-\d+-[0-9a-f]+\.arrows|{re.escape(COMMIT_SUFFIX)})(\.tmp-.*)?")
+        own = rf"{re.escape(self.producer)}(-\d+-[0-9a-f]+\.arrows|{re.escape(COMMIT_SUFFIX)})"
+        mine = re.compile(rf"\.?{own}(\.tmp-.*)?")
         for name in os.listdir(self.step_dir):
             if mine.fullmatch(name) and (name.endswith(".arrows") or is_tmp(name)):
                 _unlink(os.path.join(self.step_dir, name))

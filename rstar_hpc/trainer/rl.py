@@ -43,8 +43,8 @@ from rstar_hpc.algo.metrics import loss_metrics, response_length_metrics, roc_me
 from rstar_hpc.algo.quality import INFRA_TOOL_STATUSES
 from rstar_hpc.algo.roc import RoCReason, RoCSelection, roc_downsample
 from rstar_hpc.config.schema import RunConfig
-from rstar_hpc.exchange.errors import ExchangeError, StepNotReadyError
 from rstar_hpc.exchange.columns import token_view
+from rstar_hpc.exchange.errors import ExchangeError, StepNotReadyError
 from rstar_hpc.exchange.reader import Consumer
 from rstar_hpc.exchange.rundir import RunPaths
 from rstar_hpc.trainer.step import MicroBatch, pack, sequence_logprobs, train_step

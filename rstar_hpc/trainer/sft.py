@@ -11,18 +11,15 @@ A stage of `kind: sft` with `data: train.jsonl` runs in the trainer role (`rstar
 """
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from rstar_hpc.datasets import load_sft_conversations
+from rstar_hpc.datasets import load_chat_jsonl, load_sft_conversations
 from rstar_hpc.models import chat_format as fmt
 from rstar_hpc.trainer.step import pack
-
-ROLES = ("system", "user", "assistant", "tool")
 
 
 def render_segments(messages: list[dict]) -> list[tuple[str, bool]]:
@@ -56,30 +53,6 @@ def tokenize_conversation(messages: list[dict], tokenizer) -> tuple[torch.Tensor
         ids += piece
         mask += [trained] * len(piece)
     return torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.bool)
-
-
-def load_chat_jsonl(path: str | Path) -> list[list[dict]]:
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such SFT data file; generate the demo set with "
-                                f"`python -m rstar_hpc.trainer.sft_data {path}`")
-    out = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            msgs = json.loads(line)["messages"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise ValueError(f"{path}:{n}: expected a JSON object with a 'messages' list ({e})") from e
-        for m in msgs:
-            if m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-                raise ValueError(f"{path}:{n}: message {m!r} needs role in {ROLES} and string content")
-        if not any(m["role"] == "assistant" for m in msgs):
-            raise ValueError(f"{path}:{n}: no assistant message, nothing to train on")
-        out.append(msgs)
-    if not out:
-        raise ValueError(f"{path}: empty SFT data file")
-    return out
 
 
 class SFTData:

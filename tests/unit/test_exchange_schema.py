@@ -5,7 +5,7 @@ import pyarrow as pa
 import pytest
 
 from rstar_hpc.exchange.columns import conform, from_table, to_table
-from rstar_hpc.exchange.schema import (SCHEMA, SCHEMA_VERSION, TOOL_STATUSES, ToolCall, Trajectory, Turn)
+from rstar_hpc.exchange.schema import SCHEMA, SCHEMA_VERSION, TOOL_STATUSES, ToolCall, Trajectory, Turn
 from rstar_hpc.exchange.synthetic import make_step
 
 
