@@ -43,7 +43,7 @@ def pick_stage(cfg, name: str | None) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rollout[{env_rank()}] %(levelname)s %(message)s")
-    from rstar_hpc.config import load_config
+    from rstar_hpc.config import load_config, prepare_run_dir
     from rstar_hpc.exchange.rundir import RunPaths
     from rstar_hpc.models.resolve import resolve_model
 
@@ -52,7 +52,7 @@ def main(argv=None) -> int:
     paths = RunPaths(cfg.run.dir)
     rank = env_rank()
     if rank == 0:
-        RunPaths.prepare(cfg)
+        prepare_run_dir(cfg)
         model_dir = resolve_model(cfg)
     else:
         model_dir = _wait_for_model(cfg)

@@ -117,9 +117,10 @@ def main(cfg: RunConfig, stage_name: str, *, on_step: Callable[[int, dict], None
 
 def _prepare_run(cfg: RunConfig) -> None:
     """Rank 0: the run directory, its resolved config, the (tiny) model built if the config asks for one."""
+    from rstar_hpc.config import prepare_run_dir
     from rstar_hpc.models.resolve import resolve_model
 
-    RunPaths.prepare(cfg)
+    prepare_run_dir(cfg)
     resolve_model(cfg)
 
 

@@ -42,7 +42,7 @@ from rstar_hpc.algo.loss import LossStats, policy_loss
 from rstar_hpc.algo.metrics import loss_metrics, response_length_metrics, roc_metrics
 from rstar_hpc.algo.quality import INFRA_TOOL_STATUSES
 from rstar_hpc.algo.roc import RoCReason, RoCSelection, roc_downsample
-from rstar_hpc.config.schema import RunConfig
+from rstar_hpc.config.run import RunConfig
 from rstar_hpc.exchange.columns import token_view
 from rstar_hpc.exchange.errors import ExchangeError, StepNotReadyError
 from rstar_hpc.exchange.reader import Consumer
