@@ -1,33 +1,22 @@
-"""The rollout role's process entry: one MPI rank of a rollout step (rank 0 schedules, ranks 1.. run engines).
+"""The rollout role's job: one MPI rank of one or more rollout steps (rank 0 schedules, ranks 1.. run engines).
 
-Launched by sbatch/rollout.sbatch (`srun --mpi=pmix` or `mpirun`), by `rstar-hpc rollout` (which starts
-mpirun itself), or directly: `mpirun -n 3 python jobs/rollout.py --config tiny-cpu --step 0`.
+`run(cfg, stage, steps)` is what every rank of the MPI job calls; `rstar-hpc rollout` parses the command line and
+calls it when it runs under an MPI launcher (sbatch/rollout.sbatch: `mpirun python jobs/rollout.py ...`), or
+starts mpirun on this node itself otherwise.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import logging
 import os
 import sys
 import time
+from collections.abc import Sequence
 
 from rstar_hpc.rollout.scheduler import env_rank
 
 log = logging.getLogger("rstar_hpc.rollout")
-
-
-def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="rollout-rank", description=__doc__.splitlines()[0])
-    ap.add_argument("--config", default="tiny-cpu")
-    ap.add_argument("--stage", default=None, help="stage name (default: the first rl stage)")
-    ap.add_argument("--step", type=int, action="append", required=True, help="step to run (repeatable)")
-    ap.add_argument("--sandbox", action="append", default=[], help="HOST:PORT of a sandbox service (default: "
-                    "the run directory's announcements)")
-    ap.add_argument("--progress", action="store_true", help="progress bar on rank 0")
-    ap.add_argument("overrides", nargs="*")
-    return ap.parse_args(argv)
 
 
 def pick_stage(cfg, name: str | None) -> str:
@@ -40,15 +29,14 @@ def pick_stage(cfg, name: str | None) -> str:
     raise ValueError("no rl stage in the config; pass --stage")
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rollout[{env_rank()}] %(levelname)s %(message)s")
-    from rstar_hpc.config import load_config, prepare_run_dir
+def run(cfg, stage: str, steps: Sequence[int], *, sandbox: Sequence[str] = (), progress: bool = False):
+    """This rank's part of `steps` of `stage`; ends the process (os._exit) with the job's outcome.
+    `sandbox`: HOST:PORT of sandbox services (default: the run directory's announcements); `progress`: a bar on
+    rank 0."""
+    from rstar_hpc.config import prepare_run_dir
     from rstar_hpc.exchange.rundir import RunPaths
     from rstar_hpc.models.resolve import resolve_model
 
-    cfg = load_config(args.config, list(args.overrides))
-    stage = pick_stage(cfg, args.stage)
     paths = RunPaths(cfg.run.dir)
     rank = env_rank()
     if rank == 0:
@@ -57,9 +45,9 @@ def main(argv=None) -> int:
     else:
         model_dir = _wait_for_model(cfg)
     if rank == 0:
-        code, end = _scheduler(cfg, paths, stage, args, model_dir)
+        code, end = _scheduler(cfg, paths, stage, steps, progress, model_dir)
     else:
-        code, end = _engine(cfg, paths, stage, args, model_dir, rank)
+        code, end = _engine(cfg, paths, stage, steps, sandbox, model_dir, rank)
     sys.stdout.flush()
     sys.stderr.flush()
     if end != "exit":
@@ -91,7 +79,7 @@ def _wait_for_model(cfg, timeout_s: float = 600.0):
             time.sleep(1.0)
 
 
-def _scheduler(cfg, paths, stage, args, model_dir) -> tuple[int, str]:
+def _scheduler(cfg, paths, stage, steps, progress, model_dir) -> tuple[int, str]:
     from transformers import AutoTokenizer
 
     from rstar_hpc.rollout.scheduler import TAG_ABORT, init_mpi
@@ -100,7 +88,7 @@ def _scheduler(cfg, paths, stage, args, model_dir) -> tuple[int, str]:
     MPI = init_mpi()
     comm = MPI.COMM_WORLD
     try:
-        return _scheduler_steps(cfg, paths, stage, args, tok, comm, MPI)
+        return _scheduler_steps(cfg, paths, stage, steps, progress, tok, comm, MPI)
     except BaseException as e:
         # engine ranks would otherwise wait for work until their timeout: tell them, then fail
         log.exception("rank 0 failed")
@@ -111,16 +99,16 @@ def _scheduler(cfg, paths, stage, args, model_dir) -> tuple[int, str]:
         return 1, "exit"
 
 
-def _scheduler_steps(cfg, paths, stage, args, tok, comm, MPI) -> tuple[int, str]:
+def _scheduler_steps(cfg, paths, stage, steps, progress, tok, comm, MPI) -> tuple[int, str]:
     from rstar_hpc.datasets import load_prompts
     from rstar_hpc.rollout.scheduler import TAG_BYE, TAG_EXIT, run_scheduler, step_items
 
     rows = load_prompts(cfg.stage(stage), seed=cfg.run.seed)   # once for the job, not once per step
     dead: set[int] = set()
-    for step in args.step:
+    for step in steps:
         items, dropped = step_items(cfg, stage, step, tok, rows)
         bar = None
-        if args.progress:
+        if progress:
             from tqdm import tqdm
             bar = tqdm(total=len(items), desc=f"rollout step {step}", unit="traj", file=sys.stderr)
         summary = run_scheduler(comm, MPI, cfg, paths, stage, step, items, dropped=dropped,
@@ -150,7 +138,7 @@ def _scheduler_steps(cfg, paths, stage, args, tok, comm, MPI) -> tuple[int, str]
     return 0, "abort"
 
 
-def _engine(cfg, paths, stage, args, model_dir, rank) -> tuple[int, str]:
+def _engine(cfg, paths, stage, steps, sandbox, model_dir, rank) -> tuple[int, str]:
     from rstar_hpc.rollout.engine import VLLMEngine
 
     engine = VLLMEngine(cfg, model_dir, seed=cfg.run.seed * 1000 + rank)   # before MPI (kv-balancing.md §4.6)
@@ -160,9 +148,9 @@ def _engine(cfg, paths, stage, args, model_dir, rank) -> tuple[int, str]:
     from sandbox.client import SandboxClient
 
     async def steps() -> bool:
-        client = SandboxClient(addresses=args.sandbox or None, run_dir=None if args.sandbox else str(paths.dir))
+        client = SandboxClient(addresses=list(sandbox) or None, run_dir=None if sandbox else str(paths.dir))
         try:
-            for step in args.step:   # rank 0 names the policy each step runs; the engine loads it in place
+            for step in steps:   # rank 0 names the policy each step runs; the engine loads it in place
                 await run_engine_rank(comm, MPI, cfg, engine, client, stage, step)
         finally:
             await client.close()
@@ -184,7 +172,3 @@ def _engine(cfg, paths, stage, args, model_dir, rank) -> tuple[int, str]:
         time.sleep(0.01)
     time.sleep(cfg.rollout.scheduler.engine_timeout_s)   # the abort ends this process; exit on our own if not
     return 0, "exit"
-
-
-if __name__ == "__main__":
-    main()

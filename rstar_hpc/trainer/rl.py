@@ -315,7 +315,7 @@ class TrajectorySource:
 
 
 class RLStageData:
-    """An RL stage for the trainer role (`rstar_hpc.trainer.main`): trajectory steps in, GRPO-RoC updates."""
+    """An RL stage for the trainer role (`rstar_hpc.trainer.job`): trajectory steps in, GRPO-RoC updates."""
 
     def __init__(self, cfg: RunConfig, stage, paths: RunPaths):
         self.cfg = cfg

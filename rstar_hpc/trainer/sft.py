@@ -5,7 +5,7 @@ tool. It is rendered exactly as the chat template of `rstar_hpc.models.chat_form
 merged into one user turn of `<tool_response>` blocks), and the trained tokens are the assistant contents plus
 their `<|im_end|>`, minus the `<reason>` that the generation prompt prefills at inference.
 Schedule: linear warm-up then cosine (the paper's SFT recipe, `trainer.optimizer.sft_schedule`); AdamW.
-A stage of `kind: sft` with `data: train.jsonl` runs in the trainer role (`rstar_hpc.trainer.main`):
+A stage of `kind: sft` with `data: train.jsonl` runs in the trainer role (`rstar_hpc.trainer.job`):
 
     rstar-hpc train CONFIG --stage sft
 """
@@ -100,7 +100,7 @@ class SFTData:
 
 
 class SFTStageData:
-    """An SFT stage for the trainer role (`rstar_hpc.trainer.main`): `stages[].data` served `prompts_per_step`
+    """An SFT stage for the trainer role (`rstar_hpc.trainer.job`): `stages[].data` served `prompts_per_step`
     samples per step, split over data-parallel ranks; the cursor lives in the checkpoint."""
 
     def __init__(self, cfg, stage, model_dir: str | Path):
