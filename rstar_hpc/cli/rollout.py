@@ -38,7 +38,7 @@ def command(config, steps, stage, engines, sandbox, mpirun, progress, overrides)
     if any(k in os.environ for k in _MPI_ENV):
         from rstar_hpc.logs import init_logging
         from rstar_hpc.rollout.job import run
-        from rstar_hpc.rollout.scheduler import env_rank
+        from rstar_hpc.rollout.mpi import env_rank
 
         init_logging("rollout", env_rank())
         cfg = load_config(config, list(overrides))
