@@ -33,12 +33,15 @@ def _settings(workers: int | None, config: str | None, overrides: tuple[str, ...
     return limits, stats_interval_s
 
 
+def _node() -> str:
+    return os.environ.get("SLURMD_NODENAME") or os.uname().nodename
+
+
 def _slurm_name() -> str | None:
     """Under Slurm, `<node>-<job id>-<task>`: one name per service of the job (nodes are its first part)."""
     if "SLURM_JOB_ID" not in os.environ:
         return None
-    node = os.environ.get("SLURMD_NODENAME") or os.uname().nodename
-    return f"{node}-{os.environ['SLURM_JOB_ID']}-{os.environ.get('SLURM_PROCID', '0')}"
+    return f"{_node()}-{os.environ['SLURM_JOB_ID']}-{os.environ.get('SLURM_PROCID', '0')}"
 
 
 @command.command("serve")
@@ -60,7 +63,7 @@ def serve(workers, run_dir, host, port, announce_host, name, config, stats_inter
     from rstar_hpc.logs import init_logging
     from sandbox.server import Service, run_loop
 
-    init_logging("sandbox", os.environ.get("SLURMD_NODENAME") or os.uname().nodename)
+    init_logging("sandbox", _node())
     limits, config_interval_s = _settings(workers, config, overrides)
     svc = Service(limits, host=host, port=port, run_dir=run_dir, name=name or _slurm_name(),
                   announce_host=announce_host, stats_interval_s=stats_interval or config_interval_s)

@@ -13,6 +13,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from typing import NoReturn
 
 from rstar_hpc.rollout.mpi import TAG_ABORT, TAG_BYE, TAG_EXIT, env_rank, init_mpi, recv_from_rank0, wait_sent
 
@@ -29,7 +30,7 @@ def pick_stage(cfg, name: str | None) -> str:
     raise ValueError("no rl stage in the config; pass --stage")
 
 
-def run(cfg, stage: str, steps: Sequence[int], *, sandbox: Sequence[str] = (), progress: bool = False):
+def run(cfg, stage: str, steps: Sequence[int], *, sandbox: Sequence[str] = (), progress: bool = False) -> NoReturn:
     """This rank's part of `steps` of `stage`; ends the process (os._exit) with the job's outcome.
     `sandbox`: HOST:PORT of sandbox services (default: the run directory's announcements); `progress`: a bar on
     rank 0."""
