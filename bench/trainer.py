@@ -77,7 +77,7 @@ def main() -> None:
 
     from transformers import AutoTokenizer, Qwen3ForCausalLM
 
-    from rstar_hpc.config.schema import TinyModelSpec
+    from rstar_hpc.config.run import TinyModelSpec
     from rstar_hpc.models.tiny import make_tiny_model
     from rstar_hpc.trainer.hf_convert import load_hf_checkpoint
     from rstar_hpc.trainer.model import Qwen3Arch, build_model, destroy_distributed, init_distributed

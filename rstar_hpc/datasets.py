@@ -19,6 +19,7 @@ DEMO = "demo"
 DEMO_PROMPTS = 4096   # the demo RL set: enough distinct prompts that a tiny run never repeats one within a stage
 QUESTION_KEYS = ("question", "problem", "prompt")
 ANSWER_KEYS = ("answer", "ground_truth", "solution")
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
 class DatasetError(ValueError):
@@ -103,5 +104,29 @@ def load_sft_conversations(stage, seed: int = 0) -> list[list[dict]]:
     if stage.data == DEMO:
         from rstar_hpc.trainer.sft_data import make_samples
         return [s["messages"] for s in make_samples(6000, seed)]
-    from rstar_hpc.trainer.sft import load_chat_jsonl
     return load_chat_jsonl(stage.data)
+
+
+def load_chat_jsonl(path: str | Path) -> list[list[dict]]:
+    """The conversations of a chat JSONL file, `{"messages": [{"role", "content"}, ...]}` per line."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such SFT data file; generate the demo set with "
+                                f"`python -m rstar_hpc.trainer.sft_data {path}`")
+    out = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            msgs = json.loads(line)["messages"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{path}:{n}: expected a JSON object with a 'messages' list ({e})") from e
+        for m in msgs:
+            if m.get("role") not in CHAT_ROLES or not isinstance(m.get("content"), str):
+                raise ValueError(f"{path}:{n}: message {m!r} needs role in {CHAT_ROLES} and string content")
+        if not any(m["role"] == "assistant" for m in msgs):
+            raise ValueError(f"{path}:{n}: no assistant message, nothing to train on")
+        out.append(msgs)
+    if not out:
+        raise ValueError(f"{path}: empty SFT data file")
+    return out

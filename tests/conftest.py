@@ -35,7 +35,7 @@ def slurm_cluster():
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """The default tiny Qwen3 model (configs/tiny-cpu.yaml's spec), built once."""
-    from rstar_hpc.config.schema import TinyModelSpec
+    from rstar_hpc.config.run import TinyModelSpec
     from rstar_hpc.models.tiny import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny", TinyModelSpec())

@@ -27,18 +27,12 @@ from typing import Iterable
 
 from rstar_hpc.algo._config import resolve
 from rstar_hpc.config.algo import RoCConfig
-from rstar_hpc.exchange import schema
+from rstar_hpc.exchange import tool_status
+from rstar_hpc.exchange.tool_status import FAILED_TOOL_STATUSES, INFRA_TOOL_STATUSES
 
-TOOL_STATUSES = frozenset(schema.TOOL_STATUSES)
-"""Every status a tool call can carry (the trajectory schema's list): the sandbox's nine, plus `parse_error`
-from the agent loop."""
-INFRA_TOOL_STATUSES = frozenset({"internal_error", "unavailable"})
-"""The sandbox infrastructure failed (a sandbox died mid-call, no service reachable after the client's retries):
-no verdict on the model's code, so these calls count neither as failed nor as made in p_err."""
-FAILED_TOOL_STATUSES = frozenset({"error", "timeout", "memory", "killed", "invalid_request", "parse_error"})
-"""Statuses counted as failed calls in p_err: raised an exception or exited non-zero (`error`), ran out
-of wall/CPU time (`timeout`) or memory (`memory`), was killed by the sandbox (`killed`), named an unknown
-tool or lacked arguments (`invalid_request`), or its JSON could not be parsed (`parse_error`)."""
+TOOL_STATUSES = frozenset(tool_status.TOOL_STATUSES)
+"""Every status a tool call can carry (the exchange's list): the sandbox's nine, plus `parse_error` from the
+agent loop. FAILED_TOOL_STATUSES and INFRA_TOOL_STATUSES are defined beside it, in rstar_hpc.exchange.tool_status."""
 NO_TOOL_P_ERR = 0.5
 
 _TOOL_RESPONSE = re.compile(r"<tool_response>.*?(?:</tool_response>|\Z)", re.S)
@@ -64,8 +58,8 @@ def _tool_counts(statuses: Iterable[str]) -> tuple[int, int, float]:
     for s in statuses:
         if s not in TOOL_STATUSES:
             raise ValueError(f"unknown tool status {s!r}; expected one of {sorted(TOOL_STATUSES)} "
-                             "(add it to rstar_hpc.exchange.schema.TOOL_STATUSES, and to "
-                             "rstar_hpc.algo.quality.FAILED_TOOL_STATUSES if it is a failure)")
+                             "(add it to rstar_hpc.exchange.tool_status.TOOL_STATUSES, and to its "
+                             "FAILED_TOOL_STATUSES if it is a failure)")
         made += 1
         if s in INFRA_TOOL_STATUSES:
             continue

@@ -31,9 +31,8 @@ def command(config: str, overrides: tuple[str, ...], state_dir, keep_cluster: bo
     --keep-cluster).
     """
     from rstar_hpc.cluster import LocalCluster
-    from rstar_hpc.config import load_config
+    from rstar_hpc.config import load_config, prepare_run_dir
     from rstar_hpc.doctor import FAIL, run_checks
-    from rstar_hpc.exchange.rundir import RunPaths
     from rstar_hpc.launch import submit, wait_for_job
     from rstar_hpc.models.resolve import resolve_model
 
@@ -61,7 +60,7 @@ def command(config: str, overrides: tuple[str, ...], state_dir, keep_cluster: bo
         click.echo(f"      {model_dir} ({time.perf_counter() - t0:.1f} s)")
 
         _step(4, n, "Slurm job: sample from the tiny model in vLLM (sbatch/generate.sbatch)")
-        paths = RunPaths.prepare(cfg)
+        paths = prepare_run_dir(cfg)
         env = {**cluster.env, "RSTAR_HPC_RUN_ROOT": str(cfg.run.root_dir),
                "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}

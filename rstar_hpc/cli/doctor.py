@@ -25,7 +25,7 @@ def command(run_root, skip, as_json: bool) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from rstar_hpc.config.schema import RunSection
+    from rstar_hpc.config.run import RunSection
     from rstar_hpc.doctor import FAIL, WARN, run_checks
 
     root = Path(run_root).absolute() if run_root else RunSection().root_dir

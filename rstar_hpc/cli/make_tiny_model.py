@@ -26,7 +26,7 @@ def command(out: str, force: bool, **spec_fields) -> None:
     as single tokens) with the rStar2 chat template. Takes seconds; needs no network.
     """
     from rstar_hpc.config import ConfigError
-    from rstar_hpc.config.schema import TinyModelSpec
+    from rstar_hpc.config.run import TinyModelSpec
     from rstar_hpc.models.tiny import BUILD_MARKER, make_tiny_model
 
     try:

@@ -1,12 +1,13 @@
 """`rstar-hpc sandbox serve|exec|stats`: run the bubblewrap sandbox service or call one.
 
-Imports only click and the stdlib-only `sandbox` package, so it stays fast and never pulls in torch.
+Imports only click and the stdlib-only `sandbox` package (plus the config, when one is named), so it stays fast
+and never pulls in torch. `serve` is also the sandbox role's job entry (jobs/sandbox_service.py, one per node).
 """
 from __future__ import annotations
 
 import asyncio
 import json
-import logging
+import os
 import sys
 
 import click
@@ -18,17 +19,29 @@ def command() -> None:
     for the threat model)."""
 
 
-def _limits(workers: int | None, config: str | None, overrides: tuple[str, ...]):
+def _settings(workers: int | None, config: str | None, overrides: tuple[str, ...]):
+    """(Limits, stats interval in s): the `sandbox` section of CONFIG + OVERRIDES, or the service's defaults."""
     from sandbox.limits import Limits
 
+    limits, stats_interval_s = Limits(), 30.0
     if config or overrides:
         from rstar_hpc.config import load_config
-        limits = load_config(config or "tiny-cpu", overrides).sandbox.to_limits()
-    else:
-        limits = Limits()
+        section = load_config(config or "tiny-cpu", overrides).sandbox
+        limits, stats_interval_s = section.to_limits(), section.stats_interval_s
     if workers:
         limits.num_workers = workers
-    return limits
+    return limits, stats_interval_s
+
+
+def _node() -> str:
+    return os.environ.get("SLURMD_NODENAME") or os.uname().nodename
+
+
+def _slurm_name() -> str | None:
+    """Under Slurm, `<node>-<job id>-<task>`: one name per service of the job (nodes are its first part)."""
+    if "SLURM_JOB_ID" not in os.environ:
+        return None
+    return f"{_node()}-{os.environ['SLURM_JOB_ID']}-{os.environ.get('SLURM_PROCID', '0')}"
 
 
 @command.command("serve")
@@ -37,17 +50,23 @@ def _limits(workers: int | None, config: str | None, overrides: tuple[str, ...])
               help="Announce the service and write stats under this run directory.")
 @click.option("--host", default="0.0.0.0", show_default=True, help="Address to listen on.")
 @click.option("--port", type=int, default=0, show_default=True, help="Port (0: any free port).")
-@click.option("--name", default=None, help="Announcement name (default: <hostname>-<pid>).")
+@click.option("--announce-host", default=None,
+              help="Host name clients connect to, as announced (default: this node's hostname).")
+@click.option("--name", default=None,
+              help="Announcement name (default: <node>-<job id>-<task> under Slurm, else <hostname>-<pid>).")
 @click.option("--config", default=None, help="Run config to take sandbox.* knobs from.")
-@click.option("--stats-interval", type=float, default=30.0, show_default=True, help="Seconds between stats lines.")
+@click.option("--stats-interval", type=float, default=None,
+              help="Seconds between stats lines [sandbox.stats_interval_s of the config, else 30].")
 @click.argument("overrides", nargs=-1)
-def serve(workers, run_dir, host, port, name, config, stats_interval, overrides) -> None:
+def serve(workers, run_dir, host, port, announce_host, name, config, stats_interval, overrides) -> None:
     """Run a pool service on this node until SIGTERM. OVERRIDES are dotted sandbox.* settings."""
+    from rstar_hpc.logs import init_logging
     from sandbox.server import Service, run_loop
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    svc = Service(_limits(workers, config, overrides), host=host, port=port, run_dir=run_dir, name=name,
-                  stats_interval_s=stats_interval)
+    init_logging("sandbox", _node())
+    limits, config_interval_s = _settings(workers, config, overrides)
+    svc = Service(limits, host=host, port=port, run_dir=run_dir, name=name or _slurm_name(),
+                  announce_host=announce_host, stats_interval_s=stats_interval or config_interval_s)
     run_loop(svc.serve_forever())
 
 
@@ -102,7 +121,7 @@ async def _exec(lines: list[str], address: str | None, run_dir: str | None, work
     from sandbox.pool import Pool
     from sandbox.protocol import validate_call
 
-    async with Pool(_limits(workers, None, ())) as pool:
+    async with Pool(_settings(workers, None, ())[0]) as pool:
         futs = []
         for obj, bad in parsed:
             if bad is None:

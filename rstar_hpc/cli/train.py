@@ -35,18 +35,17 @@ def command(config: str, overrides: tuple[str, ...], stage_name: str | None, sub
         _submit_and_follow(cfg, config, overrides, stage)
         return
 
-    import logging
     import warnings
 
     from tqdm import tqdm
 
     warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")  # megatron-core's import-time notes
 
-    from rstar_hpc.trainer.main import EXIT_REQUEUE, main
+    from rstar_hpc.logs import init_logging
+    from rstar_hpc.trainer.job import EXIT_REQUEUE, run
 
     rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
-                        format=f"%(asctime)s [trainer {rank}] %(message)s", datefmt="%H:%M:%S")
+    init_logging("trainer", rank, rank0_only=True)
     # the bar only on an interactive terminal of rank 0; batch logs get the fixed-field step lines
     bar = tqdm(total=stage.num_steps, desc=f"train {stage.name}", unit="step", disable=None if rank == 0 else True)
 
@@ -56,7 +55,7 @@ def command(config: str, overrides: tuple[str, ...], stage_name: str | None, sub
         bar.refresh()
 
     try:
-        code = main(cfg, stage.name, on_step=on_step)
+        code = run(cfg, stage.name, on_step=on_step)
     finally:
         bar.close()
     if code == EXIT_REQUEUE:

@@ -91,7 +91,8 @@ def show(run: str, step: int, stage: str | None, uid: str | None, sample_index: 
     """A readable conversation: reasoning, tool calls and results, answer, reward, RoC penalties and decision."""
     from rich.console import Console
 
-    from rstar_hpc.exchange.reader import StepReader, from_table
+    from rstar_hpc.exchange.columns import from_table
+    from rstar_hpc.exchange.reader import StepReader
 
     paths = _paths(run)
     stage = _stage(paths, stage)
@@ -123,8 +124,8 @@ def export(run: str, fmt: str, stage: str | None, step: int | None, out: str | N
     """Copy committed steps to Parquet (analytics, DuckDB) or JSON Lines (one trajectory per line)."""
     from pathlib import Path
 
+    from rstar_hpc.exchange.export import export_table
     from rstar_hpc.exchange.reader import StepReader
-    from rstar_hpc.exchange.writer import export_table
 
     paths = _paths(run)
     stage = _stage(paths, stage)

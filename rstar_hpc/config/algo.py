@@ -1,7 +1,7 @@
 """Knobs of the GRPO-RoC algorithm: reward, Resample-on-Correct, advantages and the policy loss.
 
 The RoC section keeps the public recipe's names (rStar `augmentation.down_sampling_config.*`); that path
-is accepted in YAML and overrides as an alias of `algo.roc.*` (see schema.ALIASES).
+is accepted in YAML and overrides as an alias of `algo.roc.*` (see run.ALIASES).
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ import typing
 from pydantic import BaseModel
 
 from rstar_hpc.config.loader import ConfigError, _unwrap
-from rstar_hpc.config.schema import ALIASES, RunConfig
+from rstar_hpc.config.run import ALIASES, RunConfig
 
 
 def _type_name(annotation) -> str:

@@ -16,7 +16,9 @@ from typing import Any, Iterable
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from rstar_hpc.config.schema import ALIASES, RunConfig
+from rstar_hpc.config.run import ALIASES, RunConfig
+from rstar_hpc.exchange.atomic import atomic_write_text
+from rstar_hpc.exchange.rundir import RunPaths
 
 CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
 DEFAULT_CONFIG = "tiny-cpu"
@@ -201,3 +203,12 @@ def load_config(name_or_path: str | os.PathLike = DEFAULT_CONFIG, overrides: Ite
 def dump_config(cfg: RunConfig) -> str:
     """The resolved config as YAML (what is saved with every run)."""
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+def prepare_run_dir(cfg: RunConfig) -> RunPaths:
+    """The run directory of a resolved config: created (striped on Lustre) with the config saved as config.yaml.
+    Every role's rank 0 calls this at start, so any job leaves the config it ran with."""
+    paths = RunPaths(cfg.run.dir)
+    paths.create()
+    atomic_write_text(paths.config, dump_config(cfg))
+    return paths

@@ -3,7 +3,7 @@
     reader = StepReader(paths, stage="rl-8k")
     reader.wait(12, producers=["rollout-0", "rollout-1"], timeout_s=600)   # StepNotReadyError names the missing
     table = reader.read(12)                                              # pyarrow Table backed by the mmap
-    trajs = from_table(table)                                            # or list of Trajectory dataclasses
+    trajs = from_table(table)                                            # or Trajectory rows (columns.py)
 
     consumer = Consumer(paths, stage="rl-8k", name="trainer", producers=[...])
     batch = consumer.wait(timeout_s=600)          # the step after the last acked one
@@ -22,17 +22,14 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
-import numpy as np
 import pyarrow as pa
 
-from rstar_hpc.exchange.atomic import atomic_write_json, is_tmp
+from rstar_hpc.exchange.atomic import atomic_write_json
+from rstar_hpc.exchange.columns import conform, from_table
+from rstar_hpc.exchange.commit import load_commit_record
 from rstar_hpc.exchange.errors import CorruptShardError, ExchangeError, StepNotReadyError
 from rstar_hpc.exchange.rundir import RunPaths
-from rstar_hpc.exchange.schema import (SCALAR_COLUMNS, SCHEMA, SCHEMA_VERSION, TOKEN_COLUMNS, Timings, ToolCall,
-                                       Trajectory, Turn)
-from rstar_hpc.exchange.writer import COMMIT_FORMAT
-
-COMMIT_SUFFIX = ".commit.json"
+from rstar_hpc.exchange.schema import SCHEMA, Trajectory
 
 
 class StepReader:
@@ -41,17 +38,8 @@ class StepReader:
 
     def commits(self, step: int) -> dict[str, dict]:
         """Commit records of `step`, by producer (only producers that committed)."""
-        folder = self.paths.traj_step_dir(self.stage, step)
-        try:
-            names = sorted(os.listdir(folder))
-        except FileNotFoundError:
-            return {}
-        records = {}
-        for name in names:
-            if name.endswith(COMMIT_SUFFIX) and not name.startswith(".") and not is_tmp(name):
-                producer = name[: -len(COMMIT_SUFFIX)]
-                records[producer] = self._load_commit(folder / name, step, producer)
-        return records
+        return {producer: load_commit_record(path, step, producer)
+                for producer, path in self.paths.traj_commits(self.stage, step).items()}
 
     def wait(self, step: int, producers: Sequence[str], timeout_s: float, poll_s: float = 0.5) -> dict[str, dict]:
         """Block until every producer in `producers` committed `step`; StepNotReadyError lists the missing ones."""
@@ -107,66 +95,6 @@ class StepReader:
         if rows != expect["rows"]:
             raise CorruptShardError(path, f"{rows} rows, commit record says {expect['rows']}")
         return batches
-
-    def _load_commit(self, path, step: int, producer: str) -> dict:
-        try:
-            record = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ExchangeError(f"{path}: unreadable commit record ({e}); commit records are written atomically, "
-                                f"so something else wrote it. Delete it and re-run producer {producer!r}.") from None
-        if record.get("format") != COMMIT_FORMAT or record.get("step") != step or record.get("producer") != producer:
-            raise ExchangeError(f"{path}: not a commit record of producer {producer!r} for step {step} "
-                                f"(format={record.get('format')!r}, step={record.get('step')!r}, "
-                                f"producer={record.get('producer')!r})")
-        if record["schema_version"] > SCHEMA_VERSION:
-            raise ExchangeError(f"{path}: written with trajectory schema v{record['schema_version']}, this "
-                                f"rstar-hpc reads up to v{SCHEMA_VERSION}; upgrade rstar-hpc on the reader.")
-        return record
-
-
-def conform(batch: pa.RecordBatch) -> pa.RecordBatch:
-    """Map a shard's batch onto SCHEMA: same columns pass zero-copy; columns added later come back as nulls."""
-    if batch.schema.equals(SCHEMA, check_metadata=False):
-        return batch
-    columns = []
-    for f in SCHEMA:
-        i = batch.schema.get_field_index(f.name)
-        if i >= 0:
-            if not batch.schema.field(i).type.equals(f.type):
-                raise pa.ArrowInvalid(f"column {f.name!r} is {batch.schema.field(i).type}, schema says {f.type}")
-            columns.append(batch.column(i))
-        elif f.nullable:
-            columns.append(pa.nulls(batch.num_rows, f.type))
-        else:
-            raise pa.ArrowInvalid(f"required column {f.name!r} is missing")
-    return pa.RecordBatch.from_arrays(columns, schema=SCHEMA)
-
-
-def token_view(table: pa.Table, column: str) -> tuple[np.ndarray, np.ndarray]:
-    """(values, offsets) of a token column as numpy; zero-copy when the table is one batch (one shard)."""
-    chunked = table.column(column)
-    arr = chunked.chunk(0) if chunked.num_chunks == 1 else chunked.combine_chunks()
-    offsets = arr.offsets.to_numpy()
-    return arr.values.to_numpy(zero_copy_only=False), offsets
-
-
-def from_table(table: pa.Table) -> list[Trajectory]:
-    out: list[Trajectory] = []
-    for batch in table.to_batches():
-        cols = {name: batch.column(name).to_pylist() for name in SCALAR_COLUMNS}
-        tokens = {}
-        for name in TOKEN_COLUMNS:
-            arr = batch.column(name)
-            tokens[name] = (arr.values.to_numpy(zero_copy_only=False), arr.offsets.to_numpy())
-        for i in range(batch.num_rows):
-            row = {name: cols[name][i] for name in SCALAR_COLUMNS}
-            row["turns"] = [Turn(**t) for t in row["turns"]]
-            row["tool_calls"] = [ToolCall(**c) for c in row["tool_calls"]]
-            row["timings"] = Timings(**row["timings"])
-            for name, (values, offsets) in tokens.items():
-                row[name] = values[offsets[i]:offsets[i + 1]]
-            out.append(Trajectory(**row))
-    return out
 
 
 @dataclass

@@ -33,7 +33,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rstar_hpc.exchange import rendezvous
+from rstar_hpc.exchange.atomic import is_tmp
 
+COMMIT_SUFFIX = ".commit.json"   # <producer><COMMIT_SUFFIX>: a producer's commit record of a trajectory step
 RUN_ROOT_ENV = "RSTAR_HPC_RUN_ROOT"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
 STRIPING = {
@@ -55,24 +57,12 @@ class RunPaths:
         """A run directory path, or a run name under $RSTAR_HPC_RUN_ROOT (else ./runs), like config `run.root`."""
         tried = [Path(run)]
         if os.sep not in os.fspath(run):
-            tried.append(Path(os.environ.get(RUN_ROOT_ENV) or "runs") / run)
+            tried.append(default_run_root() / run)
         for path in tried:
             if path.is_dir():
                 return cls(path)
         raise FileNotFoundError(f"no run directory {run!r}; tried {', '.join(str(p.absolute()) for p in tried)}. "
                                 f"Pass the run directory path, or set ${RUN_ROOT_ENV} to the runs root.")
-
-    @classmethod
-    def prepare(cls, cfg) -> "RunPaths":
-        """The run directory of a resolved RunConfig: created (striped on Lustre) with the config saved as
-        config.yaml. Every role's rank 0 calls this at start, so any job leaves the config it ran with."""
-        from rstar_hpc.config import dump_config
-        from rstar_hpc.exchange.atomic import atomic_write_text
-
-        paths = cls(cfg.run.dir)
-        paths.create()
-        atomic_write_text(paths.config, dump_config(cfg))
-        return paths
 
     @property
     def name(self) -> str:
@@ -121,7 +111,13 @@ class RunPaths:
         return self.traj_stage_dir(stage) / f"step-{_step(step):08d}"
 
     def traj_commit(self, stage: str, step: int, producer: str) -> Path:
-        return self.traj_step_dir(stage, step) / f"{_check('producer', producer)}.commit.json"
+        return self.traj_step_dir(stage, step) / f"{_check('producer', producer)}{COMMIT_SUFFIX}"
+
+    def traj_commits(self, stage: str, step: int) -> dict[str, Path]:
+        """The commit records present in a step directory, by producer (tmp files of a commit in flight skipped)."""
+        folder = self.traj_step_dir(stage, step)
+        return {name[: -len(COMMIT_SUFFIX)]: folder / name
+                for name in _listdir(folder) if name.endswith(COMMIT_SUFFIX) and not is_tmp(name)}
 
     def traj_stages(self) -> list[str]:
         return _listdir(self.dir / "traj")
@@ -166,6 +162,11 @@ class RunPaths:
                 if cmd:
                     applied.append(cmd)
         return applied
+
+
+def default_run_root() -> Path:
+    """Where run directories live when a config names no `run.root`: $RSTAR_HPC_RUN_ROOT, else ./runs."""
+    return Path(os.environ.get(RUN_ROOT_ENV) or "runs")
 
 
 def apply_striping(folder: Path, args: list[str]) -> str | None:

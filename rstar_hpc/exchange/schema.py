@@ -26,7 +26,7 @@ tool calls (one per executed or attempted call, in order)
         turn        int32   index into `turns` of the assistant turn that issued it
         name        str     tool name (e.g. python_code_with_standard_io); "" when the call did not parse
         arguments   str     the call's arguments as JSON text (what the model wrote, when it did not parse)
-        status      str     one of TOOL_STATUSES (the sandbox's structured result)
+        status      str     one of TOOL_STATUSES (tool_status.py: the sandbox's structured result)
         wall_time_s float32 sandbox wall time of the call
         output      str     result text as shown to the model (already truncated)
         output_chars int32  length of the untruncated result text (> len(output) means it was cut)
@@ -57,9 +57,9 @@ from typing import Any, Sequence
 import numpy as np
 import pyarrow as pa
 
+from rstar_hpc.exchange.tool_status import FAILED_TOOL_STATUSES, TOOL_STATUSES
+
 SCHEMA_VERSION = 1
-TOOL_STATUSES = ("ok", "error", "timeout", "memory", "output_truncated", "killed", "invalid_request", "parse_error",
-                 "internal_error", "unavailable")
 FINISH_REASONS = ("stop", "length", "max_turns", "tool_overflow", "aborted")
 """stop: answered (last turn had no tool call); length: response budget reached; max_turns: turn limit;
 tool_overflow: the next tool response would not fit the budget (dropped, so the last token is the model's);
@@ -130,9 +130,7 @@ class ToolCall:
 
     @property
     def is_error(self) -> bool:
-        """Counts toward p_err: the call did not run to a usable result (the algorithm's definition)."""
-        from rstar_hpc.algo.quality import FAILED_TOOL_STATUSES
-
+        """Counts toward p_err: the call did not run to a usable result (tool_status.FAILED_TOOL_STATUSES)."""
         return self.status in FAILED_TOOL_STATUSES
 
 

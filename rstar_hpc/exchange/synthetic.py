@@ -10,7 +10,8 @@ import json
 
 import numpy as np
 
-from rstar_hpc.exchange.schema import TOOL_STATUSES, Timings, ToolCall, Trajectory, Turn
+from rstar_hpc.exchange.schema import Timings, ToolCall, Trajectory, Turn
+from rstar_hpc.exchange.tool_status import TOOL_STATUSES
 
 _WORDS = "so the sum of the roots is then we check with python since the integer count equals".split()
 

@@ -3,7 +3,8 @@
 Protocol (see docs/run-directory.md):
   1. Each shard is an Arrow IPC *stream* (uncompressed: readers memory-map it zero-copy), written under a tmp
      name in the step directory itself, fsynced, then `os.replace`d onto `<producer>-<seq>-<attempt>.arrows`.
-  2. `commit()` writes `<producer>.commit.json` last, atomically: shard names, row counts, byte sizes, sha256.
+  2. `commit()` writes `<producer>.commit.json` last, atomically: shard names, row counts, byte sizes, sha256
+     (commit.py).
      Only that record makes the shards visible; shards it does not list are leftovers of a crashed attempt.
 One writer per producer per step, so there are no locks: names are unique per producer, and the attempt token
 keeps a zombie of an earlier attempt from clobbering the files of the current one.
@@ -18,20 +19,16 @@ import hashlib
 import os
 import re
 import secrets
-import socket
-import time
-from typing import Iterable, Sequence
+from typing import Sequence
 
-import numpy as np
 import pyarrow as pa
 
 from rstar_hpc.exchange.atomic import atomic_write_json, fsync_dir, is_tmp, tmp_name
+from rstar_hpc.exchange.columns import to_record_batches
+from rstar_hpc.exchange.commit import commit_record
 from rstar_hpc.exchange.errors import ExchangeError
-from rstar_hpc.exchange.rundir import RunPaths
-from rstar_hpc.exchange.schema import SCALAR_COLUMNS, SCHEMA, SCHEMA_VERSION, FINGERPRINT, Trajectory
-
-COMMIT_FORMAT = "rstar-hpc/traj-commit"
-_MAX_OFFSET = 2**31 - 1   # list<...> offsets are int32
+from rstar_hpc.exchange.rundir import COMMIT_SUFFIX, RunPaths
+from rstar_hpc.exchange.schema import SCHEMA, Trajectory
 
 
 class ShardWriter:
@@ -85,13 +82,7 @@ class ShardWriter:
         if self._open is not None:
             self._shards.append(self._open.publish())
             self._open = None
-        record = {
-            "format": COMMIT_FORMAT, "schema_version": SCHEMA_VERSION, "schema_fingerprint": FINGERPRINT,
-            "run": self.paths.name, "stage": self.stage, "step": self.step, "producer": self.producer,
-            "rows": sum(s["rows"] for s in self._shards), "shards": self._shards,
-            "host": socket.gethostname(), "pid": os.getpid(), "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
-            "committed_at": time.time(),
-        }
+        record = commit_record(self.paths.name, self.stage, self.step, self.producer, self._shards)
         atomic_write_json(self.commit_path, record)
         self._committed = True
         return record
@@ -119,7 +110,8 @@ class ShardWriter:
 
     def _remove_leftovers(self) -> None:
         # uncommitted shards and tmp files of an earlier, crashed attempt of this producer; never listed anywhere
-        mine = re.compile(rf"\.?{re.escape(self.producer)}(-\d+-[0-9a-f]+\.arrows|\.commit\.json)(\.tmp-.*)?")
+        own = rf"{re.escape(self.producer)}(-\d+-[0-9a-f]+\.arrows|{re.escape(COMMIT_SUFFIX)})"
+        mine = re.compile(rf"\.?{own}(\.tmp-.*)?")
         for name in os.listdir(self.step_dir):
             if mine.fullmatch(name) and (name.endswith(".arrows") or is_tmp(name)):
                 _unlink(os.path.join(self.step_dir, name))
@@ -177,74 +169,9 @@ class _HashingSink:
         return self._hash.hexdigest()
 
 
-def to_record_batches(trajectories: Sequence[Trajectory]) -> Iterable[pa.RecordBatch]:
-    """Columnar conversion; token lists go through numpy (one concatenate per column, no per-token Python).
-
-    Splits so that no list column exceeds int32 offsets."""
-    start = 0
-    while start < len(trajectories):
-        end, tokens = start, 0
-        while end < len(trajectories) and (end == start or tokens + _ntokens(trajectories[end]) <= _MAX_OFFSET):
-            tokens += _ntokens(trajectories[end])
-            end += 1
-        yield _batch(trajectories[start:end])
-        start = end
-
-
-def to_table(trajectories: Sequence[Trajectory]) -> pa.Table:
-    return pa.Table.from_batches(list(to_record_batches(trajectories)), schema=SCHEMA)
-
-
-def _ntokens(t: Trajectory) -> int:
-    return max(len(t.prompt_ids), len(t.response_ids))
-
-
-def _batch(trajs: Sequence[Trajectory]) -> pa.RecordBatch:
-    columns: dict[str, pa.Array] = {}
-    for f in SCHEMA:
-        if f.name in SCALAR_COLUMNS:
-            values = [getattr(t, f.name) for t in trajs]
-            if f.name in ("turns", "tool_calls"):
-                values = [[vars(item) for item in v] for v in values]
-            elif f.name == "timings":
-                values = [vars(v) for v in values]
-            columns[f.name] = pa.array(values, type=f.type)
-        else:
-            columns[f.name] = _list_array([getattr(t, f.name) for t in trajs], f.type)
-    return pa.RecordBatch.from_arrays([columns[f.name] for f in SCHEMA], schema=SCHEMA)
-
-
-def _list_array(rows: list, type_: pa.ListType) -> pa.Array:
-    dtype = type_.value_type.to_pandas_dtype()
-    parts = [np.asarray(r, dtype=dtype) for r in rows]
-    offsets = np.zeros(len(parts) + 1, dtype=np.int32)
-    np.cumsum([p.size for p in parts], out=offsets[1:])
-    values = np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
-    return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(values, type_.value_type), type=type_)
-
-
 def _unlink(path: str) -> None:
     try:
         os.unlink(path)
     except FileNotFoundError:
         pass
 
-
-def export_table(table: pa.Table, path: str | os.PathLike, fmt: str) -> int:
-    """Copy committed rows to Parquet or JSON Lines, published atomically like everything else; returns rows."""
-    from rstar_hpc.exchange.atomic import atomic_write_bytes
-
-    os.makedirs(os.path.dirname(os.fspath(path)) or ".", exist_ok=True)
-    if fmt == "parquet":
-        import pyarrow.parquet as pq
-
-        sink = pa.BufferOutputStream()
-        pq.write_table(table, sink, compression="zstd")
-        atomic_write_bytes(path, sink.getvalue().to_pybytes())
-    elif fmt == "jsonl":
-        from rstar_hpc.exchange.reader import from_table
-
-        atomic_write_bytes(path, "".join(t.to_json() + "\n" for t in from_table(table)).encode())
-    else:
-        raise ValueError(f"export format {fmt!r}: use 'parquet' or 'jsonl'")
-    return table.num_rows

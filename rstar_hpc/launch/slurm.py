@@ -19,15 +19,19 @@ class JobFailed(RuntimeError):
 
 def submit(template: str | os.PathLike, args: Sequence[str] = (), *, sbatch_args: Sequence[str] = (),
            env: Mapping[str, str] | None = None) -> str:
-    """sbatch a template (a name in sbatch/ or a path); returns the job id."""
+    """sbatch a template (a name in sbatch/ or a path); returns the job id. The job's environment is `env` (default:
+    this process's), with RSTAR_HPC_ROOT set to this checkout unless it names one: templates start jobs/<role>.py
+    from there."""
     path = Path(template)
     if not path.is_file():
         path = SBATCH_DIR / (template if str(template).endswith(".sbatch") else f"{template}.sbatch")
     if not path.is_file():
         known = ", ".join(sorted(p.stem for p in SBATCH_DIR.glob("*.sbatch")))
         raise FileNotFoundError(f"no sbatch template {template!r}; templates: {known}")
+    env = {**(os.environ if env is None else env)}
+    env.setdefault("RSTAR_HPC_ROOT", str(SBATCH_DIR.parent))
     proc = subprocess.run(["sbatch", "--parsable", *sbatch_args, str(path), *args], capture_output=True, text=True,
-                          env=dict(env) if env is not None else None, timeout=60)
+                          env=env, timeout=60)
     if proc.returncode != 0:
         raise JobFailed(f"sbatch {path.name} failed: {proc.stderr.strip()}")
     return proc.stdout.strip().split(";")[0]

@@ -16,7 +16,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from rstar_hpc.config.schema import TinyModelSpec
+from rstar_hpc.config.run import TinyModelSpec
 from rstar_hpc.models import chat_format as fmt
 
 BUILD_MARKER = "rstar_tiny_model.json"   # written last: a directory without it is an unfinished build

@@ -1,1 +1,13 @@
-"""The rollout role: vLLM engine ranks and the agent loop."""
+"""The rollout role: an MPI job whose rank 0 schedules and ranks 1..N each own one vLLM engine.
+
+    job.py          the role's job: run(cfg, stage, steps) on every rank, called by `rstar-hpc rollout`
+    scheduler.py    rank 0 of a step as named stages: admit, dispatch, collect, commit, publish metrics
+    engine_rank.py  ranks 1..N of a step: agent loops on the engine, heartbeats, results
+    mpi.py          the messages between them, in the order of a step
+    step.py         what a step is: work items, stage limits, the policy it waits for, seeds, scoring
+    policy.py       admission policies (KV-aware, static), shared with bench/rollout_balance.py
+    agent.py        the multi-turn agent loop in the rStar2 format (generate, tool calls, tool responses)
+    engine.py       VLLMEngine: token ids in, ids and logprobs out, policies loaded in place
+    engine_args.py  vLLM engine arguments from the rollout.engine section
+    generate.py     single-turn sampling (`rstar-hpc generate`, the demo's job)
+"""

@@ -24,9 +24,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from rstar_hpc.algo.quality import INFRA_TOOL_STATUSES
 from rstar_hpc.config.rollout import AgentConfig
-from rstar_hpc.exchange.schema import TOOL_STATUSES, Timings, ToolCall, Turn
+from rstar_hpc.exchange.schema import Timings, ToolCall, Turn
+from rstar_hpc.exchange.tool_status import INFRA_TOOL_STATUSES, TOOL_STATUSES
 from rstar_hpc.models.chat_format import IM_END, TOOL_NAME, render_prompt, render_tool_responses
 from sandbox.results import render_rstar2, truncate_middle
 

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from rstar_hpc.config import RunConfig
+from rstar_hpc.config.rollout import RolloutConfig
 from rstar_hpc.rollout.agent import Generation
 from rstar_hpc.rollout.engine_args import vllm_engine_kwargs
 
@@ -72,16 +72,17 @@ def _stat_logger_factory(state_holder: list):
 class VLLMEngine:
     """Implements `rstar_hpc.rollout.agent.Engine`."""
 
-    def __init__(self, cfg: RunConfig, model_dir: Path, *, seed: int | None = None, policy_version: int = 0):
+    def __init__(self, cfg: RolloutConfig, model_dir: Path, *, seed: int, policy_version: int = 0):
+        """An engine for `model_dir` configured by the rollout section (engine, sampling from agent, max_num_seqs
+        from scheduler); `seed` seeds vLLM (each trajectory's own sampling seed is per request)."""
         from vllm import AsyncEngineArgs, SamplingParams
         from vllm.sampling_params import RequestOutputKind
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self.cfg, self.model_dir, self.policy_version = cfg, Path(model_dir), policy_version
-        kwargs = vllm_engine_kwargs(cfg.rollout.engine, self.model_dir,
-                                    seed=cfg.run.seed if seed is None else seed)
+        kwargs = vllm_engine_kwargs(cfg.engine, self.model_dir, seed=seed)
         kwargs["logprobs_mode"] = "processed_logprobs"
-        kwargs["max_num_seqs"] = cfg.rollout.scheduler.max_trajectories_per_engine
+        kwargs["max_num_seqs"] = cfg.scheduler.max_trajectories_per_engine
         self._holder: list = []
         self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs),
                                              stat_loggers=[_stat_logger_factory(self._holder)])
@@ -95,7 +96,7 @@ class VLLMEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(tok.tokenizer)
         self._stop_ids = [i for i in (self.tokenizer.convert_tokens_to_ids("<|im_end|>"),
                                       self.tokenizer.eos_token_id) if isinstance(i, int) and i >= 0]
-        agent = cfg.rollout.agent
+        agent = cfg.agent
         self._params = dict(temperature=agent.temperature, top_p=agent.top_p, top_k=agent.top_k, logprobs=0,
                             stop_token_ids=sorted(set(self._stop_ids)), detokenize=False,
                             output_kind=RequestOutputKind.FINAL_ONLY)

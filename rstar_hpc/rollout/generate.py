@@ -12,10 +12,9 @@ import os
 import time
 from pathlib import Path
 
-from rstar_hpc.config import RunConfig
+from rstar_hpc.config import RunConfig, prepare_run_dir
 from rstar_hpc.datasets import demo_prompts
 from rstar_hpc.exchange.atomic import atomic_write_text
-from rstar_hpc.exchange.rundir import RunPaths
 from rstar_hpc.models.chat_format import render_prompt
 from rstar_hpc.models.resolve import resolve_model
 from rstar_hpc.rollout.engine_args import vllm_engine_kwargs
@@ -23,7 +22,7 @@ from rstar_hpc.rollout.engine_args import vllm_engine_kwargs
 
 def run_generate(cfg: RunConfig, out_dir: Path, *, num_prompts: int = 8, max_tokens: int = 64) -> dict:
     model_dir = resolve_model(cfg)      # fails early, naming the path, before an engine is started
-    RunPaths.prepare(cfg)
+    prepare_run_dir(cfg)
     out_dir.mkdir(parents=True, exist_ok=True)
 
     from tqdm import tqdm

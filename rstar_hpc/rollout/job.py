@@ -1,33 +1,23 @@
-"""The rollout role's process entry: one MPI rank of a rollout step (rank 0 schedules, ranks 1.. run engines).
+"""The rollout role's job: one MPI rank of one or more rollout steps (rank 0 schedules, ranks 1.. run engines).
 
-Launched by sbatch/rollout.sbatch (`srun --mpi=pmix` or `mpirun`), by `rstar-hpc rollout` (which starts
-mpirun itself), or directly: `mpirun -n 3 python jobs/rollout.py --config tiny-cpu --step 0`.
+`run(cfg, stage, steps)` is what every rank of the MPI job calls; `rstar-hpc rollout` parses the command line and
+calls it when it runs under an MPI launcher (sbatch/rollout.sbatch: `mpirun python jobs/rollout.py ...`), or
+starts mpirun on this node itself otherwise.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import logging
 import os
 import sys
 import time
+from collections.abc import Sequence
+from typing import NoReturn
 
-from rstar_hpc.rollout.scheduler import env_rank
+from rstar_hpc.rollout.mpi import TAG_ABORT, TAG_BYE, TAG_EXIT, env_rank, init_mpi, recv_from_rank0, wait_sent
 
 log = logging.getLogger("rstar_hpc.rollout")
-
-
-def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="rollout-rank", description=__doc__.splitlines()[0])
-    ap.add_argument("--config", default="tiny-cpu")
-    ap.add_argument("--stage", default=None, help="stage name (default: the first rl stage)")
-    ap.add_argument("--step", type=int, action="append", required=True, help="step to run (repeatable)")
-    ap.add_argument("--sandbox", action="append", default=[], help="HOST:PORT of a sandbox service (default: "
-                    "the run directory's announcements)")
-    ap.add_argument("--progress", action="store_true", help="progress bar on rank 0")
-    ap.add_argument("overrides", nargs="*")
-    return ap.parse_args(argv)
 
 
 def pick_stage(cfg, name: str | None) -> str:
@@ -40,26 +30,25 @@ def pick_stage(cfg, name: str | None) -> str:
     raise ValueError("no rl stage in the config; pass --stage")
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rollout[{env_rank()}] %(levelname)s %(message)s")
-    from rstar_hpc.config import load_config
+def run(cfg, stage: str, steps: Sequence[int], *, sandbox: Sequence[str] = (), progress: bool = False) -> NoReturn:
+    """This rank's part of `steps` of `stage`; ends the process (os._exit) with the job's outcome.
+    `sandbox`: HOST:PORT of sandbox services (default: the run directory's announcements); `progress`: a bar on
+    rank 0."""
+    from rstar_hpc.config import prepare_run_dir
     from rstar_hpc.exchange.rundir import RunPaths
     from rstar_hpc.models.resolve import resolve_model
 
-    cfg = load_config(args.config, list(args.overrides))
-    stage = pick_stage(cfg, args.stage)
     paths = RunPaths(cfg.run.dir)
     rank = env_rank()
     if rank == 0:
-        RunPaths.prepare(cfg)
+        prepare_run_dir(cfg)
         model_dir = resolve_model(cfg)
     else:
         model_dir = _wait_for_model(cfg)
     if rank == 0:
-        code, end = _scheduler(cfg, paths, stage, args, model_dir)
+        code, end = _scheduler(cfg, paths, stage, steps, progress, model_dir)
     else:
-        code, end = _engine(cfg, paths, stage, args, model_dir, rank)
+        code, end = _engine(cfg, paths, stage, steps, sandbox, model_dir, rank)
     sys.stdout.flush()
     sys.stderr.flush()
     if end != "exit":
@@ -91,54 +80,57 @@ def _wait_for_model(cfg, timeout_s: float = 600.0):
             time.sleep(1.0)
 
 
-def _scheduler(cfg, paths, stage, args, model_dir) -> tuple[int, str]:
+def _scheduler(cfg, paths, stage, steps, progress, model_dir) -> tuple[int, str]:
     from transformers import AutoTokenizer
-
-    from rstar_hpc.rollout.scheduler import TAG_ABORT, init_mpi
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     MPI = init_mpi()
     comm = MPI.COMM_WORLD
     try:
-        return _scheduler_steps(cfg, paths, stage, args, tok, comm, MPI)
+        return _scheduler_steps(cfg, paths, stage, steps, progress, tok, comm, MPI)
     except BaseException as e:
         # engine ranks would otherwise wait for work until their timeout: tell them, then fail
         log.exception("rank 0 failed")
-        reqs = [comm.isend(f"{type(e).__name__}: {e}", dest=r, tag=TAG_ABORT) for r in range(1, comm.Get_size())]
-        deadline = time.monotonic() + 5.0
-        while not all(r.Test() for r in reqs) and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_sent([comm.isend(f"{type(e).__name__}: {e}", dest=r, tag=TAG_ABORT) for r in range(1, comm.Get_size())],
+                  5.0)
         return 1, "exit"
 
 
-def _scheduler_steps(cfg, paths, stage, args, tok, comm, MPI) -> tuple[int, str]:
+def _scheduler_steps(cfg, paths, stage, steps, progress, tok, comm, MPI) -> tuple[int, str]:
     from rstar_hpc.datasets import load_prompts
-    from rstar_hpc.rollout.scheduler import TAG_BYE, TAG_EXIT, run_scheduler, step_items
+    from rstar_hpc.rollout.scheduler import StepScheduler
+    from rstar_hpc.rollout.step import Scorer, StageLimits, step_items
 
-    rows = load_prompts(cfg.stage(stage), seed=cfg.run.seed)   # once for the job, not once per step
+    stage_cfg = cfg.stage(stage)
+    rows = load_prompts(stage_cfg, seed=cfg.run.seed)   # once for the job, not once per step
+    limits = StageLimits.of(stage_cfg, cfg.rollout.agent)
+    score = Scorer(cfg.run.name, cfg.algo.reward, cfg.algo.roc)
     dead: set[int] = set()
-    for step in args.step:
-        items, dropped = step_items(cfg, stage, step, tok, rows)
+    for step in steps:
+        items, dropped = step_items(stage_cfg, step, tok, rows, agent=cfg.rollout.agent,
+                                    samples_per_prompt=cfg.algo.num_samples_per_prompt)
         bar = None
-        if args.progress:
+        if progress:
             from tqdm import tqdm
             bar = tqdm(total=len(items), desc=f"rollout step {step}", unit="traj", file=sys.stderr)
-        summary = run_scheduler(comm, MPI, cfg, paths, stage, step, items, dropped=dropped,
-                                progress=bar.update if bar else None, dead_ranks=dead)
+        summary = StepScheduler(comm, MPI, cfg.rollout.scheduler, paths, stage, step, items,
+                                max_response=limits.max_response_length, score=score, dropped=dropped,
+                                progress=bar.update if bar else None, dead_ranks=dead).run()
         if bar:
             bar.close()
         print(json.dumps(summary), flush=True)
-    # the job is over: every rank finalizes MPI together; after a death the survivors shut their engines
-    # down and say bye, then rank 0 ends the MPI job (main)
+    return _end_job(comm, MPI, cfg.rollout.scheduler, dead)
+
+
+def _end_job(comm, MPI, sc, dead: set[int]) -> tuple[int, str]:
+    """The job is over: every rank finalizes MPI together; after a death the survivors shut their engines down
+    and say bye, then rank 0 ends the MPI job (run)."""
     survivors = [e for e in range(1, comm.Get_size()) if e not in dead]
-    reqs = [comm.isend({"finalize": not dead}, dest=e, tag=TAG_EXIT) for e in survivors]
-    deadline = time.monotonic() + cfg.rollout.scheduler.engine_timeout_s
-    while not all(r.Test() for r in reqs) and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_sent([comm.isend({"finalize": not dead}, dest=e, tag=TAG_EXIT) for e in survivors], sc.engine_timeout_s)
     if not dead:
         return 0, "finalize"
     waiting, st = set(survivors), MPI.Status()
-    deadline = time.monotonic() + cfg.rollout.scheduler.engine_timeout_s
+    deadline = time.monotonic() + sc.engine_timeout_s
     while waiting and time.monotonic() < deadline:
         if comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_BYE, status=st):
             comm.recv(source=st.Get_source(), tag=TAG_BYE)
@@ -150,27 +142,32 @@ def _scheduler_steps(cfg, paths, stage, args, tok, comm, MPI) -> tuple[int, str]
     return 0, "abort"
 
 
-def _engine(cfg, paths, stage, args, model_dir, rank) -> tuple[int, str]:
+def _engine(cfg, paths, stage, steps, sandbox, model_dir, rank) -> tuple[int, str]:
     from rstar_hpc.rollout.engine import VLLMEngine
 
-    engine = VLLMEngine(cfg, model_dir, seed=cfg.run.seed * 1000 + rank)   # before MPI (kv-balancing.md §4.6)
-    from rstar_hpc.rollout.scheduler import TAG_BYE, TAG_EXIT, init_mpi, recv_from_rank0, run_engine_rank
-    MPI = init_mpi()
-    comm = MPI.COMM_WORLD
+    engine = VLLMEngine(cfg.rollout, model_dir, seed=cfg.run.seed * 1000 + rank)   # before MPI (kv-balancing §4.6)
+    from rstar_hpc.rollout.engine_rank import run_engine_rank
+    from rstar_hpc.rollout.step import StageLimits
     from sandbox.client import SandboxClient
 
-    async def steps() -> bool:
-        client = SandboxClient(addresses=args.sandbox or None, run_dir=None if args.sandbox else str(paths.dir))
+    MPI = init_mpi()
+    comm = MPI.COMM_WORLD
+    sc, agent_cfg = cfg.rollout.scheduler, cfg.rollout.agent
+    limits = StageLimits.of(cfg.stage(stage), agent_cfg)
+
+    async def run_steps() -> bool:
+        client = SandboxClient(addresses=list(sandbox) or None, run_dir=None if sandbox else str(paths.dir))
         try:
-            for step in args.step:   # rank 0 names the policy each step runs; the engine loads it in place
-                await run_engine_rank(comm, MPI, cfg, engine, client, stage, step)
+            for step in steps:   # rank 0 names the policy each step runs; the engine loads it in place
+                await run_engine_rank(comm, MPI, sc, agent_cfg, limits, engine, client, run_seed=cfg.run.seed,
+                                      stage=stage, step=step)
         finally:
             await client.close()
-        tag, msg = await recv_from_rank0(comm, MPI, cfg.rollout.scheduler.engine_timeout_s, "the end of the job")
+        tag, msg = await recv_from_rank0(comm, MPI, sc.engine_timeout_s, "the end of the job")
         return tag == TAG_EXIT and bool(msg["finalize"])
 
     try:
-        finalize = asyncio.run(steps())
+        finalize = asyncio.run(run_steps())
     except RuntimeError:
         log.exception("engine rank %d failed", rank)
         return 1, "exit"
@@ -178,13 +175,6 @@ def _engine(cfg, paths, stage, args, model_dir, rank) -> tuple[int, str]:
         engine.shutdown()
     if finalize:
         return 0, "finalize"
-    bye = comm.isend(None, dest=0, tag=TAG_BYE)   # rank 0 ends the job (MPI_Abort) once every survivor is down
-    deadline = time.monotonic() + 10.0
-    while not bye.Test() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    time.sleep(cfg.rollout.scheduler.engine_timeout_s)   # the abort ends this process; exit on our own if not
+    wait_sent([comm.isend(None, dest=0, tag=TAG_BYE)], 10.0)   # rank 0 ends the job (MPI_Abort) once all are down
+    time.sleep(sc.engine_timeout_s)   # the abort ends this process; exit on our own if not
     return 0, "exit"
-
-
-if __name__ == "__main__":
-    main()

@@ -7,5 +7,5 @@
     rl.py          the RL step (RoC, group advantages, pi_old recompute, GRPO-RoC loss) and TrajectorySource
     checkpoint.py  distributed checkpoints with an atomic commit, resume, optimizer reset, SaveOnSignal
     publish.py     policy versions for the rollout engines (HF safetensors under policy/, `latest`)
-    main.py        the role: main(cfg, stage), run by `rstar-hpc train` and jobs/trainer.py
+    job.py         the role's job: run(cfg, stage), called by `rstar-hpc train` (jobs/trainer.py)
 """

@@ -5,7 +5,7 @@
     <run>/policy/latest        "v-00000007", moved only after the directory is complete
 
 `trainer_step` N in an RL stage's marker: the weights after training on trajectory step N - 1 of `stage`, which
-is what rollout step N needs on-policy (`rollout.scheduler.wait_for_policy` reads exactly these two fields).
+is what rollout step N needs on-policy (`rollout.step.wait_for_policy` reads exactly these two fields).
 
 What the rollout side watches: the complete versions under `policy/` through the exchange's `CommittedDirs`
 (never an incomplete directory): `latest()` for the newest, and each marker's `stage` and `trainer_step` to pick

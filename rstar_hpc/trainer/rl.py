@@ -33,19 +33,19 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import torch
 from megatron.core import parallel_state
 
 from rstar_hpc.algo.advantage import group_advantages
 from rstar_hpc.algo.loss import LossStats, policy_loss
 from rstar_hpc.algo.metrics import loss_metrics, response_length_metrics, roc_metrics
-from rstar_hpc.algo.quality import INFRA_TOOL_STATUSES
 from rstar_hpc.algo.roc import RoCReason, RoCSelection, roc_downsample
-from rstar_hpc.config.schema import RunConfig
+from rstar_hpc.config.run import RunConfig
+from rstar_hpc.exchange.columns import TrajectoryColumns
 from rstar_hpc.exchange.errors import ExchangeError, StepNotReadyError
-from rstar_hpc.exchange.reader import Consumer, token_view
+from rstar_hpc.exchange.reader import Consumer
 from rstar_hpc.exchange.rundir import RunPaths
+from rstar_hpc.exchange.tool_status import INFRA_TOOL_STATUSES
 from rstar_hpc.trainer.step import MicroBatch, pack, sequence_logprobs, train_step
 
 log = logging.getLogger(__name__)
@@ -74,35 +74,31 @@ class RLBatch:
 
 def tool_infra_failed(table: pa.Table) -> np.ndarray:
     """Per row: did any of its tool calls fail for the sandbox's reasons (INFRA_TOOL_STATUSES)?"""
-    calls = table.column("tool_calls").combine_chunks()
-    status = pc.struct_field(calls.flatten(), "status")
-    hit = pc.is_in(status, value_set=pa.array(sorted(INFRA_TOOL_STATUSES))).to_numpy(zero_copy_only=False)
-    rows = np.repeat(np.arange(len(calls)), np.diff(calls.offsets.to_numpy()))
-    out = np.zeros(len(calls), dtype=bool)
-    out[rows[hit]] = True
-    return out
+    status, offsets = TrajectoryColumns(table).tool_call_status
+    hits = np.concatenate([[0], np.cumsum(np.isin(status, sorted(INFRA_TOOL_STATUSES)))])
+    return hits[offsets[1:]] > hits[offsets[:-1]]
 
 
 def _selection(table: pa.Table, cfg: RunConfig, seed: int) -> RoCSelection:
     """The rollout's RoC decision when the shards carry one, else RoC run here (same inputs, same result)."""
-    uids = np.asarray(table.column("prompt_uid").to_pylist())
-    rewards = table.column("reward").to_numpy()
-    p_err, p_format = table.column("p_err").to_numpy(), table.column("p_format").to_numpy()
-    kept = table.column("roc_kept")
-    if kept.null_count == len(kept):
+    cols = TrajectoryColumns(table)
+    uids, rewards, p_err, p_format = cols.prompt_uid, cols.reward, cols.p_err, cols.p_format
+    decided = cols.roc_decided
+    if not decided.any():
         excluded = tool_infra_failed(table) if cfg.algo.roc.drop_tool_infra_failures else None
         return roc_downsample(uids, rewards, p_err, p_format, cfg.algo.roc, seed=seed, excluded=excluded)
-    if kept.null_count:
-        raise ValueError(f"{kept.null_count} of {len(kept)} trajectories have no RoC decision (roc_kept null) and "
-                         f"the others do; a step is down-sampled as a whole, by the rollout or by the trainer")
+    if not decided.all():
+        raise ValueError(f"{int((~decided).sum())} of {len(decided)} trajectories have no RoC decision (roc_kept "
+                         f"null) and the others do; a step is down-sampled as a whole, by the rollout or by the "
+                         f"trainer")
     roc = cfg.algo.roc
     try:
-        reasons = [RoCReason[str(r).upper()] for r in table.column("roc_reason").to_pylist()]
+        reasons = [RoCReason[str(r).upper()] for r in cols.roc_reason]
     except KeyError as e:
         raise ValueError(f"roc_reason {e.args[0].lower()!r} is not one of {[r.name.lower() for r in RoCReason]}; "
                          f"the rollout records a reason with every roc_kept") from None
     _, group = np.unique(uids, return_inverse=True)
-    return RoCSelection(keep=kept.to_numpy(zero_copy_only=False).astype(bool),
+    return RoCSelection(keep=cols.roc_kept,
                         reason=np.asarray(reasons, dtype=np.int8),
                         penalty=roc.roc_error_ratio * p_err + roc.roc_answer_format * p_format,
                         group=group.reshape(-1))
@@ -127,20 +123,21 @@ def build_batch(table: pa.Table, cfg: RunConfig, step: int) -> RLBatch:
         raise ValueError(f"step {step}: the committed shards hold no trajectories; the producer committed an "
                          f"empty step")
     selection = _selection(table, cfg, seed=cfg.run.seed * 1_000_003 + step)
-    rewards = table.column("reward").to_numpy().astype(np.float64)
-    uids = np.asarray(table.column("prompt_uid").to_pylist())
-    prompt, p_off = token_view(table, "prompt_ids")
-    resp, r_off = token_view(table, "response_ids")
-    mask, _ = token_view(table, "loss_mask")
-    engine_lp, _ = token_view(table, "logprobs")
+    cols = TrajectoryColumns(table)
+    rewards = cols.reward.astype(np.float64)
+    uids = cols.prompt_uid
+    prompt, p_off = cols.prompt_ids
+    resp, r_off = cols.response_ids
+    mask, _ = cols.loss_mask
+    engine_lp, _ = cols.logprobs
     resp_len = np.diff(r_off)
-    finish = np.asarray(table.column("finish_reason").to_pylist())
-    versions = table.column("policy_version").to_numpy()
+    finish = cols.finish_reason
+    versions = cols.policy_version
     metrics = {"reward/mean": float(rewards.mean()),
                # the weights that generated this step; vs the trainer's newest version, its off-policy lag
                "rollout/policy_version_min": float(versions.min()),
                "rollout/policy_version_max": float(versions.max()),
-               **roc_metrics(selection, rewards, table.column("p_err").to_numpy(), table.column("p_format").to_numpy()),
+               **roc_metrics(selection, rewards, cols.p_err, cols.p_format),
                **response_length_metrics(resp_len, finish == "length")}
     keep = selection.indices
     batch = RLBatch(step=step, num_kept=len(keep), metrics=metrics)
@@ -318,7 +315,7 @@ class TrajectorySource:
 
 
 class RLStageData:
-    """An RL stage for the trainer role (`rstar_hpc.trainer.main`): trajectory steps in, GRPO-RoC updates."""
+    """An RL stage for the trainer role (`rstar_hpc.trainer.job`): trajectory steps in, GRPO-RoC updates."""
 
     def __init__(self, cfg: RunConfig, stage, paths: RunPaths):
         self.cfg = cfg

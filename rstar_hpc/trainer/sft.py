@@ -5,24 +5,21 @@ tool. It is rendered exactly as the chat template of `rstar_hpc.models.chat_form
 merged into one user turn of `<tool_response>` blocks), and the trained tokens are the assistant contents plus
 their `<|im_end|>`, minus the `<reason>` that the generation prompt prefills at inference.
 Schedule: linear warm-up then cosine (the paper's SFT recipe, `trainer.optimizer.sft_schedule`); AdamW.
-A stage of `kind: sft` with `data: train.jsonl` runs in the trainer role (`rstar_hpc.trainer.main`):
+A stage of `kind: sft` with `data: train.jsonl` runs in the trainer role (`rstar_hpc.trainer.job`):
 
     rstar-hpc train CONFIG --stage sft
 """
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from rstar_hpc.datasets import load_sft_conversations
+from rstar_hpc.datasets import load_chat_jsonl, load_sft_conversations
 from rstar_hpc.models import chat_format as fmt
 from rstar_hpc.trainer.step import pack
-
-ROLES = ("system", "user", "assistant", "tool")
 
 
 def render_segments(messages: list[dict]) -> list[tuple[str, bool]]:
@@ -56,30 +53,6 @@ def tokenize_conversation(messages: list[dict], tokenizer) -> tuple[torch.Tensor
         ids += piece
         mask += [trained] * len(piece)
     return torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.bool)
-
-
-def load_chat_jsonl(path: str | Path) -> list[list[dict]]:
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such SFT data file; generate the demo set with "
-                                f"`python -m rstar_hpc.trainer.sft_data {path}`")
-    out = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            msgs = json.loads(line)["messages"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise ValueError(f"{path}:{n}: expected a JSON object with a 'messages' list ({e})") from e
-        for m in msgs:
-            if m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-                raise ValueError(f"{path}:{n}: message {m!r} needs role in {ROLES} and string content")
-        if not any(m["role"] == "assistant" for m in msgs):
-            raise ValueError(f"{path}:{n}: no assistant message, nothing to train on")
-        out.append(msgs)
-    if not out:
-        raise ValueError(f"{path}: empty SFT data file")
-    return out
 
 
 class SFTData:
@@ -127,7 +100,7 @@ class SFTData:
 
 
 class SFTStageData:
-    """An SFT stage for the trainer role (`rstar_hpc.trainer.main`): `stages[].data` served `prompts_per_step`
+    """An SFT stage for the trainer role (`rstar_hpc.trainer.job`): `stages[].data` served `prompts_per_step`
     samples per step, split over data-parallel ranks; the cursor lives in the checkpoint."""
 
     def __init__(self, cfg, stage, model_dir: str | Path):

@@ -10,10 +10,11 @@ the tool (and RL has room to improve it).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import random
 from pathlib import Path
+
+import click
 
 from rstar_hpc.models import chat_format as fmt
 
@@ -57,14 +58,13 @@ def write_jsonl(samples: list[dict], path: str | Path) -> Path:
     return path
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("out")
-    ap.add_argument("--num-samples", type=int, default=6000)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--digits", type=int, default=4)
-    args = ap.parse_args(argv)
-    write_jsonl(make_samples(args.num_samples, args.seed, digits=args.digits), args.out)
+@click.command(help=__doc__.splitlines()[0])
+@click.argument("out", type=click.Path(dir_okay=False))
+@click.option("--num-samples", default=6000, show_default=True)
+@click.option("--seed", default=0, show_default=True)
+@click.option("--digits", default=4, show_default=True)
+def main(out: str, num_samples: int, seed: int, digits: int) -> None:
+    write_jsonl(make_samples(num_samples, seed, digits=digits), out)
 
 
 if __name__ == "__main__":

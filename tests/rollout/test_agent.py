@@ -209,7 +209,7 @@ def test_code_errors_are_not_infrastructure_failures(tok):
 
 
 def test_seeds_per_turn_and_progress_reports(tok):
-    from rstar_hpc.rollout.scheduler import request_seed
+    from rstar_hpc.rollout.step import request_seed
 
     eng = ScriptedEngine(tok, {"a": [call("print(1)"), call("print(2)"), ANSWER]})
     agent = loop(tok, eng)

@@ -126,7 +126,7 @@ def _rank_pid(rank: int, parent: int) -> int | None:
             cmd = open(f"/proc/{pid}/cmdline", "rb").read()
         except OSError:
             continue
-        if b"rstar_hpc.rollout.job" in cmd and f"OMPI_COMM_WORLD_RANK={rank}".encode() in env \
+        if b"jobs/rollout.py" in cmd and f"OMPI_COMM_WORLD_RANK={rank}".encode() in env \
                 and f"RSTAR_TEST_JOB={parent}".encode() in env:
             return int(pid)
     return None
@@ -195,7 +195,7 @@ def e2e(tiny_model_dir, tmp_path_factory):
         cmd = ["mpirun", "-n", "3", "--oversubscribe", "--bind-to", "none", "--allow-run-as-root",
                "--mca", "orte_enable_recovery", "1", "--mca", "orte_abort_on_non_zero_status", "0",
                "-x", "RSTAR_TEST_JOB", "-x", "OMP_NUM_THREADS", "-x", "PYTHONPATH",
-               PY, "-m", "rstar_hpc.rollout.job", "--config", str(cfg_path), "--step", "0", "--step", "1"]
+               PY, str(REPO / "jobs" / "rollout.py"), "--config", str(cfg_path), "--step", "0", "--step", "1"]
         job = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=log, text=True)
         killed = committed_at = None
         deadline = time.time() + 420
@@ -234,7 +234,8 @@ def e2e(tiny_model_dir, tmp_path_factory):
 
 
 def _read(paths, step):
-    from rstar_hpc.exchange.reader import StepReader, from_table
+    from rstar_hpc.exchange.columns import from_table
+    from rstar_hpc.exchange.reader import StepReader
     return from_table(StepReader(paths, "rl").read(step))
 
 

@@ -27,7 +27,7 @@ def tiny_hf_dir(tmp_path_factory):
     """The foundation's tiny model, weights perturbed so that every tensor (norms included) matters."""
     from transformers import Qwen3ForCausalLM
 
-    from rstar_hpc.config.schema import TinyModelSpec
+    from rstar_hpc.config.run import TinyModelSpec
     from rstar_hpc.models.tiny import make_tiny_model
 
     base = make_tiny_model(tmp_path_factory.mktemp("tiny") / "base", TinyModelSpec(vocab_size=400))

@@ -160,7 +160,7 @@ def test_rollouts_with_a_tool_call_lost_to_the_sandbox_are_not_trained(dist1, ti
 
 
 def _table(trajs):
-    from rstar_hpc.exchange.writer import to_table
+    from rstar_hpc.exchange.columns import to_table
 
     return to_table(trajs)
 

@@ -8,8 +8,9 @@ import torch
 from conftest import BACKENDS, run_trainer, write_config
 from transformers import AutoTokenizer
 
+from rstar_hpc.datasets import load_chat_jsonl
 from rstar_hpc.exchange.rundir import RunPaths
-from rstar_hpc.trainer.sft import SFTData, load_chat_jsonl, render_segments, tokenize_conversation
+from rstar_hpc.trainer.sft import SFTData, render_segments, tokenize_conversation
 from rstar_hpc.trainer.sft_data import make_samples, write_jsonl
 
 

@@ -43,7 +43,8 @@ def test_traj_ls(run):
 
 
 def test_traj_show_renders_a_conversation(run):
-    from rstar_hpc.exchange.reader import StepReader, from_table
+    from rstar_hpc.exchange.columns import from_table
+    from rstar_hpc.exchange.reader import StepReader
 
     trajs = from_table(StepReader(run, "rl-8k").read(1))
     with_tool = next(t for t in trajs if t.tool_calls)

@@ -4,10 +4,9 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from rstar_hpc.exchange.reader import conform, from_table
-from rstar_hpc.exchange.schema import (SCHEMA, SCHEMA_VERSION, TOOL_STATUSES, ToolCall, Trajectory, Turn)
+from rstar_hpc.exchange.columns import conform, from_table, to_table
+from rstar_hpc.exchange.schema import SCHEMA, SCHEMA_VERSION, TOOL_STATUSES, ToolCall, Trajectory, Turn
 from rstar_hpc.exchange.synthetic import make_step
-from rstar_hpc.exchange.writer import to_table
 
 
 def _equal(a: Trajectory, b: Trajectory) -> bool:
@@ -79,3 +78,26 @@ def test_conform_fills_columns_added_later_and_rejects_type_changes():
     changed = table.set_column(table.schema.get_field_index("step"), "step", pa.array(["0"])).to_batches()[0]
     with pytest.raises(pa.ArrowInvalid, match="column 'step'"):
         conform(changed)
+
+
+def test_trajectory_columns_read_every_named_column_as_typed_arrays():
+    from rstar_hpc.exchange.columns import TrajectoryColumns
+
+    trajs = make_step("run", "rl", 3, num_prompts=3, samples_per_prompt=2, mean_tokens=40)
+    trajs[1].roc_kept, trajs[1].roc_reason = None, None
+    table = to_table(trajs)
+    cols = TrajectoryColumns(table.slice(1))   # a slice: offsets of list columns do not start at 0
+    rows = trajs[1:]
+    assert len(cols) == len(rows)
+    assert cols.prompt_uid.tolist() == [t.prompt_uid for t in rows]
+    assert cols.reward.dtype == np.float32 and cols.reward.tolist() == [t.reward for t in rows]
+    assert cols.policy_version.tolist() == [t.policy_version for t in rows]
+    assert cols.roc_reason.tolist() == [t.roc_reason for t in rows]
+    assert cols.roc_decided.tolist() == [t.roc_kept is not None for t in rows]
+    assert cols.roc_kept.tolist() == [bool(t.roc_kept) for t in rows]
+    values, offsets = cols.response_ids
+    assert [values[offsets[i]:offsets[i + 1]].tolist() for i in range(len(rows))] == \
+        [list(t.response_ids) for t in rows]
+    status, offsets = cols.tool_call_status
+    assert [status[offsets[i]:offsets[i + 1]].tolist() for i in range(len(rows))] == \
+        [[c.status for c in t.tool_calls] for t in rows]

@@ -5,8 +5,9 @@ import time
 
 import pytest
 
+from rstar_hpc.exchange.columns import from_table, token_view
 from rstar_hpc.exchange.errors import CorruptShardError, ExchangeError, StepNotReadyError
-from rstar_hpc.exchange.reader import StepReader, from_table, token_view
+from rstar_hpc.exchange.reader import StepReader
 from rstar_hpc.exchange.rundir import RunPaths
 from rstar_hpc.exchange.synthetic import make_step
 from rstar_hpc.exchange.writer import ShardWriter

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from rstar_hpc.config.schema import TinyModelSpec
+from rstar_hpc.config.run import TinyModelSpec
 from rstar_hpc.models import chat_format as fmt
 from rstar_hpc.models.tiny import BUILD_MARKER, is_tiny_model, make_tiny_model
 

@@ -14,7 +14,6 @@ Aliases: `augmentation.down_sampling_config.*` (the public rStar recipe's path) 
 from __future__ import annotations
 
 import hashlib
-import os
 from pathlib import Path
 from typing import Literal
 
@@ -26,9 +25,9 @@ from rstar_hpc.config.launch import LaunchConfig
 from rstar_hpc.config.rollout import RolloutConfig
 from rstar_hpc.config.sandbox import SandboxConfig
 from rstar_hpc.config.trainer import TrainerConfig
+from rstar_hpc.exchange.rundir import default_run_root
 
 ALIASES = {"augmentation.down_sampling_config": "algo.roc"}
-RUN_ROOT_ENV = "RSTAR_HPC_RUN_ROOT"
 
 
 class RunSection(Section):
@@ -40,7 +39,7 @@ class RunSection(Section):
 
     @property
     def root_dir(self) -> Path:
-        return Path(self.root or os.environ.get(RUN_ROOT_ENV) or "runs").absolute()
+        return (Path(self.root) if self.root else default_run_root()).absolute()
 
     @property
     def dir(self) -> Path:

@@ -1,4 +1,4 @@
-"""The trainer role: one stage (SFT or RL) of a run, one process per GPU, resumable.
+"""The trainer role's job: one stage (SFT or RL) of a run, one process per GPU, resumable.
 
     rstar-hpc train CONFIG [key=value ...] --stage NAME          # here (a world of one), with a progress bar
     sbatch sbatch/trainer.sbatch CONFIG [key=value ...] --stage NAME   # srun: one task per GPU
@@ -38,7 +38,7 @@ EXIT_REQUEUE = 75  # EX_TEMPFAIL: saved on the pre-timeout signal, the stage is 
 TRAINER_KINDS = ("sft", "rl")
 
 
-def main(cfg: RunConfig, stage_name: str, *, on_step: Callable[[int, dict], None] | None = None) -> int:
+def run(cfg: RunConfig, stage_name: str, *, on_step: Callable[[int, dict], None] | None = None) -> int:
     stage = cfg.stage(stage_name)
     if stage.kind not in TRAINER_KINDS:
         raise ValueError(f"stage {stage.name!r} is kind {stage.kind!r}; the trainer runs {TRAINER_KINDS} stages")
@@ -117,9 +117,10 @@ def main(cfg: RunConfig, stage_name: str, *, on_step: Callable[[int, dict], None
 
 def _prepare_run(cfg: RunConfig) -> None:
     """Rank 0: the run directory, its resolved config, the (tiny) model built if the config asks for one."""
+    from rstar_hpc.config import prepare_run_dir
     from rstar_hpc.models.resolve import resolve_model
 
-    RunPaths.prepare(cfg)
+    prepare_run_dir(cfg)
     resolve_model(cfg)
 
 

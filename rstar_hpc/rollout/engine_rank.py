@@ -1,0 +1,144 @@
+"""An engine rank (1..N) of a rollout step: load the step's policy, run what rank 0 admits, report back.
+
+Every admitted trajectory runs as an agent-loop coroutine (agent.py: generate, dispatch its tool calls to the
+sandbox service, append their results, until it answers or hits a limit) on this rank's engine; its sampling seed
+depends only on run seed, stage, step, prompt uid and sample index (step.request_seed). The rank reports its live
+trajectories' context lengths in heartbeats (rank 0 books KV from them) and sends each finished one back. The
+messages are mpi.py's; rank 0's side is scheduler.py.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+
+from rstar_hpc.config.rollout import AgentConfig, SchedulerConfig
+from rstar_hpc.rollout.agent import AgentLoop
+from rstar_hpc.rollout.mpi import (TAG_ABORT, TAG_BEAT, TAG_DEAD, TAG_DONE, TAG_HELLO, TAG_RESULT, TAG_START, TAG_STOP,
+                                   TAG_WORK, recv_from_rank0)
+from rstar_hpc.rollout.step import StageLimits, request_seed
+
+log = logging.getLogger("rstar_hpc.rollout")
+
+
+async def run_engine_rank(comm, MPI, sc: SchedulerConfig, agent_cfg: AgentConfig, limits: StageLimits, engine,
+                          tools, *, run_seed: int, stage: str, step: int) -> dict:
+    """An engine rank for one step: load the step's policy, then run what rank 0 admits until it says the
+    step is done. Returns this rank's figures of the step."""
+    rank = comm.Get_rank()
+    tag, start = await recv_from_rank0(comm, MPI, sc.policy_wait_s + sc.engine_timeout_s, f"step {step}")
+    if tag == TAG_ABORT:
+        raise RuntimeError(f"rank 0 aborted the job: {start}")
+    if tag == TAG_STOP:   # already committed: nothing to run
+        return {"done": 0, "skipped": True}
+    if tag != TAG_START:
+        raise RuntimeError(f"engine rank {rank}: expected the start of step {step}, got tag {tag}")
+    comm.send({"loading": start["policy_version"] != engine.policy_version}, dest=0, tag=TAG_BEAT)
+    if start["policy_version"] is not None and start["policy_version"] != engine.policy_version:
+        load_s = await engine.load_policy(start["policy_dir"], start["policy_version"])
+        log.info("engine rank %d: loaded policy v%d in %.1fs", rank, engine.policy_version, load_s)
+    agent = AgentLoop(engine, tools, engine.tokenizer, agent_cfg, max_response_length=limits.max_response_length,
+                      max_turns=limits.max_turns)
+    comm.send({"capacity_tokens": engine.kv.capacity_tokens, "policy_version": engine.policy_version},
+              dest=0, tag=TAG_HELLO)
+    return await _EngineStep(comm, MPI, sc, engine, agent, run_seed=run_seed, stage=stage, step=step).serve()
+
+
+class _EngineStep:
+    """One step's work on this rank: trajectories as tasks, the message loop with rank 0, idle-time accounting."""
+
+    def __init__(self, comm, MPI, sc: SchedulerConfig, engine, agent: AgentLoop, *, run_seed: int, stage: str,
+                 step: int):
+        self.comm, self.MPI, self.sc, self.engine, self.agent = comm, MPI, sc, engine, agent
+        self.run_seed, self.stage, self.step, self.rank = run_seed, stage, step, comm.Get_rank()
+        self.tasks: set[asyncio.Task] = set()
+        self.contexts: dict[tuple, int] = {}   # live trajectories' context lengths: rank 0 books KV from them
+        self.failure: list[str] = []
+        self.done = 0
+        self.idle_s, self.last_beat = 0.0, 0.0
+        self.t_start = self.last = self.heard = time.monotonic()
+
+    async def serve(self) -> dict:
+        """Until rank 0 says DONE (or STOP): take work, report, notice failures."""
+        while True:
+            stats = self.receive()
+            if stats is not None:
+                return stats
+            self.check_health()
+            now = time.monotonic()
+            if now - self.last_beat > self.sc.heartbeat_s:
+                self.comm.send({"kv_usage": self.engine.kv.usage, "running": len(self.tasks),
+                                "contexts": dict(self.contexts)}, dest=0, tag=TAG_BEAT)
+                self.last_beat = now
+            await asyncio.sleep(0.005)
+            now = time.monotonic()
+            if not self.tasks:   # nothing admitted here: the engine idles
+                self.idle_s += now - self.last
+            self.last = now
+
+    def receive(self) -> dict | None:
+        """Handle every message from rank 0 waiting now; the step's figures once it is over, else None."""
+        st = self.MPI.Status()
+        while self.comm.Iprobe(source=0, tag=self.MPI.ANY_TAG, status=st):
+            tag = st.Get_tag()
+            msg = self.comm.recv(source=0, tag=tag)
+            self.heard = time.monotonic()
+            if tag == TAG_WORK:
+                for item in msg:
+                    t = asyncio.create_task(self.one(item))
+                    self.tasks.add(t)
+                    t.add_done_callback(self.tasks.discard)
+            elif tag == TAG_ABORT:
+                self.stop()
+                raise RuntimeError(f"rank 0 aborted the job: {msg}")
+            elif tag in (TAG_DONE, TAG_STOP):
+                kv = self.engine.kv
+                stats = {"done": self.done, "idle_s": round(self.idle_s, 3),
+                         "wall_s": round(time.monotonic() - self.t_start, 3),
+                         "kv_capacity_tokens": kv.capacity_tokens, "preemptions": kv.preemptions}
+                if tag == TAG_DONE:
+                    self.comm.send(stats, dest=0, tag=TAG_STOP)
+                return self.stop(stats)
+        return None
+
+    def check_health(self) -> None:
+        """Leave on a failed trajectory (the engine is gone; rank 0 re-runs our work) or a silent rank 0."""
+        if self.failure:
+            self.comm.send("; ".join(self.failure[:3]), dest=0, tag=TAG_DEAD)
+            self.stop()
+            raise RuntimeError(f"engine rank {self.rank} failed: {self.failure[0]}")
+        silent = time.monotonic() - self.heard
+        if silent > self.sc.engine_timeout_s:
+            self.stop()
+            raise RuntimeError(f"engine rank {self.rank}: rank 0 (the scheduler) silent for {silent:.0f}s; "
+                               f"presumed dead, leaving step {self.step}")
+
+    async def one(self, item: dict) -> None:
+        """One admitted trajectory, start to finish, sent back to rank 0."""
+        key = (item["prompt_uid"], item["sample_index"])
+        self.contexts[key] = len(item["prompt_ids"])
+        seed = request_seed(self.run_seed, self.stage, self.step, *key)
+
+        def progress(n: int) -> None:
+            self.contexts[key] = n
+        try:
+            res = await self.agent.run(item["prompt_ids"], f"s{self.step}-{item['prompt_uid']}-{item['sample_index']}",
+                                       item["prompt_text"], seed=seed, progress=progress)
+        except Exception as e:   # the engine is gone (EngineDeadError, ...): rank 0 re-runs our work elsewhere
+            log.exception("engine rank %d: trajectory failed", self.rank)
+            self.failure.append(f"{type(e).__name__}: {e}")
+            return
+        finally:
+            self.contexts.pop(key, None)
+        msg = dataclasses.asdict(res)
+        msg.update(prompt_uid=item["prompt_uid"], sample_index=item["sample_index"], engine_rank=self.rank,
+                   policy_version=self.engine.policy_version, step=self.step)
+        del msg["prompt_ids"], msg["prompt_text"]
+        self.comm.send(msg, dest=0, tag=TAG_RESULT)
+        self.done += 1
+
+    def stop(self, stats: dict | None = None) -> dict:
+        for t in list(self.tasks):
+            t.cancel()
+        return stats or {}
