@@ -16,19 +16,19 @@ warnings.filterwarnings("ignore")
 
 
 def run(run_root: str, hf_dir: str) -> dict:
+    from conftest import make_optimizer, make_policy
+
     from rstar_hpc.config import load_config
     from rstar_hpc.exchange.rundir import RunPaths
-    from rstar_hpc.trainer.hf_convert import gather_hf_state, load_hf_checkpoint
-    from rstar_hpc.trainer.model import Qwen3Arch, build_model, init_distributed
+    from rstar_hpc.trainer.hf_convert import gather_hf_state
+    from rstar_hpc.trainer.model import init_distributed
     from rstar_hpc.trainer.rl import TrajectorySource, rl_step
-    from rstar_hpc.trainer.step import build_optimizer
 
     init_distributed(tp=1)
     cfg = load_config("tiny-cpu", [f"run.root={run_root}", f"model.path={hf_dir}", "trainer.micro_batch_tokens=64"])
-    model = build_model(Qwen3Arch.from_hf_config(hf_dir))
-    load_hf_checkpoint(model, hf_dir)
+    model = make_policy(hf_dir)
     batch = TrajectorySource(RunPaths(cfg.run.dir), "rl", cfg).next()
-    metrics = rl_step(model, build_optimizer(model, lr=1e-3), None, batch, cfg)
+    metrics = rl_step(model, make_optimizer(model, lr=1e-3), None, batch, cfg)
     # gradients, not updated weights: AdamW's first step is lr * sign(g), which turns rounding noise in the
     # near-zero gradients into lr-sized differences
     return {"metrics": metrics, "num_local": len(batch.samples), "grads": gather_hf_state(model, grads=True)}
