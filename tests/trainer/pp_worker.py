@@ -1,9 +1,9 @@
 """One rank of the parallel-layout tests: `python pp_worker.py HF_DIR OUT.pt LAYOUT.json` (RANK, WORLD_SIZE set).
 
-LAYOUT.json: {"tp": .., "pp": .., "vpp": .., "trainer": {knobs}, "save": DIR or null, "resume": DIR or null}.
+LAYOUT.json: {"tp": .., "pp": .., "vpp": .., "trainer": {knobs}, "save": DIR, "resume": DIR, "export": DIR}.
 On the fixed batch (split over data-parallel ranks): the loss and HF-layout gradients of one forward/backward,
 then three optimizer steps (losses, gradient norms, the weights after them); with `save`, a checkpoint after
-step 2; with `resume`, a fresh policy loaded from that checkpoint takes step 3 again (`resumed_loss`). Rank 0
+step 2; with `resume`, a fresh policy loaded from that checkpoint takes step 3 again (`resumed_loss`); with `export`, the trained policy is written as a Hugging Face checkpoint. Rank 0
 saves the results. Run by test_pipeline.py, never collected by pytest (no test_ prefix).
 """
 from __future__ import annotations
@@ -46,7 +46,7 @@ def run(hf_dir: str, layout: dict) -> dict:
     from megatron.core import parallel_state
 
     from rstar_hpc.trainer.checkpoint import TrainState, load_checkpoint, save_checkpoint
-    from rstar_hpc.trainer.hf_convert import gather_hf_state
+    from rstar_hpc.trainer.hf_convert import export_hf_checkpoint, gather_hf_state
     from rstar_hpc.trainer.model import init_distributed
     from rstar_hpc.trainer.step import build_scheduler, forward_backward, train_step
 
@@ -66,6 +66,8 @@ def run(hf_dir: str, layout: dict) -> dict:
             save_checkpoint(state, layout["save"])
     out.update(losses=[m["loss"] for m in steps], grad_norms=[m["grad_norm"] for m in steps],
                weights=gather_hf_state(policy))
+    if layout.get("export"):  # each stage writes its own safetensors files, the first one the index
+        out["exported"] = str(export_hf_checkpoint(policy, layout["export"], source_dir=hf_dir, max_shard_bytes=2**20))
     if layout.get("resume"):
         policy, opt = _policy(hf_dir, knobs)
         state = TrainState(policy, opt, build_scheduler(opt, 2, 10, "cosine"))

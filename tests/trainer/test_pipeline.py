@@ -14,6 +14,8 @@ import pytest
 import torch
 from conftest import free_port
 
+from rstar_hpc.trainer.hf_convert import read_hf_weights
+
 WORKER = Path(__file__).with_name("pp_worker.py")
 
 
@@ -68,9 +70,13 @@ def _same_weights(ref: dict, got: dict) -> None:
     ("tp2_pp2", 4, {"tp": 2, "pp": 2, "trainer": {"recompute": "full"}}),
 ])
 def test_pipeline_layouts_match_one_rank(tiny4_hf_dir, reference, tmp_path, name, world, layout):
-    got = _launch(tiny4_hf_dir, tmp_path, name, world, {**layout, "resume": str(reference["ckpt"])})
+    got = _launch(tiny4_hf_dir, tmp_path, name, world,
+                  {**layout, "resume": str(reference["ckpt"]), "export": str(tmp_path / "hf")})
     _same_step(reference, got)
     _same_weights(reference, got)
+    exported = read_hf_weights(got["exported"])  # written stage by stage, one index
+    assert exported.keys() == got["weights"].keys() and (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+    assert all(torch.equal(exported[k], w) for k, w in got["weights"].items())
     # the checkpoint saved by one rank (pp 1) resumes here: weights and AdamW moments resharded
     assert got["resumed_step"] == 2 and got["resumed_loss"] == pytest.approx(reference["losses"][2], rel=1e-5)
 
