@@ -99,3 +99,62 @@ def test_distributed_optimizer_steps_equal_the_plain_optimizers(tiny4_hf_dir, re
     with pytest.raises(ValueError, match="plain fp32 optimizer"):
         pp_worker.run(str(tiny4_hf_dir), {"trainer": {"use_distributed_optimizer": True},
                                           "resume": str(reference["ckpt"])})
+
+
+def _role(cfg: Path, world: int, log: Path, *overrides: str, env: dict | None = None) -> list[int]:
+    """`jobs/trainer.py CFG OVERRIDES --stage sft` as `world` gloo ranks, each in its own session; exit codes."""
+    import signal
+
+    base = {**os.environ, "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+            "OMP_NUM_THREADS": "1", **(env or {})}
+    cmd = [sys.executable, str(Path(__file__).resolve().parents[2] / "jobs" / "trainer.py"), str(cfg), *overrides,
+           "--stage", "sft"]
+    with open(log, "w") as out:
+        procs = [subprocess.Popen(cmd, env={**base, "RANK": str(r)}, stdout=out, stderr=subprocess.STDOUT,
+                                  start_new_session=True) for r in range(world)]
+        try:
+            return [p.wait(timeout=300) for p in procs]
+        finally:
+            for p in procs:  # megatron's checkpoint writer leaves a manager process behind a hard exit
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+
+def test_trainer_role_on_two_pipeline_stages_resumes_and_trains_like_one_rank(tiny4_hf_dir, tmp_path):
+    """The trainer role (SFT stage) on pp 2: killed after writing step 4's shards and before the commit, resumed
+    from step 2; its losses are a single rank's, and its published policy is written stage by stage."""
+    from conftest import write_config
+
+    from rstar_hpc.trainer.checkpoint import DIE_IN_SAVE_ENV
+    from rstar_hpc.trainer.sft_data import make_samples, write_jsonl
+
+    data = write_jsonl(make_samples(40, seed=0, system=""), tmp_path / "train.jsonl")
+    cfg = write_config(tmp_path / "cfg.yaml", tiny4_hf_dir,
+                       [{"name": "sft", "kind": "sft", "num_steps": 6, "prompts_per_step": 4, "lr": 2e-3,
+                         "data": str(data)}],
+                       micro_batch_tokens=1024, optimizer={"warmup_steps": 2}, pipeline_parallel_size=2,
+                       checkpoint={"save_every_steps": 2, "keep_last": 3})
+    pp2, one = tmp_path / "pp2", tmp_path / "one"
+    assert _role(cfg, 2, tmp_path / "killed.log", f"run.root={pp2}", "launch.trainer.tasks_per_node=2",
+                 env={DIE_IN_SAVE_ENV: "4"}) == [137, 137]
+    assert _role(cfg, 2, tmp_path / "resumed.log", f"run.root={pp2}", "launch.trainer.tasks_per_node=2") == [0, 0], \
+        (tmp_path / "resumed.log").read_text()[-3000:]
+    assert "resumed from" in (tmp_path / "resumed.log").read_text()
+    assert _role(cfg, 1, tmp_path / "one.log", f"run.root={one}", "trainer.pipeline_parallel_size=1") == [0]
+
+    def losses(root: Path) -> list[tuple[int, float]]:
+        rows = (tmp_path / root / "tiny-cpu" / "metrics" / "trainer.jsonl").read_text().splitlines()
+        return [(r["step"], r["loss"]) for r in map(json.loads, rows)]
+    ref = dict(losses(one))
+    got = losses(pp2)
+    assert [s for s, _ in got] == [1, 2, 3, 3, 4, 5, 6]  # steps 1-3 of the killed job, then 3-6 resumed
+    for step, loss in got:
+        assert loss == pytest.approx(ref[step], rel=1e-6), step
+    policy = pp2 / "tiny-cpu" / "policy" / "v-00000001"
+    assert sorted(p.name for p in policy.glob("*.safetensors")) == ["model-stage000.safetensors",
+                                                                    "model-stage001.safetensors"]
+    staged = read_hf_weights(policy)
+    for name, w in read_hf_weights(one / "tiny-cpu" / "policy" / "v-00000001").items():
+        torch.testing.assert_close(staged[name], w, rtol=0, atol=1e-3, msg=name)  # 6 AdamW steps, see _same_weights
