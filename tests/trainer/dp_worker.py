@@ -1,4 +1,5 @@
-"""One rank of the data-parallel RL test: `python dp_worker.py RUN_ROOT HF_DIR OUT.pt` (RANK, WORLD_SIZE set).
+"""One rank of the data- and pipeline-parallel RL tests: `python dp_worker.py RUN_ROOT HF_DIR OUT.pt` (RANK,
+WORLD_SIZE set; PP=2 for two pipeline stages, else the ranks are data parallel).
 
 Reads trajectory step 0 of stage `rl` under RUN_ROOT, takes one RL step (this rank's share of the kept
 trajectories), and (rank 0) saves the step's metrics and the (clipped) gradients of the update in HF layout. Run by test_rl.py,
@@ -24,7 +25,7 @@ def run(run_root: str, hf_dir: str) -> dict:
     from rstar_hpc.trainer.model import init_distributed
     from rstar_hpc.trainer.rl import TrajectorySource, rl_step
 
-    init_distributed(tp=1)
+    init_distributed(tp=1, pp=int(os.environ.get("PP", "1")))
     cfg = load_config("tiny-cpu", [f"run.root={run_root}", f"model.path={hf_dir}", "trainer.micro_batch_tokens=64"])
     model = make_policy(hf_dir)
     batch = TrajectorySource(RunPaths(cfg.run.dir), "rl", cfg).next()

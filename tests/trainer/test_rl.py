@@ -221,9 +221,11 @@ def test_each_step_is_trained_exactly_once_across_restarts(dist1, tiny_hf_dir, t
         job()
 
 
-def test_data_parallel_2_takes_the_same_step_as_one_rank(dist1, tiny_hf_dir, tmp_path):
-    """Two gloo ranks each train half the kept trajectories; token normalisation over both ranks and the
-    summed gradients make it the same update as one rank training all of them."""
+@pytest.mark.parametrize("pp", [1, 2])
+def test_two_ranks_take_the_same_step_as_one(dist1, tiny_hf_dir, tmp_path, pp):
+    """Data parallel: two gloo ranks each train half the kept trajectories; token normalisation over both ranks
+    and the summed gradients make it the same update as one rank training all of them. Pipeline parallel: pi_old
+    recomputed and the loss computed on the last stage, the metrics sent to every stage."""
     import os
     import subprocess
     import sys
@@ -243,7 +245,7 @@ def test_data_parallel_2_takes_the_same_step_as_one_rank(dist1, tiny_hf_dir, tmp
 
     out = tmp_path / "dp2.pt"
     env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-           "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path.cwd())}
+           "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path.cwd()), "PP": str(pp)}
     procs = [subprocess.Popen([sys.executable, str(worker), str(tmp_path), str(tiny_hf_dir), str(out)],
                               env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
              for r in range(2)]
@@ -254,7 +256,7 @@ def test_data_parallel_2_takes_the_same_step_as_one_rank(dist1, tiny_hf_dir, tmp
     import dp_worker
 
     dp1 = dp_worker.run(str(tmp_path), str(tiny_hf_dir))
-    assert dp1["num_local"] == 8 and dp2["num_local"] == 4
+    assert dp1["num_local"] == 8 and dp2["num_local"] == (4 if pp == 1 else 8)
     m1, m2 = dp1["metrics"], dp2["metrics"]
     for key in ("loss", "num_tokens", "grad_norm", "train/pg_loss", "train/clip_frac_low", "train/approx_kl",
                 "train/num_tokens", "train/old_logprob_gap_mean", "train/old_logprob_gap_abs_max"):
