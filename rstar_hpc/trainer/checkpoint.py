@@ -18,6 +18,7 @@ the loop checks after each step; all ranks agree on it before saving (any rank's
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
@@ -164,6 +165,36 @@ def _as_requested(skeleton: Any, loaded: Any) -> Any:
     return loaded if skeleton is ShardedBase else skeleton
 
 
+@contextlib.contextmanager
+def _torch_adam_step_kept(optimizer):
+    """Two slips of megatron-core 0.16's distributed optimizer loading a `fully_reshardable` state into torch's
+    AdamW (no TE or Apex installed, as on the `cpu` backend): it copies every per-parameter state key from the
+    checkpoint tensors, `step` included, which it keeps apart (a KeyError: hide `step` from that copy), and it gives
+    every parameter the same `step` tensor, which AdamW then increments once per parameter (give each its own)."""
+    patched = []
+    for o in optimizer.chained_optimizers:
+        if isinstance(o, DistributedOptimizer):
+            def setter(model_param, tensors, o=o, original=o._set_main_param_and_optimizer_states):
+                group_index, group_order = o.model_param_group_index_map[model_param]
+                st = o.optimizer.state[o.optimizer.param_groups[group_index]["params"][group_order]]
+                step = st.pop("step", None)
+                try:
+                    original(model_param, tensors)
+                finally:
+                    if step is not None:
+                        st["step"] = step
+            o._set_main_param_and_optimizer_states = setter
+            patched.append(o)
+    try:
+        yield
+    finally:
+        for o in patched:
+            del o._set_main_param_and_optimizer_states
+            for st in o.optimizer.state.values():
+                if isinstance(st.get("step"), torch.Tensor):
+                    st["step"] = st["step"].clone()
+
+
 def _world() -> int:
     return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
 
@@ -256,7 +287,8 @@ def load_checkpoint(state: TrainState, path: str | os.PathLike, *, reset_optimiz
             if other_kind:
                 opt = _as_requested(skeleton, opt)
                 _set_adam_step(opt, _optimizer_kind(state.optimizer), float(loaded["adam_step"]))
-            state.optimizer.load_state_dict(opt)
+            with _torch_adam_step_kept(state.optimizer):
+                state.optimizer.load_state_dict(opt)
     state.step = int(loaded["step"])
     state.data_state = loaded["data"]
     if same_world:
