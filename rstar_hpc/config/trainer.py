@@ -69,10 +69,12 @@ class TrainerConfig(Section):
     and its traffic, at the cost of bf16 rounding in accumulation over micro-batches and ranks."""
     recompute: Literal["none", "selective", "full"] = "none"
     """Activation recompute: `selective` re-runs `recompute_modules` in the backward pass instead of keeping their
-    activations (attention's are the large ones at long context); `full` keeps only each block of
-    `recompute_num_layers` layers' input and re-runs the block (least memory, ~1/3 more compute)."""
+    activations (`mlp` is the large share with flash attention; `core_attn` pays off with unfused attention, whose
+    scores grow with the square of the length); `full` keeps only each block of `recompute_num_layers` layers'
+    input and re-runs the block (least memory, ~1/3 more compute). `rstar-hpc trainer plan` shows the effect."""
     recompute_modules: list[RecomputeModule] = Field(default_factory=lambda: ["core_attn"])
-    """`selective` recompute: which parts of each layer (megatron's names: core_attn, mlp, layernorm)."""
+    """`selective` recompute: which parts of each layer (megatron's names and default: core_attn, mlp,
+    layernorm)."""
     recompute_num_layers: int = Field(1, ge=1)
     """`full` recompute: layers per recomputed block (uniform method)."""
     recompute_old_logprobs: bool = True

@@ -149,8 +149,8 @@ def test_explain_lists_field_docs():
 
 
 @pytest.mark.parametrize("overrides,match", [
-    (["trainer.pipeline_parallel_size=3"], r"= 32 is not a multiple of trainer.tensor_parallel_size \(4\) x "
-                                           r"trainer.pipeline_parallel_size \(3\) = 12"),
+    (["trainer.pipeline_parallel_size=3"], (r"= 32 is not a multiple of trainer.tensor_parallel_size \(4\) x "
+                                            r"trainer.pipeline_parallel_size \(3\) = 12")),
     (["trainer.pipeline_parallel_size=16", "trainer.tensor_parallel_size=1"],
      r"40 layers do not split evenly over trainer.pipeline_parallel_size = 16"),  # 32 ranks divide; the layers not
     (["trainer.virtual_pipeline_parallel_size=3"], r"pipeline_parallel_size x virtual_pipeline_parallel_size = 6"),
