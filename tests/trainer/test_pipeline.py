@@ -25,11 +25,26 @@ def _launch(hf_dir: Path, tmp_path: Path, name: str, world: int, layout: dict) -
     env = {**os.environ, "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path.cwd())}
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(hf_dir), str(out), str(spec)],
-                              env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-             for r in range(world)]
-    logs = [p.communicate(timeout=300)[0].decode()[-3000:] for p in procs]
+                              env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              start_new_session=True) for r in range(world)]
+    try:
+        logs = [p.communicate(timeout=300)[0].decode()[-3000:] for p in procs]
+    finally:
+        _reap(procs)
     assert all(p.returncode == 0 for p in procs), "\n".join(logs)
     return torch.load(out)
+
+
+def _reap(procs) -> None:
+    """megatron's checkpoint writer leaves a multiprocessing manager behind each rank that saved: end the ranks'
+    sessions."""
+    import signal
+
+    for p in procs:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 @pytest.fixture(scope="module")
@@ -103,8 +118,6 @@ def test_distributed_optimizer_steps_equal_the_plain_optimizers(tiny4_hf_dir, re
 
 def _role(cfg: Path, world: int, log: Path, *overrides: str, env: dict | None = None) -> list[int]:
     """`jobs/trainer.py CFG OVERRIDES --stage sft` as `world` gloo ranks, each in its own session; exit codes."""
-    import signal
-
     base = {**os.environ, "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
             "OMP_NUM_THREADS": "1", **(env or {})}
     cmd = [sys.executable, str(Path(__file__).resolve().parents[2] / "jobs" / "trainer.py"), str(cfg), *overrides,
@@ -115,11 +128,7 @@ def _role(cfg: Path, world: int, log: Path, *overrides: str, env: dict | None = 
         try:
             return [p.wait(timeout=300) for p in procs]
         finally:
-            for p in procs:  # megatron's checkpoint writer leaves a manager process behind a hard exit
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            _reap(procs)
 
 
 def test_trainer_role_on_two_pipeline_stages_resumes_and_trains_like_one_rank(tiny4_hf_dir, tmp_path):
