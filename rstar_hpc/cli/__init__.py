@@ -24,6 +24,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "make-tiny-model": ("make_tiny_model", "Build a random-init Qwen3-architecture model + BPE tokenizer."),
     "generate": ("generate", "Generate from prompts with the policy in vLLM (the demo's Slurm job)."),
     "train": ("train", "Run a trainer stage (SFT or GRPO-RoC RL) with Megatron-core; resumes from `latest`."),
+    "trainer": ("trainer", "Plan a trainer layout: per-GPU memory estimate and micro-batches, no GPU needed."),
     "rollout": ("rollout", "Run one rollout step: vLLM engine ranks over MPI, agent loop, sandbox tool calls."),
     "sandbox": ("sandbox", "Run or call the bubblewrap Python sandbox service."),
     "traj": ("traj", "List, show and export trajectory shards of a run."),

@@ -162,6 +162,9 @@ def format_validation_error(err: ValidationError) -> str:
             hint = f"did you mean {near[0]!r}? " if near else ""
             lines.append(f"{key}: unknown key; {hint}allowed: {', '.join(allowed)}")
             continue
+        if not loc:  # a whole-config check (schema.RunConfig's validators): its message names the keys
+            lines.append(e["msg"].removeprefix("Value error, "))
+            continue
         if e["type"] == "missing":
             lines.append(f"{key}: required, but missing")
             continue

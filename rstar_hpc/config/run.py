@@ -24,7 +24,7 @@ from rstar_hpc.config.base import Section
 from rstar_hpc.config.launch import LaunchConfig
 from rstar_hpc.config.rollout import RolloutConfig
 from rstar_hpc.config.sandbox import SandboxConfig
-from rstar_hpc.config.trainer import TrainerConfig
+from rstar_hpc.config.trainer import TrainerConfig, layout_problems
 from rstar_hpc.exchange.rundir import default_run_root
 
 ALIASES = {"augmentation.down_sampling_config": "algo.roc"}
@@ -132,6 +132,16 @@ class RunConfig(Section):
                     self.algo.num_samples_per_prompt:
                 raise ValueError(f"algo.roc.down_sample_to_n ({self.algo.roc.down_sample_to_n}) must be <= "
                                  f"algo.num_samples_per_prompt ({self.algo.num_samples_per_prompt})")
+        return self
+
+    @model_validator(mode="after")
+    def _trainer_layout_fits(self) -> RunConfig:
+        from rstar_hpc.models.shapes import model_shape
+
+        res, found = self.launch.trainer, model_shape(self.model)
+        problems = layout_problems(self.trainer, res.num_nodes * res.tasks_per_node, found and found[0])
+        if problems:
+            raise ValueError("\n".join(problems))
         return self
 
     def stage(self, name: str) -> StageConfig:

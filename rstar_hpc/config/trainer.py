@@ -1,9 +1,14 @@
-"""Knobs of the trainer role (Megatron-core GRPO-RoC and SFT)."""
+"""Knobs of the trainer role (Megatron-core GRPO-RoC and SFT).
+
+The parallel layout (tensor x pipeline x data parallel), the optimizer's sharding and precision, and activation
+recompute are configuration; `check_layout` (run by the config loader) rejects combinations that cannot run,
+naming the key and the fix. `rstar-hpc trainer plan CONFIG` prints what a layout costs per GPU.
+"""
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from rstar_hpc.config.base import Section
 
@@ -29,14 +34,49 @@ class CheckpointConfig(Section):
     """Committed checkpoints kept; the one `latest` points to is never deleted."""
 
 
+RecomputeModule = Literal["core_attn", "mlp", "layernorm"]
+
+
 class TrainerConfig(Section):
     backend: Literal["auto", "cpu", "cuda"] = "auto"
     """`cpu`: gloo + local layer spec; `cuda`: NCCL + the Transformer Engine spec (megatron-core's local spec with
     SDPA attention when TE is not installed, logged once); `auto` picks by GPU presence."""
     tensor_parallel_size: int = Field(1, ge=1)
+    """Ranks that split every layer's matmuls (and the vocabulary); keep it within one node (NVLink).
+    Must divide the attention heads, the key/value heads and the MLP width."""
     pipeline_parallel_size: int = Field(1, ge=1)
+    """Pipeline stages: consecutive layer blocks on different ranks, run by megatron-core's 1F1B schedule over a
+    step's micro-batches (the loss and its token masks on the last stage). Must divide the layers. The data-
+    parallel size is what is left: trainer ranks / (tensor_parallel_size x pipeline_parallel_size)."""
+    virtual_pipeline_parallel_size: int | None = Field(None, ge=2)
+    """Model chunks per pipeline rank (megatron's interleaved 1F1B): a smaller pipeline bubble for more p2p
+    traffic. Needs pipeline_parallel_size > 1 and layers divisible by pipeline x virtual size. It runs with one
+    activation shape: a step's packed micro-batches are padded to its longest, and their count is rounded up to a
+    multiple of pipeline_parallel_size (fillers train nothing), as the interleaved schedule requires. null: off."""
     micro_batch_tokens: int = Field(20480, ge=64)
-    """Token budget of one packed micro-batch."""
+    """Token budget of one packed micro-batch: trajectories of any length are packed (THD: one row, attention kept
+    within each trajectory) into micro-batches of at most this many tokens, so short ones are not padded to the
+    longest. Must hold the longest trajectory (prompt + response)."""
+    use_distributed_optimizer: bool = False
+    """Megatron's distributed optimizer: Adam moments and fp32 main weights sharded over data-parallel ranks
+    (gradients reduce-scattered, parameters all-gathered), so they cost 1/dp of their size per GPU. Needs a
+    data-parallel size > 1."""
+    params_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Weights, activations and gradients of the model. `bfloat16` keeps fp32 main weights in the optimizer (and
+    fp32 gradient accumulation with grad_reduce_in_fp32): the update has fp32 precision, the matmuls bf16 speed."""
+    grad_reduce_in_fp32: bool = True
+    """Accumulate and reduce gradients in fp32 buffers (with bfloat16 params). false halves the gradient buffer
+    and its traffic, at the cost of bf16 rounding in accumulation over micro-batches and ranks."""
+    recompute: Literal["none", "selective", "full"] = "none"
+    """Activation recompute: `selective` re-runs `recompute_modules` in the backward pass instead of keeping their
+    activations (`mlp` is the large share with flash attention; `core_attn` pays off with unfused attention, whose
+    scores grow with the square of the length); `full` keeps only each block of `recompute_num_layers` layers'
+    input and re-runs the block (least memory, ~1/3 more compute). `rstar-hpc trainer plan` shows the effect."""
+    recompute_modules: list[RecomputeModule] = Field(default_factory=lambda: ["core_attn"])
+    """`selective` recompute: which parts of each layer (megatron's names and default: core_attn, mlp,
+    layernorm)."""
+    recompute_num_layers: int = Field(1, ge=1)
+    """`full` recompute: layers per recomputed block (uniform method)."""
     recompute_old_logprobs: bool = True
     """Recompute pi_old with the trainer instead of trusting the engine's logprobs."""
     optimizer: OptimizerConfig = OptimizerConfig()
@@ -50,6 +90,46 @@ class TrainerConfig(Section):
     `rollout`)."""
     trajectory_timeout_s: float = Field(3600.0, gt=0)
     """How long an RL step waits for its trajectories before failing with the missing producers named."""
-    params_dtype: Literal["float32", "bfloat16"] = "float32"
-    """Parameter dtype. The optimizer keeps no separate fp32 master copy, so bfloat16 trades update precision
-    for memory; keep float32 unless memory forces it."""
+
+    @model_validator(mode="after")
+    def _knobs_agree(self) -> TrainerConfig:
+        if self.virtual_pipeline_parallel_size is not None and self.pipeline_parallel_size == 1:
+            raise ValueError(f"trainer.virtual_pipeline_parallel_size={self.virtual_pipeline_parallel_size} needs "
+                             f"trainer.pipeline_parallel_size > 1; set it to null or raise pipeline_parallel_size")
+        if self.recompute == "selective" and not self.recompute_modules:
+            raise ValueError("trainer.recompute=selective with an empty trainer.recompute_modules recomputes nothing; "
+                             "name modules (e.g. [core_attn]) or set recompute: none")
+        return self
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+def layout_problems(trainer: TrainerConfig, world_size: int, shape=None) -> list[str]:
+    """What makes this layout impossible on `world_size` trainer ranks for a model of `shape` (a
+    `models.shapes.ModelShape`, or None when unknown), each naming the key and the fix."""
+    tp, pp, vpp = trainer.tensor_parallel_size, trainer.pipeline_parallel_size, trainer.virtual_pipeline_parallel_size
+    mp = tp * pp
+    out = []
+    if world_size % mp:
+        out.append(f"trainer ranks = launch.trainer.num_nodes x tasks_per_node = {world_size} is not a multiple of "
+                   f"trainer.tensor_parallel_size ({tp}) x trainer.pipeline_parallel_size ({pp}) = {mp}; change the "
+                   f"degrees or the number of trainer ranks")
+    elif trainer.use_distributed_optimizer and world_size // mp < 2:
+        out.append(f"trainer.use_distributed_optimizer=true shards the optimizer over data-parallel ranks, but "
+                   f"{world_size} ranks / (tp {tp} x pp {pp}) = {world_size // mp} data-parallel rank; set it to "
+                   f"false or add trainer ranks (launch.trainer)")
+    if shape is None:
+        return out
+    stages = pp * (vpp or 1)
+    if shape.num_layers % stages:
+        key = "pipeline_parallel_size x virtual_pipeline_parallel_size" if vpp else "pipeline_parallel_size"
+        out.append(f"the model's {shape.num_layers} layers do not split evenly over trainer.{key} = {stages} "
+                   f"stages; pick a divisor of {shape.num_layers}")
+    for name, n in (("attention heads", shape.num_heads), ("key/value heads", shape.num_kv_heads),
+                    ("intermediate_size", shape.intermediate_size)):
+        if n % tp:
+            out.append(f"the model's {name} ({n}) do not split over trainer.tensor_parallel_size={tp}; pick a "
+                       f"divisor of {n}")
+    return out

@@ -1,11 +1,15 @@
 """The trainer role: a Qwen3 policy in Megatron-core, trained by SFT or GRPO-RoC, checkpointed and published.
 
-    model.py       the policy as a megatron-core GPTModel (TE spec on GPU, SDPA spec on CPU), init_distributed
-    hf_convert.py  Hugging Face <-> Megatron weights, exact both ways (load_hf_checkpoint, export_hf_checkpoint)
-    step.py        MicroBatch, pack, train_step (global token normalisation), AdamW and the lr schedules
+    model.py       the policy as megatron-core GPTModel chunks (TE spec on GPU, SDPA spec on CPU), init_distributed
+    parallel.py    Policy: this rank's chunks (tp x pp x vpp) in megatron DDP; megatron's (distributed) optimizer
+    packing.py     MicroBatch, token-budget packing (THD) and the padded baseline
+    step.py        train_step through megatron's schedules (global token normalisation), the lr schedule
+    host_device.py what lets megatron's CUDA-assuming training code run on gloo (the `cpu` backend)
+    hf_convert.py  Hugging Face <-> Megatron weights, exact both ways, per pipeline stage (load, export)
     sft.py         SFT data (rStar2 chat JSONL, assistant-only loss) and its stage data for the role
     rl.py          the RL step (RoC, group advantages, pi_old recompute, GRPO-RoC loss) and TrajectorySource
-    checkpoint.py  distributed checkpoints with an atomic commit, resume, optimizer reset, SaveOnSignal
+    checkpoint.py  distributed checkpoints with an atomic commit, resume (also under another layout), SaveOnSignal
     publish.py     policy versions for the rollout engines (HF safetensors under policy/, `latest`)
+    plan.py        per-GPU memory and micro-batch plan of a layout (`rstar-hpc trainer plan`), no torch
     job.py         the role's job: run(cfg, stage), called by `rstar-hpc train` (jobs/trainer.py)
 """

@@ -1,8 +1,12 @@
 """Checkpoints of the trainer: megatron-core distributed checkpointing with an atomic commit.
 
-What a checkpoint holds: the model (sharded by Megatron's own sharded_state_dict, so it reloads under another
-tensor-parallel size), AdamW moments (sharded the same way), the schedule, the step, the data cursor, and every
-rank's RNG states. Resuming from it reproduces the losses of an uninterrupted run.
+What a checkpoint holds: the model (sharded by Megatron's own sharded_state_dict: layer tensors carry global
+layer indices), the optimizer's state (megatron's `fully_sharded_model_space` format: AdamW moments and fp32 main
+weights per parameter, in model space), the schedule, the step, the data cursor, and every rank's RNG states.
+Resuming under the same layout reproduces the losses of an uninterrupted run. A checkpoint also loads under
+another layout (tensor, pipeline, virtual-pipeline or data-parallel sizes, distributed optimizer on or off):
+megatron's dist-checkpointing reshards the model and optimizer tensors; the RNG states, one per rank, are then
+left as they are (logged).
 
 Commit protocol: `rstar_hpc.exchange.checkpoints.CommittedDirs` (owned by the exchange): rank 0 opens a fresh
 temporary directory, every rank writes its shards into it, then rank 0 writes COMMITTED.json, renames the
@@ -15,51 +19,48 @@ the loop checks after each step; all ranks agree on it before saving (any rank's
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import random
 import signal
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from megatron.core import dist_checkpointing, parallel_state
-from megatron.core.dist_checkpointing.mapping import ShardedObject
-from megatron.core.dist_checkpointing.optimizer import get_param_id_to_sharded_param_map, optim_state_to_sharding_state
+from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, dict_list_map_outplace
+from megatron.core.dist_checkpointing.mapping import (
+    LocalNonpersistentObject,
+    ShardedBase,
+    ShardedObject,
+    ShardedTensor,
+    ShardedTensorFactory,
+)
+from megatron.core.optimizer import DistributedOptimizer
 
 from rstar_hpc.exchange.checkpoints import CommittedDirs
+from rstar_hpc.trainer import host_device
 
-FORMAT = "rstar-hpc-trainer-v1"
+FORMAT = "rstar-hpc-trainer-v2"  # v1: torch AdamW state, tensor parallelism only
+OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}  # reshardable in tp, pp, dp
+MAIN_WEIGHTS = ("optimizer.state.param.", "optimizer.state.fp32_param.")  # distributed, plain bf16
 # test hook: die (as a SIGKILL would) after this step's shards are written and before the commit
 DIE_IN_SAVE_ENV = "RSTAR_HPC_TEST_DIE_IN_SAVE_AT_STEP"
+log = logging.getLogger(__name__)
 
 
 @dataclass
 class TrainState:
-    """Everything a resume needs. `data_state` is the data loader's `state_dict()` (its cursor)."""
+    """Everything a resume needs: the `parallel.Policy`, its megatron optimizer and `step.LRSchedule`.
+    `data_state` is the data loader's `state_dict()` (its cursor)."""
 
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler | None
+    model: Any
+    optimizer: Any
+    scheduler: Any
     step: int = 0
     data_state: dict[str, Any] = field(default_factory=dict)
-
-
-@contextlib.contextmanager
-def _host_only_cuda_calls():
-    """megatron-core 0.16's torch_dist save path calls torch.cuda.synchronize() after staging tensors and puts
-    its failure flag on torch.cuda.current_device(), even for CPU tensors under gloo. On a torch without CUDA,
-    route exactly those two calls to the host for the duration of a save/load; with CUDA this does nothing."""
-    if torch.cuda.is_available():
-        yield
-        return
-    saved = torch.cuda.current_device, torch.cuda.synchronize
-    torch.cuda.current_device, torch.cuda.synchronize = (lambda: "cpu"), (lambda device=None: None)
-    try:
-        yield
-    finally:
-        torch.cuda.current_device, torch.cuda.synchronize = saved
 
 
 def _rank() -> int:
@@ -92,39 +93,125 @@ def _set_rng_state(state: dict) -> None:
         tensor_parallel.get_cuda_rng_tracker().set_states(state["megatron_cuda"])
 
 
-def _init_adam_state(optimizer: torch.optim.Optimizer) -> None:
-    """Give every parameter its AdamW state tensors, so a fresh optimizer has something to load into."""
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            st = optimizer.state[p]
-            if not st:
-                st["step"] = torch.tensor(0.0)
-                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+def _init_adam_state(optimizer) -> None:
+    """Give every parameter of a fresh megatron optimizer its AdamW state (step 0, zero moments), as a loaded
+    one has: the distributed optimizer's state dict needs a step to describe what it will load into (its own
+    helper for this takes a dummy step, which would also apply weight decay to the weights)."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = opt.optimizer
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if not inner.state[p]:
+                    inner.state[p].update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p),
+                                          exp_avg_sq=torch.zeros_like(p))
 
 
-def _params_in_order(optimizer: torch.optim.Optimizer) -> list[torch.nn.Parameter]:
-    return [p for g in optimizer.param_groups for p in g["params"]]
+def _main_weights_as_saved(sd: dict, saved: set[str], path: Path) -> None:
+    """Point the optimizer's fp32 main weights at the name the checkpoint holds them under: the distributed
+    optimizer saves them as `optimizer.state.param.*`, megatron's plain bf16 optimizer as
+    `optimizer.state.fp32_param.*`; AdamW moments have one name in all. So `use_distributed_optimizer` may change
+    between save and resume, except from the plain fp32 optimizer to the distributed one: the former saves no main
+    weights (they are the model's) and the latter cannot read them from the model's tensors."""
+    def rename(x):
+        if not isinstance(x, (ShardedTensor, ShardedTensorFactory)) or x.key in saved:
+            return x
+        for prefix in MAIN_WEIGHTS:
+            if x.key.startswith(prefix):
+                for key in (p + x.key[len(prefix):] for p in MAIN_WEIGHTS):
+                    if key in saved:
+                        return replace(x, key=key)
+                raise ValueError(f"{path} was saved by the plain fp32 optimizer (no fp32 main weights), which the "
+                                 f"distributed optimizer cannot resume; resume it with "
+                                 f"trainer.use_distributed_optimizer=false, or start a stage with reset_optimizer")
+        return x
+    dict_list_map_inplace(rename, sd)
 
 
-def _sharded_state_dict(state: TrainState, *, loading: bool, with_optimizer: bool = True) -> dict:
+def _optimizer_kind(optimizer) -> str:
+    return "distributed" if any(isinstance(o, DistributedOptimizer) for o in optimizer.chained_optimizers) else "plain"
+
+
+def _adam_step(optimizer) -> float:
+    """AdamW's step count (the same for every parameter; 0 before the first update)."""
+    steps = [float(st["step"]) for o in optimizer.chained_optimizers for st in o.optimizer.state.values() if "step" in st]
+    return max(steps, default=0.0)
+
+
+def _set_adam_step(opt: dict, kind: str, step: float) -> None:
+    """Where each optimizer kind keeps its step in its state dict: the plain one as `state.common_step`, the
+    distributed one in its param groups."""
+    if kind == "plain":
+        opt["state"]["common_step"] = torch.tensor(step)
+    else:
+        for group in opt["optimizer"]["param_groups"]:
+            group["step"] = step
+
+
+def _skeleton(request: Any) -> Any:
+    """The optimizer request's own non-tensor values (param groups, formats) with its tensors marked."""
+    return dict_list_map_outplace(lambda x: ShardedBase if isinstance(x, ShardedBase) else x, request)
+
+
+def _as_requested(skeleton: Any, loaded: Any) -> Any:
+    """`loaded`'s tensors in the structure of `skeleton`: a checkpoint of the other optimizer kind holds param
+    groups and format fields of another shape, which the loading optimizer would not understand."""
+    if isinstance(skeleton, dict):
+        return {k: _as_requested(v, loaded.get(k) if isinstance(loaded, dict) else None) for k, v in skeleton.items()}
+    if isinstance(skeleton, list):
+        return [_as_requested(v, loaded[i] if isinstance(loaded, list) and i < len(loaded) else None)
+                for i, v in enumerate(skeleton)]
+    if isinstance(skeleton, LocalNonpersistentObject):
+        return skeleton.unwrap()
+    return loaded if skeleton is ShardedBase else skeleton
+
+
+@contextlib.contextmanager
+def _torch_adam_step_kept(optimizer):
+    """Two slips of megatron-core 0.16's distributed optimizer loading a `fully_reshardable` state into torch's
+    AdamW (no TE or Apex installed, as on the `cpu` backend): it copies every per-parameter state key from the
+    checkpoint tensors, `step` included, which it keeps apart (a KeyError: hide `step` from that copy), and it gives
+    every parameter the same `step` tensor, which AdamW then increments once per parameter (give each its own)."""
+    patched = []
+    for o in optimizer.chained_optimizers:
+        if isinstance(o, DistributedOptimizer):
+            def setter(model_param, tensors, o=o, original=o._set_main_param_and_optimizer_states):
+                group_index, group_order = o.model_param_group_index_map[model_param]
+                st = o.optimizer.state[o.optimizer.param_groups[group_index]["params"][group_order]]
+                step = st.pop("step", None)
+                try:
+                    original(model_param, tensors)
+                finally:
+                    if step is not None:
+                        st["step"] = step
+            o._set_main_param_and_optimizer_states = setter
+            patched.append(o)
+    try:
+        yield
+    finally:
+        for o in patched:
+            del o._set_main_param_and_optimizer_states
+            for st in o.optimizer.state.values():
+                if isinstance(st.get("step"), torch.Tensor):
+                    st["step"] = st["step"].clone()
+
+
+def _world() -> int:
+    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+
+
+def _sharded_state_dict(state: TrainState, *, loading: bool, with_optimizer: bool = True,
+                        with_rng: bool = True) -> dict:
     model_sd = state.model.sharded_state_dict()
-    sd: dict[str, Any] = {"model": model_sd, "format": FORMAT, "step": state.step,
+    sd: dict[str, Any] = {"model": model_sd, "format": FORMAT, "step": state.step, "world_size": _world(),
+                          "optimizer_kind": _optimizer_kind(state.optimizer), "adam_step": _adam_step(state.optimizer),
                           "scheduler": state.scheduler.state_dict() if state.scheduler is not None else None,
                           "data": state.data_state}
-    rank, world = _rank(), (torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1)
-    # every rank's generators differ (tp ranks, dp ranks): one shard per rank, no replicas
-    sd["rng"] = ShardedObject("rng_state", _rng_state(), (world,), (rank,), replica_id=0)
+    if with_rng:  # every rank's generators differ (tp, pp, dp ranks): one shard per rank, no replicas
+        sd["rng"] = ShardedObject("rng_state", _rng_state(), (_world(),), (_rank(),), replica_id=0)
     if with_optimizer:
         if loading:
             _init_adam_state(state.optimizer)
-        opt = state.optimizer.state_dict()
-        steps = {float(s["step"]) for s in opt["state"].values() if "step" in s}
-        id_map = get_param_id_to_sharded_param_map(model_sd, _params_in_order(state.optimizer))
-        optim_state_to_sharding_state(opt, id_map, exclude_keys=("step",))
-        # AdamW counts steps per parameter; they are all equal, so one number is kept
-        opt["adam_step"] = max(steps) if steps else 0.0
-        sd["optimizer"] = opt
+        sd["optimizer"] = state.optimizer.sharded_state_dict(model_sd, is_loading=loading, metadata=OPTIMIZER_FORMAT)
     return sd
 
 
@@ -140,15 +227,18 @@ def save_checkpoint(state: TrainState, root: str | os.PathLike, *, keep_last: in
     if torch.distributed.is_initialized():
         torch.distributed.broadcast_object_list(holder, src=0)  # every rank writes into rank 0's fresh dir
     tmp = Path(holder[0])
-    with _host_only_cuda_calls():
+    with host_device.on_host():
         dist_checkpointing.save(_sharded_state_dict(state, loading=False), str(tmp))
     _barrier()
     if os.environ.get(DIE_IN_SAVE_ENV) == str(state.step):
         os._exit(137)
     final = dirs.path(state.step)
     if _rank() == 0:
-        final = dirs.commit(state.step, tmp, format=FORMAT,
-                            tensor_parallel_size=parallel_state.get_tensor_model_parallel_world_size(), **meta)
+        final = dirs.commit(state.step, tmp, format=FORMAT, world_size=_world(),
+                            tensor_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+                            pipeline_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+                            virtual_pipeline_parallel_size=parallel_state.get_virtual_pipeline_model_parallel_world_size(),
+                            **meta)
         if keep_last:
             dirs.retain(keep_last)
     _barrier()
@@ -178,25 +268,33 @@ def load_checkpoint(state: TrainState, path: str | os.PathLike, *, reset_optimiz
     common = dist_checkpointing.load_common_state_dict(str(path))
     if common.get("format") != FORMAT:
         raise ValueError(f"{path}: format {common.get('format')!r}, expected {FORMAT!r}; not a trainer checkpoint")
-    sd = _sharded_state_dict(state, loading=True, with_optimizer=not reset_optimizer)
-    with _host_only_cuda_calls():
+    same_world = common.get("world_size") == _world()
+    if not same_world:
+        log.info("%s was saved by %s ranks, this job has %s: weights and optimizer are resharded, RNG states are "
+                 "not restored", path, common.get("world_size"), _world())
+    sd = _sharded_state_dict(state, loading=True, with_optimizer=not reset_optimizer, with_rng=same_world)
+    other_kind = common.get("optimizer_kind") != _optimizer_kind(state.optimizer)
+    if not reset_optimizer:
+        _main_weights_as_saved(sd["optimizer"], set(dist_checkpointing.load_tensors_metadata(str(path))), path)
+        skeleton = _skeleton(sd["optimizer"]) if other_kind else None
+    with host_device.on_host():
         loaded = dist_checkpointing.load(sd, str(path))
-    state.model.load_state_dict(loaded["model"], strict=False)
+        state.model.load_sharded(loaded["model"])
+        if reset_optimizer:  # the optimizer's fp32 main weights are copies: take the loaded weights
+            state.optimizer.reload_model_params()
+        else:
+            opt = loaded["optimizer"]
+            if other_kind:
+                opt = _as_requested(skeleton, opt)
+                _set_adam_step(opt, _optimizer_kind(state.optimizer), float(loaded["adam_step"]))
+            with _torch_adam_step_kept(state.optimizer):
+                state.optimizer.load_state_dict(opt)
     state.step = int(loaded["step"])
     state.data_state = loaded["data"]
-    _set_rng_state(loaded["rng"])
-    if not reset_optimizer:
-        opt = loaded["optimizer"]
-        step = opt.pop("adam_step")
-        for s in opt["state"].values():
-            s["step"] = torch.tensor(step)
-        # param ids are positions; the groups' own lists were not saved (LocalNonpersistentObject)
-        fresh = state.optimizer.state_dict()
-        for g_saved, g_fresh in zip(opt["param_groups"], fresh["param_groups"]):
-            g_saved["params"] = g_fresh["params"]
-        state.optimizer.load_state_dict(opt)
-        if state.scheduler is not None and loaded["scheduler"] is not None:
-            state.scheduler.load_state_dict(loaded["scheduler"])
+    if same_world:
+        _set_rng_state(loaded["rng"])
+    if not reset_optimizer and state.scheduler is not None and loaded["scheduler"] is not None:
+        state.scheduler.load_state_dict(loaded["scheduler"])
     return state
 
 

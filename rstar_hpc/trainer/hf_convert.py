@@ -12,6 +12,10 @@ Layout facts the mapping rests on (megatron-core 0.16):
     `linear_fc1.layer_norm_weight`); the local spec names them `input_layernorm` / `pre_mlp_layernorm`.
     Both are handled by looking at which names the model has.
   * Megatron's vocabulary is padded to a multiple of tp; the padding rows are zero and dropped on export.
+  * pipeline parallelism gives each chunk a run of layers, numbered from 0 in the chunk (`decoder.layers.{i -
+    offset}`); the embedding lives on the first stage, the final norm and output layer on the last. Loading maps
+    only the chunk's layers; exporting writes each stage's tensors from that stage (its own safetensors files),
+    and global rank 0 writes the index.
 """
 from __future__ import annotations
 
@@ -61,10 +65,12 @@ def _pad_rows(w: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def hf_to_megatron(hf: dict[str, torch.Tensor], arch: Qwen3Arch, tp: int, tp_rank: int,
-                   names: set[str]) -> dict[str, torch.Tensor]:
+                   names: set[str], layers: range | None = None) -> dict[str, torch.Tensor]:
     """The Megatron tensors of rank `tp_rank` (of `tp`) from full HF tensors.
 
-    `names` are the model's parameter names (they tell local from TE layout and tied from untied).
+    `names` are the model's (chunk's) parameter names: they tell local from TE layout, tied from untied, and
+    whether the chunk has the embedding and the output layer. `layers`: the chunk's global layer indices (all by
+    default); they are numbered from 0 in the result, as in the chunk.
     """
     def col(w: torch.Tensor) -> torch.Tensor:
         return w.chunk(tp, dim=0)[tp_rank]
@@ -73,13 +79,17 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], arch: Qwen3Arch, tp: int, tp_ran
         return w.chunk(tp, dim=1)[tp_rank]
 
     vocab = arch.padded_vocab_size(tp)
-    out = {"embedding.word_embeddings.weight": col(_pad_rows(hf["model.embed_tokens.weight"], vocab)),
-           "decoder.final_layernorm.weight": hf["model.norm.weight"]}
+    layers = range(arch.num_layers) if layers is None else layers
+    out = {}
+    if "embedding.word_embeddings.weight" in names:
+        out["embedding.word_embeddings.weight"] = col(_pad_rows(hf["model.embed_tokens.weight"], vocab))
+    if "decoder.final_layernorm.weight" in names:
+        out["decoder.final_layernorm.weight"] = hf["model.norm.weight"]
     if "output_layer.weight" in names:
         head = hf.get("lm_head.weight", hf["model.embed_tokens.weight"])  # tied HF -> untied Megatron
         out["output_layer.weight"] = col(_pad_rows(head, vocab))
-    for i in range(arch.num_layers):
-        h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+    for i in layers:
+        h, m = f"model.layers.{i}.", f"decoder.layers.{i - layers.start}."
         fused = _split_qkv_groups(arch, hf[h + "self_attn.q_proj.weight"], hf[h + "self_attn.k_proj.weight"],
                                   hf[h + "self_attn.v_proj.weight"])
         out[m + "self_attention.linear_qkv.weight"] = col(fused)  # whole groups per rank
@@ -97,9 +107,12 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], arch: Qwen3Arch, tp: int, tp_ran
     return out
 
 
-def megatron_to_hf(shards: list[dict[str, torch.Tensor]], arch: Qwen3Arch) -> dict[str, torch.Tensor]:
-    """Full HF tensors from the Megatron tensors of every tensor-parallel rank (rank order)."""
+def megatron_to_hf(shards: list[dict[str, torch.Tensor]], arch: Qwen3Arch,
+                   layers: range | None = None) -> dict[str, torch.Tensor]:
+    """HF tensors from the Megatron tensors of every tensor-parallel rank (rank order) of a model, or of a chunk
+    holding global `layers` (numbered from 0 in it) and whichever of embedding and output layer it has."""
     first = shards[0]
+    layers = range(arch.num_layers) if layers is None else layers
 
     def col(name: str) -> torch.Tensor:
         return torch.cat([s[name] for s in shards], dim=0)
@@ -107,12 +120,15 @@ def megatron_to_hf(shards: list[dict[str, torch.Tensor]], arch: Qwen3Arch) -> di
     def row(name: str) -> torch.Tensor:
         return torch.cat([s[name] for s in shards], dim=1)
 
-    hf = {"model.embed_tokens.weight": col("embedding.word_embeddings.weight")[: arch.vocab_size],
-          "model.norm.weight": first["decoder.final_layernorm.weight"]}
-    if not arch.tie_word_embeddings:
+    hf = {}
+    if "embedding.word_embeddings.weight" in first:
+        hf["model.embed_tokens.weight"] = col("embedding.word_embeddings.weight")[: arch.vocab_size]
+    if "decoder.final_layernorm.weight" in first:
+        hf["model.norm.weight"] = first["decoder.final_layernorm.weight"]
+    if not arch.tie_word_embeddings and "output_layer.weight" in first:
         hf["lm_head.weight"] = col("output_layer.weight")[: arch.vocab_size]
-    for i in range(arch.num_layers):
-        h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+    for i in layers:
+        h, m = f"model.layers.{i}.", f"decoder.layers.{i - layers.start}."
         q, k, v = _merge_qkv_groups(arch, col(m + "self_attention.linear_qkv.weight"))
         hf[h + "self_attn.q_proj.weight"], hf[h + "self_attn.k_proj.weight"], hf[h + "self_attn.v_proj.weight"] = \
             q, k, v
@@ -135,8 +151,8 @@ def megatron_to_hf(shards: list[dict[str, torch.Tensor]], arch: Qwen3Arch) -> di
 # files
 
 
-def read_hf_weights(hf_dir: Path | str) -> dict[str, torch.Tensor]:
-    """Every tensor of a safetensors checkpoint (single file or sharded with an index)."""
+def read_hf_weights(hf_dir: Path | str, want=None) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors checkpoint (single file or sharded with an index); `want(name)` picks some."""
     hf_dir = Path(hf_dir)
     files = sorted(hf_dir.glob("*.safetensors"))
     if not files:
@@ -146,7 +162,8 @@ def read_hf_weights(hf_dir: Path | str) -> dict[str, torch.Tensor]:
     for f in files:
         with safe_open(str(f), framework="pt") as fh:
             for k in fh.keys():  # noqa: SIM118  (safe_open handles are not mappings)
-                out[k] = fh.get_tensor(k)
+                if want is None or want(k):
+                    out[k] = fh.get_tensor(k)
     return out
 
 
@@ -154,9 +171,28 @@ def _model_names(model: torch.nn.Module) -> set[str]:
     return {k for k in model.state_dict() if not k.endswith("_extra_state")}
 
 
+def _chunks(model: torch.nn.Module) -> list[tuple[torch.nn.Module, range]]:
+    """(GPTModel, its global layer indices) for each chunk of a `parallel.Policy`, or for one whole GPTModel."""
+    if hasattr(model, "modules_with_offsets"):
+        return [(m, range(o, o + len(m.decoder.layers))) for m, o in model.modules_with_offsets()]
+    return [(model, range(model.arch.num_layers))]  # type: ignore[attr-defined]
+
+
+def _wanted(layers: range, names: set[str]):
+    """Which HF tensors a chunk with these layers and parameter names is made from."""
+    def want(k: str) -> bool:
+        if k.startswith("model.layers."):
+            return int(k.split(".")[2]) in layers
+        if k == "model.norm.weight":
+            return "decoder.final_layernorm.weight" in names
+        return "embedding.word_embeddings.weight" in names or "output_layer.weight" in names
+    return want
+
+
 @torch.no_grad()
 def load_hf_checkpoint(model: torch.nn.Module, hf_dir: Path | str) -> None:
-    """Copy a Hugging Face Qwen3 checkpoint into `model` (this rank's tensor-parallel shard), exactly.
+    """Copy a Hugging Face Qwen3 checkpoint into `model` (a `parallel.Policy` or one GPTModel: this rank's
+    tensor-parallel shard of its chunks), exactly; each chunk reads only its own tensors.
 
     Raises if the architectures differ or a tensor is missing or left over, naming it.
     """
@@ -166,75 +202,116 @@ def load_hf_checkpoint(model: torch.nn.Module, hf_dir: Path | str) -> None:
         diff = {k: (v, getattr(disk, k)) for k, v in arch.to_dict().items() if getattr(disk, k) != v}
         raise ValueError(f"{hf_dir}: checkpoint architecture differs from the model (model, checkpoint): {diff}; "
                          f"build the model from this checkpoint's config.json")
-    hf = read_hf_weights(hf_dir)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     rank = parallel_state.get_tensor_model_parallel_rank()
-    names = _model_names(model)
-    try:
-        mine = hf_to_megatron(hf, arch, tp, rank, names)
-    except KeyError as e:
-        raise KeyError(f"{hf_dir}: tensor {e.args[0]} missing from the safetensors files") from e
-    params = dict(model.state_dict(keep_vars=True))
-    missing = sorted(n for n in names if n not in mine and not n.endswith("inv_freq"))
-    if missing:
-        raise KeyError(f"no Hugging Face source for model tensors {missing[:5]}; the model is not a Qwen3 GPTModel")
-    for name, value in mine.items():
-        target = params[name]
-        if target.shape != value.shape:
-            raise ValueError(f"{name}: checkpoint gives shape {tuple(value.shape)}, model has {tuple(target.shape)}")
-        target.data.copy_(value.to(target.dtype))
+    for chunk, layers in _chunks(model):
+        names = _model_names(chunk)
+        try:
+            mine = hf_to_megatron(read_hf_weights(hf_dir, _wanted(layers, names)), arch, tp, rank, names, layers)
+        except KeyError as e:
+            raise KeyError(f"{hf_dir}: tensor {e.args[0]} missing from the safetensors files") from e
+        params = dict(chunk.state_dict(keep_vars=True))
+        missing = sorted(n for n in names if n not in mine and not n.endswith("inv_freq"))
+        if missing:
+            raise KeyError(f"no Hugging Face source for model tensors {missing[:5]}; the model is not a Qwen3 GPTModel")
+        for name, value in mine.items():
+            target = params[name]
+            if target.shape != value.shape:
+                raise ValueError(f"{name}: checkpoint gives shape {tuple(value.shape)}, model has "
+                                 f"{tuple(target.shape)}")
+            target.data.copy_(value.to(target.dtype))
+
+
+def _grad(p: torch.nn.Parameter) -> torch.Tensor:
+    """A parameter's gradient: megatron DDP's `main_grad` buffer when wrapped, else `.grad` (zeros if none)."""
+    g = getattr(p, "main_grad", None)
+    g = p.grad if g is None else g
+    return (torch.zeros_like(p) if g is None else g).detach()
+
+
+@torch.no_grad()
+def stage_hf_state(model: torch.nn.Module, grads: bool = False) -> dict[str, torch.Tensor] | None:
+    """This pipeline stage's HF tensors (or, with `grads`, gradients in HF layout) on its tensor-parallel rank 0,
+    None on the other tp ranks; every tp rank must call it."""
+    arch: Qwen3Arch = model.arch  # type: ignore[attr-defined]
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    out: dict[str, torch.Tensor] = {}
+    for chunk, layers in _chunks(model):
+        if grads:
+            mine = {k: _grad(p) for k, p in chunk.named_parameters()}
+        else:
+            mine = {k: v.detach() for k, v in chunk.state_dict().items() if not k.endswith("_extra_state")
+                    and isinstance(v, torch.Tensor)}
+        shards: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
+        for name in sorted(mine):  # same order on every rank
+            parts = [mine[name]]
+            if tp > 1:
+                parts = [torch.empty_like(mine[name]) for _ in range(tp)]
+                torch.distributed.all_gather(parts, mine[name].contiguous(),
+                                             group=parallel_state.get_tensor_model_parallel_group())
+            for r in range(tp):  # a copy: the parameters and gradient buffers move on with training
+                shards[r][name] = parts[r].to("cpu", copy=True)
+        out.update(megatron_to_hf(shards, arch, layers))
+    return out if parallel_state.get_tensor_model_parallel_rank() == 0 else None
 
 
 @torch.no_grad()
 def gather_hf_state(model: torch.nn.Module, grads: bool = False) -> dict[str, torch.Tensor] | None:
-    """Full HF tensors (or, with `grads`, the parameters' gradients in HF layout) on tensor-parallel rank 0,
-    None elsewhere; every tp rank must call it."""
-    arch: Qwen3Arch = model.arch  # type: ignore[attr-defined]
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    if grads:
-        mine = {k: (p.grad if p.grad is not None else torch.zeros_like(p)).detach()
-                for k, p in model.named_parameters()}
-    else:
-        mine = {k: v.detach() for k, v in model.state_dict().items() if not k.endswith("_extra_state")
-                and isinstance(v, torch.Tensor)}
-    if tp == 1:
-        return megatron_to_hf([{k: v.cpu() for k, v in mine.items()}], arch)
-    group = parallel_state.get_tensor_model_parallel_group()
-    shards: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
-    for name in sorted(mine):  # same order on every rank
-        parts = [torch.empty_like(mine[name]) for _ in range(tp)]
-        torch.distributed.all_gather(parts, mine[name].contiguous(), group=group)
-        for r in range(tp):
-            shards[r][name] = parts[r].cpu()
-    if parallel_state.get_tensor_model_parallel_rank() != 0:
+    """Full HF tensors (or, with `grads`, the parameters' gradients in HF layout) on the first rank of the
+    model-parallel group (tp and pp rank 0), None elsewhere; every tp and pp rank must call it. Gathering a
+    large model's stages onto one rank is for tests and small models; `export_hf_checkpoint` writes per stage."""
+    mine = stage_hf_state(model, grads)
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return mine
+    group = parallel_state.get_pipeline_model_parallel_group()
+    first = parallel_state.get_pipeline_model_parallel_first_rank()
+    stages = [None] * torch.distributed.get_world_size(group) if torch.distributed.get_rank() == first else None
+    torch.distributed.gather_object(mine, stages, dst=first, group=group)
+    if stages is None:
         return None
-    return megatron_to_hf(shards, arch)
+    return {k: v for part in stages if part is not None for k, v in part.items()}
 
 
 def export_hf_checkpoint(model: torch.nn.Module, out_dir: Path | str, *, source_dir: Path | str,
                          max_shard_bytes: int = 5 * 2**30) -> Path | None:
     """Write `model` as a Hugging Face checkpoint (config.json, safetensors, index when sharded).
 
-    `source_dir` is the checkpoint it came from: its config.json and tokenizer files are copied. Collective
-    over the tensor-parallel group; tp rank 0 writes and gets the directory, the others get None.
+    `source_dir` is the checkpoint it came from: its config.json and tokenizer files are copied. Collective over
+    the tensor- and pipeline-parallel groups: tp rank 0 of each stage writes that stage's safetensors files (named
+    by stage when there are several); the first stage's writes the rest and gets the directory, others get None.
     """
-    hf = gather_hf_state(model)
-    if hf is None:
-        return None
     out, source = Path(out_dir), Path(source_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    pp, stage = parallel_state.get_pipeline_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_rank()
+    hf = stage_hf_state(model)
+    written = None  # (tensor -> file, bytes, dtype) of this stage
+    if hf is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        written = (_write_safetensors(hf, out, max_shard_bytes, "model" if pp == 1 else f"model-stage{stage:03d}"),
+                   sum(t.numel() * t.element_size() for t in hf.values()), str(next(iter(hf.values())).dtype))
+    stages = [written]
+    if pp > 1:
+        group = parallel_state.get_pipeline_model_parallel_group()
+        first = parallel_state.get_pipeline_model_parallel_first_rank()
+        stages = [None] * torch.distributed.get_world_size(group) if torch.distributed.get_rank() == first else None
+        torch.distributed.gather_object(written, stages, dst=first, group=group)
+    if stages is None or stages[0] is None:
+        return None
+    files = {k: v for m, _, _ in stages for k, v in m.items()}
     config = json.loads((source / "config.json").read_text())
-    dtype = next(iter(hf.values())).dtype
-    config["torch_dtype"] = str(dtype).removeprefix("torch.")
+    config["torch_dtype"] = stages[0][2].removeprefix("torch.")
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for name in AUX_FILES:
         if (source / name).is_file():
             shutil.copy2(source / name, out / name)
-    _write_safetensors(hf, out, max_shard_bytes)
+    if len(set(files.values())) > 1:
+        index = {"metadata": {"total_size": sum(n for _, n, _ in stages)}, "weight_map": dict(sorted(files.items()))}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     return out
 
 
-def _write_safetensors(tensors: dict[str, torch.Tensor], out: Path, max_shard_bytes: int) -> None:
+def _write_safetensors(tensors: dict[str, torch.Tensor], out: Path, max_shard_bytes: int, stem: str) -> dict[str, str]:
+    """Write `tensors` as `<stem>.safetensors`, or `<stem>-0000i-of-0000n.safetensors` past max_shard_bytes;
+    returns tensor name -> file name."""
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name in sorted(tensors):
@@ -245,14 +322,9 @@ def _write_safetensors(tensors: dict[str, torch.Tensor], out: Path, max_shard_by
             size = 0
         shards[-1][name] = t
         size += nbytes
-    if len(shards) == 1:
-        save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
-        return
     weight_map = {}
     for i, shard in enumerate(shards, 1):
-        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        fname = f"{stem}.safetensors" if len(shards) == 1 else f"{stem}-{i:05d}-of-{len(shards):05d}.safetensors"
         save_file(shard, str(out / fname), metadata={"format": "pt"})
         weight_map.update({k: fname for k in shard})
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return weight_map

@@ -29,9 +29,10 @@ from rstar_hpc.exchange.rundir import RunPaths
 from rstar_hpc.exchange.state import read_stage_state, write_stage_state
 from rstar_hpc.trainer.checkpoint import SaveOnSignal, TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
 from rstar_hpc.trainer.hf_convert import load_hf_checkpoint
-from rstar_hpc.trainer.model import Qwen3Arch, build_model, destroy_distributed, init_distributed
+from rstar_hpc.trainer.model import Qwen3Arch, destroy_distributed, init_distributed
+from rstar_hpc.trainer.parallel import build_optimizer, build_policy
 from rstar_hpc.trainer.publish import publish_policy
-from rstar_hpc.trainer.step import build_optimizer, build_scheduler
+from rstar_hpc.trainer.step import build_scheduler
 
 log = logging.getLogger("rstar_hpc.trainer")
 EXIT_REQUEUE = 75  # EX_TEMPFAIL: saved on the pre-timeout signal, the stage is not done
@@ -47,7 +48,7 @@ def run(cfg: RunConfig, stage_name: str, *, on_step: Callable[[int, dict], None]
 
     # -- setup
     init_distributed(tp=tcfg.tensor_parallel_size, pp=tcfg.pipeline_parallel_size, backend=backend,
-                     seed=cfg.run.seed)
+                     seed=cfg.run.seed, vpp=tcfg.virtual_pipeline_parallel_size)
     rank0 = torch.distributed.get_rank() == 0
     signal_save = SaveOnSignal()
     metrics_out = None
@@ -60,11 +61,10 @@ def run(cfg: RunConfig, stage_name: str, *, on_step: Callable[[int, dict], None]
             log.info("stage %s is DONE already; nothing to train (rerun it under a new stage name)", stage.name)
             return 0
         model_dir = _model_dir(cfg)
-        model = build_model(Qwen3Arch.from_hf_config(model_dir), backend=backend, seed=cfg.run.seed,
-                            params_dtype=getattr(torch, tcfg.params_dtype))
+        model = build_policy(Qwen3Arch.from_hf_config(model_dir), tcfg, backend, seed=cfg.run.seed)
         load_hf_checkpoint(model, model_dir)
         opt_cfg, lr = tcfg.optimizer, stage.lr or tcfg.optimizer.lr
-        optimizer = build_optimizer(model, lr, opt_cfg.betas, opt_cfg.weight_decay)
+        optimizer = build_optimizer(model, tcfg, lr)  # after the weights: it copies them to fp32 main weights
         schedule = opt_cfg.sft_schedule if stage.kind == "sft" else opt_cfg.schedule
         scheduler = build_scheduler(optimizer, opt_cfg.warmup_steps, stage.num_steps, schedule, opt_cfg.min_lr_ratio)
         state = TrainState(model, optimizer, scheduler)

@@ -106,20 +106,20 @@ class Qwen3Arch:
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Parallel degrees of the trainer: world = tp * pp * dp (dp derived)."""
+    """Parallel degrees of the trainer: world = tp * pp * dp (dp derived); vpp model chunks per pipeline rank."""
 
     world_size: int
     tp: int = 1
     pp: int = 1
+    vpp: int | None = None
 
     def __post_init__(self) -> None:
-        if self.pp != 1:
-            raise ValueError(f"trainer.pipeline_parallel_size={self.pp}: pipeline parallelism is not implemented "
-                             f"yet; set it to 1 and use tensor/data parallelism")
-        if self.tp < 1 or self.world_size % (self.tp * self.pp):
+        if self.tp < 1 or self.pp < 1 or self.world_size % (self.tp * self.pp):
             raise ValueError(f"WORLD_SIZE={self.world_size} is not a multiple of tensor_parallel_size ({self.tp}) "
                              f"x pipeline_parallel_size ({self.pp}) = {self.tp * self.pp}; change the degrees "
                              f"or the number of trainer ranks")
+        if self.vpp is not None and self.pp == 1:
+            raise ValueError(f"virtual_pipeline_parallel_size={self.vpp} needs pipeline_parallel_size > 1")
 
     @property
     def dp(self) -> int:
@@ -130,19 +130,28 @@ class ParallelDims:
         return self.tp > 1
 
     @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
     def dp_enabled(self) -> bool:
         return self.dp > 1
 
     def check_model(self, arch: Qwen3Arch) -> None:
-        """Head counts must split evenly over tensor-parallel ranks."""
+        """Head counts must split evenly over tensor-parallel ranks, layers over pipeline stages."""
         for name, n in (("num_attention_heads", arch.num_heads), ("num_key_value_heads", arch.num_kv_heads),
                         ("intermediate_size", arch.intermediate_size)):
             if n % self.tp:
                 raise ValueError(f"{name}={n} is not divisible by tensor_parallel_size={self.tp}; "
                                  f"pick a tensor_parallel_size that divides it")
+        stages = self.pp * (self.vpp or 1)
+        if arch.num_layers % stages:
+            raise ValueError(f"num_hidden_layers={arch.num_layers} is not divisible by pipeline_parallel_size="
+                             f"{self.pp} x virtual_pipeline_parallel_size={self.vpp or 1}; pick degrees that divide it")
 
 
-def init_distributed(tp: int = 1, pp: int = 1, backend: Backend = "cpu", seed: int = 0) -> ParallelDims:
+def init_distributed(tp: int = 1, pp: int = 1, backend: Backend = "cpu", seed: int = 0,
+                     vpp: int | None = None) -> ParallelDims:
     """Join the process group (env:// from torchrun, or SLURM_* under srun) and build Megatron's groups.
 
     Idempotent within a process: a second call checks the degrees and returns.
@@ -160,13 +169,17 @@ def init_distributed(tp: int = 1, pp: int = 1, backend: Backend = "cpu", seed: i
             torch.cuda.set_device(local)
         torch.distributed.init_process_group("nccl" if backend == "cuda" else "gloo", rank=rank,
                                              world_size=world)
-    dims = ParallelDims(world_size=torch.distributed.get_world_size(), tp=tp, pp=pp)
+    dims = ParallelDims(world_size=torch.distributed.get_world_size(), tp=tp, pp=pp, vpp=vpp)
     if parallel_state.model_parallel_is_initialized():
-        have = parallel_state.get_tensor_model_parallel_world_size()
-        if have != tp:
-            raise RuntimeError(f"model parallel groups already built with tp={have}, asked for tp={tp}")
+        have = (parallel_state.get_tensor_model_parallel_world_size(),
+                parallel_state.get_pipeline_model_parallel_world_size(),
+                parallel_state.get_virtual_pipeline_model_parallel_world_size())
+        if have != (tp, pp, vpp):
+            raise RuntimeError(f"model parallel groups already built with (tp, pp, vpp)={have}, asked for "
+                               f"{(tp, pp, vpp)}")
         return dims
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                             virtual_pipeline_model_parallel_size=vpp)
     torch.manual_seed(seed)
     if backend == "cuda":
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
@@ -286,8 +299,27 @@ def layer_spec(backend: Backend) -> ModuleSpec:
     return spec
 
 
-def transformer_config(arch: Qwen3Arch, *, tp: int = 1, backend: Backend = "cpu",
-                       params_dtype: torch.dtype = torch.float32) -> TransformerConfig:
+@dataclass(frozen=True)
+class Recompute:
+    """Activation recompute (`trainer.recompute*`): none, selective (these modules of every layer) or full
+    (blocks of `num_layers` layers, megatron's uniform method)."""
+
+    granularity: Literal["none", "selective", "full"] = "none"
+    modules: tuple[str, ...] = ("core_attn",)
+    num_layers: int = 1
+
+    def config_fields(self) -> dict:
+        if self.granularity == "selective":
+            return {"recompute_granularity": "selective", "recompute_modules": list(self.modules)}
+        if self.granularity == "full":
+            return {"recompute_granularity": "full", "recompute_method": "uniform",
+                    "recompute_num_layers": self.num_layers}
+        return {}
+
+
+def transformer_config(arch: Qwen3Arch, *, tp: int = 1, pp: int = 1, vpp: int | None = None,
+                       backend: Backend = "cpu", params_dtype: torch.dtype = torch.float32,
+                       recompute: Recompute = Recompute()) -> TransformerConfig:
     on_gpu = backend == "cuda"
     return TransformerConfig(
         num_layers=arch.num_layers,
@@ -306,6 +338,19 @@ def transformer_config(arch: Qwen3Arch, *, tp: int = 1, backend: Backend = "cpu"
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        pipeline_dtype=params_dtype,
+        # packed micro-batches differ in length: stages exchange shapes before activations. Not with virtual
+        # stages: with pp=2 the previous and the next stage are one rank, and megatron's shape exchange (one
+        # batch of isend/irecv on one group) mixes up the two directions; micro-batches are then padded to one
+        # length (step.py). Its unbatched p2p keeps the directions on two groups: used on gloo, and for pp=2
+        batch_p2p_comm=on_gpu and not (pp == 2 and vpp is not None),
+        variable_seq_lengths=vpp is None,
+        moe_token_dispatcher_type="alltoall",  # dense model; megatron refuses variable lengths with 'allgather'
+        # the loss function returns sums; finalize_model_grads divides by the step's trained tokens, all ranks
+        calculate_per_token_loss=True,
+        deallocate_pipeline_outputs=True,
         params_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16,
@@ -317,38 +362,47 @@ def transformer_config(arch: Qwen3Arch, *, tp: int = 1, backend: Backend = "cpu"
         apply_rope_fusion=False,
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
+        **recompute.config_fields(),
     )
 
 
 def build_model(arch: Qwen3Arch, *, backend: Backend = "cpu", params_dtype: torch.dtype = torch.float32,
-                seed: int = 0) -> GPTModel:
-    """A randomly initialised policy on this rank (its tensor-parallel shard); load weights with hf_convert.
-
-    Needs `init_distributed` first (Megatron reads the groups at construction).
+                seed: int = 0, vp_stage: int | None = None, recompute: Recompute = Recompute()) -> GPTModel:
+    """A randomly initialised policy chunk on this rank (its tensor-parallel shard of its pipeline stage, or of
+    virtual stage `vp_stage`); load weights with hf_convert. Needs `init_distributed` first (Megatron reads the
+    groups at construction). `parallel.build_policy` builds every chunk of a rank and wraps them for training.
     """
     if not parallel_state.model_parallel_is_initialized():
         raise RuntimeError("call rstar_hpc.trainer.model.init_distributed(...) before build_model")
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    ParallelDims(world_size=torch.distributed.get_world_size(), tp=tp).check_model(arch)
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    ParallelDims(world_size=torch.distributed.get_world_size(), tp=tp, pp=pp, vpp=vpp).check_model(arch)
     torch.manual_seed(seed)
     if backend == "cuda":  # weights are initialised on the GPU, from megatron's CUDA RNG tracker
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
     model = GPTModel(
-        config=transformer_config(arch, tp=tp, backend=backend, params_dtype=params_dtype),
+        config=transformer_config(arch, tp=tp, pp=pp, vpp=vpp, backend=backend, params_dtype=params_dtype,
+                                  recompute=recompute),
         transformer_layer_spec=layer_spec(backend),
         vocab_size=arch.padded_vocab_size(tp),
         max_sequence_length=arch.max_position_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
         parallel_output=True,
         share_embeddings_and_output_weights=arch.tie_word_embeddings,
         position_embedding_type="rope",
         rotary_base=arch.rope_theta,  # a float is fine and keeps theta exact
         rotary_percent=1.0,
+        vp_stage=vp_stage,
     )
     if backend == "cpu":
         model.rotary_pos_emb = CPURotaryEmbedding(kv_channels=arch.head_dim, rotary_percent=1.0,
                                                   rotary_base=arch.rope_theta, use_cpu_initialization=True,
                                                   cp_group=model.pg_collection.cp)
     model.arch = arch  # type: ignore[attr-defined]  # for token_logprobs and hf_convert
+    for p in model.parameters():  # the local spec's torch norms ignore params_dtype (Megatron-LM casts whole)
+        p.data = p.data.to(params_dtype)
     if backend == "cuda":
         model.cuda()
     return model

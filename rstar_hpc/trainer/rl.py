@@ -46,7 +46,8 @@ from rstar_hpc.exchange.errors import ExchangeError, StepNotReadyError
 from rstar_hpc.exchange.reader import Consumer
 from rstar_hpc.exchange.rundir import RunPaths
 from rstar_hpc.exchange.tool_status import INFRA_TOOL_STATUSES
-from rstar_hpc.trainer.step import MicroBatch, pack, sequence_logprobs, train_step
+from rstar_hpc.trainer.parallel import from_last_stage
+from rstar_hpc.trainer.step import MicroBatch, forward_logprobs, pack, train_step
 
 log = logging.getLogger(__name__)
 CONSUMER = "trainer"
@@ -184,41 +185,27 @@ def _any_rank(*flags: bool) -> list[bool]:
     return [bool(x) for x in t.tolist()]
 
 
-def _dp_sum(values: list[float]) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64)
-    if parallel_state.get_data_parallel_world_size() > 1:
-        t = t.to("cuda" if torch.cuda.is_available() else "cpu")
-        torch.distributed.all_reduce(t, group=parallel_state.get_data_parallel_group())
-    return t.tolist()
-
-
 @torch.no_grad()
-def recompute_old_logprobs(model: torch.nn.Module, micro_batches: list[MicroBatch]) -> dict[str, float]:
-    """Replace each micro-batch's old_logprobs (the engine's) with the trainer's, before the update; returns
-    the gap between the two over trained tokens (engine minus trainer: numerics, stale weights, sampling)."""
-    model.eval()
-    device = next(model.parameters()).device
+def recompute_old_logprobs(model, micro_batches: list[MicroBatch]) -> dict[str, float]:
+    """Replace each micro-batch's old_logprobs (the engine's) with the trainer's, before the update, on the last
+    pipeline stage (where the loss runs); returns the gap between the two over trained tokens (engine minus
+    trainer: numerics, stale weights, sampling), the same on every rank."""
     abs_sum, signed_sum, max_abs, count = 0.0, 0.0, 0.0, 0.0
-    for mb in micro_batches:
-        mine = sequence_logprobs(model, mb.to(device)).float().cpu()
+    for mb, mine in zip(micro_batches, forward_logprobs(model, micro_batches) or []):
+        mine = mine.float().cpu()
         d = (mb.old_logprobs - mine)[mb.loss_mask]
         abs_sum, signed_sum, count = abs_sum + float(d.abs().sum()), signed_sum + float(d.sum()), count + d.numel()
         max_abs = max(max_abs, float(d.abs().max()) if d.numel() else 0.0)
         mb.old_logprobs = mine
-    model.train()
-    abs_sum, signed_sum, count = _dp_sum([abs_sum, signed_sum, count])
-    peak = torch.tensor([max_abs], device="cuda" if torch.cuda.is_available() else "cpu")
-    if parallel_state.get_data_parallel_world_size() > 1:
-        torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX,
-                                     group=parallel_state.get_data_parallel_group())
-    c = max(count, 1.0)
-    return {"train/old_logprob_gap_abs_mean": abs_sum / c, "train/old_logprob_gap_mean": signed_sum / c,
-            "train/old_logprob_gap_abs_max": float(peak.item())}
+    sums = from_last_stage({"abs": abs_sum, "signed": signed_sum, "count": count})
+    c = max(sums["count"], 1.0)
+    return {"train/old_logprob_gap_abs_mean": sums["abs"] / c, "train/old_logprob_gap_mean": sums["signed"] / c,
+            "train/old_logprob_gap_abs_max": from_last_stage({"max": max_abs}, op="max")["max"]}
 
 
-def rl_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-            scheduler: torch.optim.lr_scheduler.LRScheduler | None, batch: RLBatch, cfg: RunConfig) -> dict[str, float]:
-    """One GRPO-RoC update on `batch` (collective over all trainer ranks); returns the step's metrics."""
+def rl_step(model, optimizer, scheduler, batch: RLBatch, cfg: RunConfig) -> dict[str, float]:
+    """One GRPO-RoC update of the `parallel.Policy` `model` on `batch` (collective over all trainer ranks);
+    returns the step's metrics."""
     metrics = dict(batch.metrics)
     if batch.empty:
         log.warning("step %d: RoC kept no trajectory (every group had equal rewards); no update this step",
@@ -238,9 +225,9 @@ def rl_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         stats.append(s)
         return loss, {}
 
-    out = train_step(model, optimizer, scheduler, micro_batches, loss_fn, grad_clip=cfg.trainer.optimizer.grad_clip)
-    keys = list(LossStats.__annotations__)
-    summed = dict(zip(keys, _dp_sum([sum(s[k] for s in stats) for k in keys])))
+    out = train_step(model, optimizer, scheduler, micro_batches, loss_fn)
+    # the loss ran on the last pipeline stage: its sums, over data-parallel ranks, on every rank
+    summed = from_last_stage({k: sum(s[k] for s in stats) for k in LossStats.__annotations__})
     metrics.update(loss_metrics(LossStats(**summed), num_tokens=out["num_tokens"]))
     return {**metrics, **out, "train/skipped_empty_step": 0.0}
 

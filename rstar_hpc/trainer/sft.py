@@ -126,7 +126,7 @@ class SFTStageData:
     def train(self, model, optimizer, scheduler, micro_batches) -> dict[str, float]:
         from rstar_hpc.trainer.step import train_step
 
-        return train_step(model, optimizer, scheduler, micro_batches, grad_clip=self.cfg.trainer.optimizer.grad_clip)
+        return train_step(model, optimizer, scheduler, micro_batches)
 
     def state_dict(self) -> dict[str, Any]:
         return self.data.state_dict()

@@ -1,106 +1,31 @@
-"""One optimizer step over packed micro-batches: the seam between data (SFT, RL shards) and the model.
+"""One optimizer step over a step's micro-batches: the seam between data (SFT, RL shards) and the model.
 
-A `MicroBatch` is one row of concatenated samples (THD packing) with per-token fields aligned to tokens:
-`loss_mask[i]` says token i is trained; `logprobs[i] = log p(token i | earlier tokens of its sample)`, so the
-first token of each sample never has a logprob (its mask must be 0). RL adds `advantages` and `old_logprobs`
-(the engine's or recomputed) with the same alignment; the loss function decides what to do with them.
+The step runs megatron-core's schedule (`get_forward_backward_func`: no pipelining, 1F1B, or interleaved 1F1B
+with virtual stages) over the `Policy` of `parallel.py`; the loss function runs on the last pipeline stage, on the
+token-aligned log-probabilities of each micro-batch (packing.py says what a `MicroBatch` is).
 
-Normalisation is global: every loss function returns a SUM over its tokens, and `train_step` divides by the
-number of trained tokens in the whole step across all micro-batches and data-parallel ranks before backward,
-then sums gradients over data-parallel ranks. That is the token-level mean of the paper, independent of how
-samples were packed or spread over ranks.
+Normalisation is global: every loss function returns a SUM over its tokens and the number of trained tokens;
+megatron's `finalize_model_grads` sums gradients over data-parallel ranks and divides them by the trained tokens
+of the whole step (all micro-batches, all ranks). That is the token-level mean of the paper, independent of how
+samples were packed or spread over ranks. Metrics are made the same on every rank (`parallel.from_last_stage`).
 """
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from functools import partial
 from typing import Protocol
 
 import torch
 from megatron.core import parallel_state
+from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from rstar_hpc.trainer import host_device
 from rstar_hpc.trainer.model import forward_logits, packed_seq_params, token_logprobs
-
-
-@dataclass
-class MicroBatch:
-    input_ids: torch.Tensor                        # [T] long, samples concatenated
-    seqlens: list[int]                             # sample lengths, sum = T
-    loss_mask: torch.Tensor                        # [T] bool: token i is trained
-    advantages: torch.Tensor | None = None         # [T] float (RL)
-    old_logprobs: torch.Tensor | None = None       # [T] float (RL)
-    extras: dict[str, torch.Tensor] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        t = self.input_ids.numel()
-        if sum(self.seqlens) != t:
-            raise ValueError(f"seqlens sum to {sum(self.seqlens)} but the micro-batch has {t} tokens")
-        for name in ("loss_mask", "advantages", "old_logprobs"):
-            v = getattr(self, name)
-            if v is not None and v.shape != (t,):
-                raise ValueError(f"{name} has shape {tuple(v.shape)}, expected ({t},) aligned with input_ids")
-        starts = torch.tensor([0] + list(self.seqlens[:-1])).cumsum(0)
-        if self.loss_mask[starts].any():
-            raise ValueError("loss_mask is set on the first token of a sample, which has no prediction; "
-                             "mask prompts (at least their first token) out")
-
-    @property
-    def num_tokens(self) -> int:
-        return self.input_ids.numel()
-
-    def to(self, device: torch.device | str) -> MicroBatch:
-        move = lambda x: None if x is None else x.to(device)
-        return MicroBatch(move(self.input_ids), self.seqlens, move(self.loss_mask), move(self.advantages),
-                          move(self.old_logprobs), {k: move(v) for k, v in self.extras.items()})
-
-
-def pack(samples: Iterable[tuple[torch.Tensor, torch.Tensor]], token_budget: int,
-         **per_token: Iterable[torch.Tensor]) -> list[MicroBatch]:
-    """Greedy first-fit packing of (input_ids, loss_mask) samples into micro-batches of <= token_budget tokens.
-
-    `per_token` names optional aligned lists (`advantages=[...]`, `old_logprobs=[...]`). Order is kept within
-    a micro-batch; a sample longer than the budget is an error (raise the budget or truncate upstream).
-    """
-    samples = list(samples)
-    extra = {k: list(v) for k, v in per_token.items()}
-    bins: list[list[int]] = []
-    used: list[int] = []
-    for i, (ids, _) in enumerate(samples):
-        n = ids.numel()
-        if n > token_budget:
-            raise ValueError(f"sample {i} has {n} tokens, more than trainer.micro_batch_tokens={token_budget}")
-        for b, u in enumerate(used):
-            if u + n <= token_budget:
-                bins[b].append(i)
-                used[b] += n
-                break
-        else:
-            bins.append([i])
-            used.append(n)
-    out = []
-    for b in bins:
-        fields = {k: torch.cat([v[i] for i in b]) for k, v in extra.items()}
-        out.append(MicroBatch(input_ids=torch.cat([samples[i][0] for i in b]),
-                              seqlens=[samples[i][0].numel() for i in b],
-                              loss_mask=torch.cat([samples[i][1] for i in b]).bool(),
-                              advantages=fields.pop("advantages", None),
-                              old_logprobs=fields.pop("old_logprobs", None), extras=fields))
-    return out
-
-
-def sequence_logprobs(model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
-    """Token-aligned log-probabilities [T] of `mb` under `model` (0 at sample starts)."""
-    ids = mb.input_ids
-    logits = forward_logits(model, ids[None], packed_seq_params(mb.seqlens, ids.device))
-    nxt = torch.roll(ids, -1)  # position j predicts token j+1; the wrap-around and cross-sample ones are unused
-    lp = token_logprobs(logits, nxt[None], model.arch.vocab_size)[0]  # type: ignore[attr-defined]
-    out = torch.zeros_like(lp)
-    out[1:] = lp[:-1]
-    starts = torch.tensor([0] + list(mb.seqlens[:-1]), device=ids.device).cumsum(0)
-    out[starts] = 0.0
-    return out
+from rstar_hpc.trainer.packing import MicroBatch, pack, pad_to_length, round_up_count  # noqa: F401  (re-exported)
+from rstar_hpc.trainer.parallel import Policy, dp_sum, from_last_stage
 
 
 class LossFn(Protocol):
@@ -115,17 +40,127 @@ def sft_loss(logprobs: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, dict
 
 
 # --------------------------------------------------------------------------------------------------
-# optimizer and schedule
+# log-probabilities of a micro-batch
 
 
-def build_optimizer(model: torch.nn.Module, lr: float, betas: tuple[float, float] = (0.9, 0.999),
-                    weight_decay: float = 0.01, eps: float = 1e-8) -> torch.optim.AdamW:
-    """AdamW; norms (1-d tensors) are not decayed."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=betas, eps=eps)
+def _run(model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
+    """The model (chunk) on one micro-batch: logits on the last stage, hidden states elsewhere."""
+    if mb.padded_len is not None:
+        return model(input_ids=mb.rows(), position_ids=None, attention_mask=None)
+    ids = mb.input_ids
+    return model(input_ids=ids[None], position_ids=None, attention_mask=None,
+                 packed_seq_params=packed_seq_params(mb.seqlens, ids.device))
+
+
+def aligned_logprobs(logits: torch.Tensor, mb: MicroBatch, vocab_size: int) -> torch.Tensor:
+    """Token-aligned log-probabilities [T] from the logits of `mb` (0 at sample starts), either layout."""
+    if mb.padded_len is not None:
+        rows = mb.rows()
+        lp = token_logprobs(logits, torch.roll(rows, -1, dims=1), vocab_size)
+        lp = torch.cat([lp.new_zeros(lp.size(0), 1), lp[:, :-1]], dim=1)  # row r, position j predicts token j
+        return torch.cat([lp[r, :n] for r, n in enumerate(mb.seqlens)])
+    ids = mb.input_ids
+    lp = token_logprobs(logits, torch.roll(ids, -1)[None], vocab_size)[0]  # position j predicts token j+1
+    out = torch.cat([lp.new_zeros(1), lp[:-1]])
+    starts = torch.tensor([0] + list(mb.seqlens[:-1]), device=ids.device).cumsum(0)
+    return out.index_fill(0, starts, 0.0)  # the cross-sample predictions are never used
+
+
+def sequence_logprobs(model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
+    """Token-aligned log-probabilities [T] of `mb` under a whole model (one GPTModel, or a Policy without
+    pipeline parallelism)."""
+    if isinstance(model, Policy):
+        model = model.single_module()
+    if mb.padded_len is None:
+        logits = forward_logits(model, mb.input_ids[None], packed_seq_params(mb.seqlens, mb.input_ids.device))
+    else:
+        logits = forward_logits(model, mb.rows())
+    return aligned_logprobs(logits, mb, model.arch.vocab_size)  # type: ignore[attr-defined]
+
+
+# --------------------------------------------------------------------------------------------------
+# the schedule
+
+
+def _loss(mb: MicroBatch, loss_fn: LossFn | None, vocab_size: int, output: torch.Tensor, non_loss_data=False):
+    with host_device.paused():
+        lp = aligned_logprobs(output, mb, vocab_size)
+        if non_loss_data or loss_fn is None:
+            return lp.detach()
+        loss, metrics = loss_fn(lp, mb)
+    return loss, torch.tensor(mb.num_trained, dtype=torch.int), {"loss_sum": loss.detach(), **metrics}
+
+
+def _schedule(policy: Policy, micro_batches: list[MicroBatch], loss_fn: LossFn | None, forward_only: bool) -> list:
+    """Run megatron's schedule over the micro-batches (moved to the model's device); what the last stage's loss
+    function returned, per micro-batch (empty elsewhere)."""
+    device = next(policy.parameters()).device
+    mbs = [mb.to(device) for mb in micro_batches]
+    if policy.config.virtual_pipeline_model_parallel_size is not None:  # interleaved: fixed shape (model.py),
+        longest = max(mb.num_tokens for mb in mbs)                     # count a multiple of pp
+        mbs = round_up_count([pad_to_length(mb, longest) for mb in mbs],
+                             parallel_state.get_pipeline_model_parallel_world_size(), longest)
+    vocab = policy.arch.vocab_size
+
+    def forward_step(data_iterator, model):
+        mb = next(data_iterator)
+        with host_device.paused():
+            output = _run(model, mb)
+        return output, partial(_loss, mb, loss_fn, vocab)
+
+    chunks = list(policy.chunks)
+    return get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=[iter(mbs) for _ in chunks] if len(chunks) > 1 else iter(mbs),
+        model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=len(mbs),
+        seq_length=max(mb.num_slots for mb in mbs), micro_batch_size=1, forward_only=forward_only,
+        collect_non_loss_data=forward_only)
+
+
+def forward_backward(policy: Policy, micro_batches: list[MicroBatch], loss_fn: LossFn = sft_loss) -> dict[str, float]:
+    """Accumulate gradients of the step's token-mean loss (data-parallel reduction included); no optimizer.
+    Gradients are in each parameter's `main_grad` (megatron's grad buffer)."""
+    denom = dp_sum([float(sum(mb.num_trained for mb in micro_batches))])[0]
+    with host_device.on_host():
+        policy.zero_grad_buffers()
+        out = _schedule(policy, micro_batches, loss_fn, forward_only=False)
+    sums: dict[str, float] = {}
+    for reduced in out:
+        for k, v in reduced.items():
+            sums[k] = sums.get(k, 0.0) + float(v)
+    sums = from_last_stage(sums)
+    d = max(denom, 1.0)
+    return {"loss": sums.pop("loss_sum") / d, "num_tokens": denom, **{k: v / d for k, v in sums.items()}}
+
+
+@torch.no_grad()
+def forward_logprobs(policy: Policy, micro_batches: list[MicroBatch]) -> list[torch.Tensor] | None:
+    """Token-aligned log-probabilities of each micro-batch on the last pipeline stage (None elsewhere)."""
+    policy.eval()
+    with host_device.on_host():
+        out = _schedule(policy, micro_batches, None, forward_only=True)
+    policy.train()
+    if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        return None
+    return [lp[: mb.num_tokens] for lp, mb in zip(out, micro_batches)]  # fillers come last
+
+
+# --------------------------------------------------------------------------------------------------
+# optimizer step and schedule
+
+
+def optimizer_step(optimizer) -> tuple[float, bool]:
+    """Clip to the configured norm and step a megatron optimizer; a step whose gradient norm is not finite is
+    skipped, not applied. Returns (gradient norm before clipping, applied)."""
+    with host_device.on_host():
+        found_inf = optimizer.prepare_grads()
+        grad_norm = float(optimizer.get_grad_norm())
+        if found_inf or not math.isfinite(grad_norm):
+            return grad_norm, False
+        for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+            params = opt.get_parameters()
+            if params and opt.config.clip_grad > 0:
+                clip_grad_by_total_norm_fp32(params, max_norm=opt.config.clip_grad, total_norm=grad_norm)
+        return grad_norm, bool(optimizer.step_with_ready_grads())
 
 
 def lr_lambda(warmup_steps: int, total_steps: int, schedule: str = "constant",
@@ -144,99 +179,59 @@ def lr_lambda(warmup_steps: int, total_steps: int, schedule: str = "constant",
     return f
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int,
-                    schedule: str = "constant", min_lr_ratio: float = 0.0) -> torch.optim.lr_scheduler.LambdaLR:
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(warmup_steps, total_steps, schedule,
-                                                                  min_lr_ratio))
+class LRSchedule:
+    """`lr = base_lr x lr_lambda(step)` on every param group of a (megatron) optimizer; `last_epoch` counts
+    steps, as torch's schedulers do (they only take torch optimizers)."""
+
+    def __init__(self, optimizer, base_lr: float, fn: Callable[[int], float]):
+        self.optimizer, self.base_lr, self.fn, self.last_epoch = optimizer, base_lr, fn, 0
+        self._apply()
+
+    def _apply(self) -> None:
+        for g in self.optimizer.param_groups:
+            g["lr"] = self.base_lr * self.fn(self.last_epoch)
+
+    def step(self) -> None:
+        self.last_epoch += 1
+        self._apply()
+
+    def state_dict(self) -> dict:
+        return {"last_epoch": self.last_epoch, "base_lr": self.base_lr}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.last_epoch, self.base_lr = int(state["last_epoch"]), float(state["base_lr"])
+        self._apply()
+
+
+def build_scheduler(optimizer, warmup_steps: int, total_steps: int, schedule: str = "constant",
+                    min_lr_ratio: float = 0.0) -> LRSchedule:
+    """The schedule at the optimizer's current lr (the stage's)."""
+    return LRSchedule(optimizer, optimizer.param_groups[0]["lr"],
+                      lr_lambda(warmup_steps, total_steps, schedule, min_lr_ratio))
 
 
 # --------------------------------------------------------------------------------------------------
 # the step
 
 
-def _is_tp_duplicate(p: torch.nn.Parameter) -> bool:
-    """Replicated over tensor-parallel ranks (norms): count it once in the gradient norm."""
-    return not getattr(p, "tensor_model_parallel", False) and parallel_state.get_tensor_model_parallel_rank() != 0
+def train_step(policy: Policy, optimizer, scheduler: LRSchedule | None, micro_batches: list[MicroBatch],
+               loss_fn: LossFn = sft_loss) -> dict[str, float]:
+    """Forward/backward every micro-batch, clip, step the optimizer and schedule. Returns the step's metrics,
+    the same on every rank.
 
-
-def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
-    """Global L2 norm over tensor-parallel shards (replicas counted once); scales grads down to max_norm."""
-    grads = [p.grad for p in params if p.grad is not None]
-    sq = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")
-    for p in params:
-        if p.grad is not None and not _is_tp_duplicate(p):
-            sq += p.grad.detach().float().pow(2).sum()
-    if parallel_state.get_tensor_model_parallel_world_size() > 1:
-        torch.distributed.all_reduce(sq, group=parallel_state.get_tensor_model_parallel_group())
-    norm = float(sq.sqrt())
-    if math.isfinite(norm) and norm > max_norm:
-        for g in grads:
-            g.mul_(max_norm / (norm + 1e-6))
-    return norm
-
-
-def _sum_qk_norm_grads_over_tp(model: torch.nn.Module) -> None:
-    """QK-norm weights are replicated but each tensor-parallel rank only normalises its own heads, so each
-    holds a partial gradient (Megatron-LM's finalize_model_grads does the same sum)."""
-    if parallel_state.get_tensor_model_parallel_world_size() == 1:
-        return
-    group = parallel_state.get_tensor_model_parallel_group()
-    for name, p in model.named_parameters():
-        if p.grad is not None and ("q_layernorm" in name or "k_layernorm" in name):
-            torch.distributed.all_reduce(p.grad, group=group)
-
-
-def _dp_sum(x: torch.Tensor) -> torch.Tensor:
-    if parallel_state.get_data_parallel_world_size() > 1:
-        torch.distributed.all_reduce(x, group=parallel_state.get_data_parallel_group())
-    return x
-
-
-def forward_backward(model: torch.nn.Module, micro_batches: list[MicroBatch],
-                     loss_fn: LossFn = sft_loss) -> dict[str, float]:
-    """Accumulate gradients of the step's token-mean loss (data-parallel sum included); no optimizer."""
-    device = next(model.parameters()).device
-    n_local = sum(int(mb.loss_mask.sum()) for mb in micro_batches)
-    denom = _dp_sum(torch.tensor(float(n_local), device=device)).clamp(min=1.0)
-    loss_sum = torch.zeros((), device=device)
-    sums: dict[str, float] = {}
-    for mb in micro_batches:
-        mb = mb.to(device)
-        loss, metrics = loss_fn(sequence_logprobs(model, mb), mb)
-        (loss / denom).backward()
-        loss_sum += loss.detach()
-        for k, v in metrics.items():
-            sums[k] = sums.get(k, 0.0) + v
-    _sum_qk_norm_grads_over_tp(model)
-    if parallel_state.get_data_parallel_world_size() > 1:
-        for p in model.parameters():  # each rank holds a partial sum of the global token mean
-            if p.grad is not None:
-                _dp_sum(p.grad)
-    return {"loss": float(_dp_sum(loss_sum) / denom), "num_tokens": float(denom),
-            **{k: v / float(denom) for k, v in sums.items()}}
-
-
-def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-               scheduler: torch.optim.lr_scheduler.LRScheduler | None, micro_batches: list[MicroBatch],
-               loss_fn: LossFn = sft_loss, grad_clip: float = 1.0) -> dict[str, float]:
-    """Forward/backward every micro-batch, clip, step the optimizer and schedule. Returns the step's metrics.
-
-    `loss` is the token-mean of `loss_fn` over the step (all micro-batches, all data-parallel ranks);
-    metrics other than loss are this rank's sums over the global token count.
+    `loss` is the token-mean of `loss_fn` over the step (all micro-batches, all data-parallel ranks), as is
+    every metric the loss function returns.
     """
     t0 = time.perf_counter()
-    model.train()
-    optimizer.zero_grad(set_to_none=True)
-    metrics = forward_backward(model, micro_batches, loss_fn)
+    policy.train()
+    metrics = forward_backward(policy, micro_batches, loss_fn)
     t1 = time.perf_counter()
-    params = [p for p in model.parameters() if p.requires_grad]
-    grad_norm = clip_grad_norm(params, grad_clip)
     lr = optimizer.param_groups[0]["lr"]
-    if math.isfinite(grad_norm):  # a non-finite step is skipped, not applied
-        optimizer.step()
+    grad_norm, applied = optimizer_step(optimizer)
     if scheduler is not None:
         scheduler.step()
     t2 = time.perf_counter()
     tokens = sum(mb.num_tokens for mb in micro_batches)
-    return {**metrics, "grad_norm": grad_norm, "lr": lr, "tokens_per_s": tokens / (t2 - t0), "step_time_s": t2 - t0,
+    return {**metrics, "grad_norm": grad_norm, "lr": lr, "train/update_skipped": float(not applied),
+            "tokens_per_s": tokens / (t2 - t0), "step_time_s": t2 - t0,
             "time/forward_backward(s)": t1 - t0, "time/optimizer(s)": t2 - t1}

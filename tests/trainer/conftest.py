@@ -22,15 +22,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
-def tiny_hf_dir(tmp_path_factory):
+def _perturbed_tiny_model(tmp_path_factory, **spec) -> Path:
     """The foundation's tiny model, weights perturbed so that every tensor (norms included) matters."""
     from transformers import Qwen3ForCausalLM
 
     from rstar_hpc.config.run import TinyModelSpec
     from rstar_hpc.models.tiny import make_tiny_model
 
-    base = make_tiny_model(tmp_path_factory.mktemp("tiny") / "base", TinyModelSpec(vocab_size=400))
+    base = make_tiny_model(tmp_path_factory.mktemp("tiny") / "base", TinyModelSpec(vocab_size=400, **spec))
     model = Qwen3ForCausalLM.from_pretrained(base, dtype=torch.float32)
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
@@ -42,6 +41,18 @@ def tiny_hf_dir(tmp_path_factory):
         if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
             (out / f.name).write_bytes(f.read_bytes())
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_dir(tmp_path_factory):
+    """The tiny model (2 layers), perturbed."""
+    return _perturbed_tiny_model(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def tiny4_hf_dir(tmp_path_factory):
+    """A 4-layer tiny model, perturbed: 2 pipeline stages of 2 layers, or 2 x 2 virtual stages of 1."""
+    return _perturbed_tiny_model(tmp_path_factory, num_layers=4)
 
 
 @pytest.fixture(scope="session")
@@ -60,6 +71,33 @@ def dist1():
 
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def trainer_config(backend: str = "cpu", lr: float = 1e-3, weight_decay: float = 0.01, grad_clip: float = 1.0,
+                   **trainer):
+    """A `trainer:` section with these knobs (and optimizer settings)."""
+    from rstar_hpc.config.trainer import TrainerConfig
+
+    return TrainerConfig(backend=backend, optimizer={"lr": lr, "weight_decay": weight_decay, "grad_clip": grad_clip},
+                         **trainer)
+
+
+def make_policy(hf_dir: Path, backend: str = "cpu", **trainer):
+    """This rank's `parallel.Policy` of the checkpoint at `hf_dir` (process groups must exist)."""
+    from rstar_hpc.trainer.hf_convert import load_hf_checkpoint
+    from rstar_hpc.trainer.model import Qwen3Arch
+    from rstar_hpc.trainer.parallel import build_policy
+
+    policy = build_policy(Qwen3Arch.from_hf_config(hf_dir), trainer_config(backend, **trainer), backend)
+    load_hf_checkpoint(policy, hf_dir)
+    return policy
+
+
+def make_optimizer(policy, lr: float = 1e-3, **knobs):
+    """Megatron's optimizer for `policy`; `knobs` as for `trainer_config` (weight_decay, grad_clip, ...)."""
+    from rstar_hpc.trainer.parallel import build_optimizer
+
+    return build_optimizer(policy, trainer_config(lr=lr, **knobs), lr)
 
 
 def write_config(path: Path, hf_dir: Path, stages: list[dict], **trainer) -> Path:

@@ -1,4 +1,5 @@
-"""One rank of the data-parallel RL test: `python dp_worker.py RUN_ROOT HF_DIR OUT.pt` (RANK, WORLD_SIZE set).
+"""One rank of the data- and pipeline-parallel RL tests: `python dp_worker.py RUN_ROOT HF_DIR OUT.pt` (RANK,
+WORLD_SIZE set; PP=2 for two pipeline stages, else the ranks are data parallel).
 
 Reads trajectory step 0 of stage `rl` under RUN_ROOT, takes one RL step (this rank's share of the kept
 trajectories), and (rank 0) saves the step's metrics and the (clipped) gradients of the update in HF layout. Run by test_rl.py,
@@ -16,19 +17,19 @@ warnings.filterwarnings("ignore")
 
 
 def run(run_root: str, hf_dir: str) -> dict:
+    from conftest import make_optimizer, make_policy
+
     from rstar_hpc.config import load_config
     from rstar_hpc.exchange.rundir import RunPaths
-    from rstar_hpc.trainer.hf_convert import gather_hf_state, load_hf_checkpoint
-    from rstar_hpc.trainer.model import Qwen3Arch, build_model, init_distributed
+    from rstar_hpc.trainer.hf_convert import gather_hf_state
+    from rstar_hpc.trainer.model import init_distributed
     from rstar_hpc.trainer.rl import TrajectorySource, rl_step
-    from rstar_hpc.trainer.step import build_optimizer
 
-    init_distributed(tp=1)
+    init_distributed(tp=1, pp=int(os.environ.get("PP", "1")))
     cfg = load_config("tiny-cpu", [f"run.root={run_root}", f"model.path={hf_dir}", "trainer.micro_batch_tokens=64"])
-    model = build_model(Qwen3Arch.from_hf_config(hf_dir))
-    load_hf_checkpoint(model, hf_dir)
+    model = make_policy(hf_dir)
     batch = TrajectorySource(RunPaths(cfg.run.dir), "rl", cfg).next()
-    metrics = rl_step(model, build_optimizer(model, lr=1e-3), None, batch, cfg)
+    metrics = rl_step(model, make_optimizer(model, lr=1e-3), None, batch, cfg)
     # gradients, not updated weights: AdamW's first step is lr * sign(g), which turns rounding noise in the
     # near-zero gradients into lr-sized differences
     return {"metrics": metrics, "num_local": len(batch.samples), "grads": gather_hf_state(model, grads=True)}

@@ -100,7 +100,7 @@ def test_tensor_parallel_shards_reassemble(tiny_hf_dir, tp):
     if arch.num_kv_heads % tp:
         pytest.skip("kv heads not divisible")
     hf = read_hf_weights(tiny_hf_dir)
-    names = {"output_layer.weight"}
+    names = {"output_layer.weight", "embedding.word_embeddings.weight", "decoder.final_layernorm.weight"}
     shards = [hf_to_megatron(hf, arch, tp, r, names) for r in range(tp)]
     assert shards[0]["embedding.word_embeddings.weight"].size(0) * tp == arch.padded_vocab_size(tp)
     back = megatron_to_hf(shards, arch)

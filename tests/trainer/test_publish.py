@@ -4,21 +4,20 @@ from __future__ import annotations
 import json
 
 import torch
+from conftest import make_optimizer, make_policy
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rstar_hpc.exchange.rundir import RunPaths
-from rstar_hpc.trainer.hf_convert import load_hf_checkpoint
-from rstar_hpc.trainer.model import Qwen3Arch, build_model, forward_logits
+from rstar_hpc.trainer.model import forward_logits
 from rstar_hpc.trainer.publish import publish_policy
-from rstar_hpc.trainer.step import build_optimizer, pack, train_step
+from rstar_hpc.trainer.step import pack, train_step
 
 
 def test_published_version_loads_in_transformers_with_the_trainers_logits(dist1, tiny_hf_dir, tmp_path):
     paths = RunPaths(tmp_path / "run")
     paths.create()
-    model = build_model(Qwen3Arch.from_hf_config(tiny_hf_dir))
-    load_hf_checkpoint(model, tiny_hf_dir)
-    opt = build_optimizer(model, lr=1e-2)
+    model = make_policy(tiny_hf_dir)
+    opt = make_optimizer(model, lr=1e-2)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 400, (24,), generator=g)
     mask = torch.ones(24, dtype=torch.bool)
@@ -41,7 +40,7 @@ def test_published_version_loads_in_transformers_with_the_trainers_logits(dist1,
     hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     x = torch.randint(0, 400, (1, 17), generator=g)
     with torch.no_grad():
-        ours = forward_logits(model.eval(), x)[..., :400]
+        ours = forward_logits(model.eval().single_module(), x)[..., :400]
         theirs = hf(x).logits
     torch.testing.assert_close(theirs, ours, atol=1e-4, rtol=1e-4)
     source = AutoModelForCausalLM.from_pretrained(tiny_hf_dir, dtype=torch.float32).eval()

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import BACKENDS
+from conftest import BACKENDS, make_optimizer, make_policy
 
 from rstar_hpc.config import load_config
 from rstar_hpc.exchange.errors import ExchangeError, StepNotReadyError
@@ -11,10 +11,8 @@ from rstar_hpc.exchange.rundir import RunPaths
 from rstar_hpc.exchange.schema import Trajectory, Turn
 from rstar_hpc.exchange.writer import ShardWriter
 from rstar_hpc.trainer.checkpoint import TrainState, load_checkpoint, save_checkpoint
-from rstar_hpc.trainer.hf_convert import load_hf_checkpoint
-from rstar_hpc.trainer.model import Qwen3Arch, build_model
 from rstar_hpc.trainer.rl import TrajectorySource, build_batch, rl_step
-from rstar_hpc.trainer.step import MicroBatch, build_optimizer, build_scheduler, sequence_logprobs
+from rstar_hpc.trainer.step import MicroBatch, build_scheduler, sequence_logprobs
 
 STAGE = "rl"
 
@@ -53,9 +51,7 @@ def _step_trajs(step: int, seed: int = 0, groups: int = 2, per_group: int = 8) -
 
 
 def _model(hf_dir, backend: str = "cpu"):
-    model = build_model(Qwen3Arch.from_hf_config(hf_dir), backend=backend)
-    load_hf_checkpoint(model, hf_dir)
-    return model
+    return make_policy(hf_dir, backend)
 
 
 def _sample_means(model, batch) -> list[float]:
@@ -91,7 +87,7 @@ def test_rl_step_moves_positive_tokens_up_and_negative_down(dist1, tiny_hf_dir, 
     assert sum(a > 0 for a in adv) == 4 and sum(a < 0 for a in adv) == 4  # min 1 per class, split 2/2 by rounding
     before = _sample_means(model, batch)
 
-    opt = build_optimizer(model, lr=cfg.trainer.optimizer.lr, weight_decay=0.0)
+    opt = make_optimizer(model, lr=cfg.trainer.optimizer.lr, weight_decay=0.0)
     metrics = rl_step(model, opt, build_scheduler(opt, 0, 10), batch, cfg)
     after = _sample_means(model, batch)
 
@@ -108,7 +104,7 @@ def test_engine_logprobs_are_pi_old_without_recompute(dist1, tiny_hf_dir, tmp_pa
     paths = RunPaths(cfg.run.dir)
     _write(paths, 0, _step_trajs(0))  # engine logprobs 0.0: ratio = p(token) < 1, so negatives get clipped
     model = _model(tiny_hf_dir)
-    opt = build_optimizer(model, lr=1e-3)
+    opt = make_optimizer(model, lr=1e-3)
     m = rl_step(model, opt, None, TrajectorySource(paths, STAGE, cfg).next(), cfg)
     assert "train/old_logprob_gap_mean" not in m
     assert m["train/clip_frac_low"] > 0.4 and m["train/approx_kl"] > 1.0
@@ -127,7 +123,7 @@ def test_rollout_roc_decisions_are_used_and_an_all_dropped_step_is_skipped(dist1
     model = _model(tiny_hf_dir)
     batch = build_batch(_table(same), cfg, 0)
     assert batch.empty and batch.metrics["roc/groups_rejected_equal"] == 1
-    opt = build_optimizer(model, lr=1e-3)
+    opt = make_optimizer(model, lr=1e-3)
     w = [p.detach().clone() for p in model.parameters()]
     m = rl_step(model, opt, None, batch, cfg)
     assert m["train/skipped_empty_step"] == 1.0
@@ -188,7 +184,7 @@ def test_each_step_is_trained_exactly_once_across_restarts(dist1, tiny_hf_dir, t
 
     def job():
         model = _model(tiny_hf_dir)
-        opt = build_optimizer(model, lr=1e-3)
+        opt = make_optimizer(model, lr=1e-3)
         state = TrainState(model, opt, None)
         source = TrajectorySource(paths, STAGE, cfg)
         if (root / "latest").exists():
@@ -225,9 +221,11 @@ def test_each_step_is_trained_exactly_once_across_restarts(dist1, tiny_hf_dir, t
         job()
 
 
-def test_data_parallel_2_takes_the_same_step_as_one_rank(dist1, tiny_hf_dir, tmp_path):
-    """Two gloo ranks each train half the kept trajectories; token normalisation over both ranks and the
-    summed gradients make it the same update as one rank training all of them."""
+@pytest.mark.parametrize("pp", [1, 2])
+def test_two_ranks_take_the_same_step_as_one(dist1, tiny_hf_dir, tmp_path, pp):
+    """Data parallel: two gloo ranks each train half the kept trajectories; token normalisation over both ranks
+    and the summed gradients make it the same update as one rank training all of them. Pipeline parallel: pi_old
+    recomputed and the loss computed on the last stage, the metrics sent to every stage."""
     import os
     import subprocess
     import sys
@@ -247,7 +245,7 @@ def test_data_parallel_2_takes_the_same_step_as_one_rank(dist1, tiny_hf_dir, tmp
 
     out = tmp_path / "dp2.pt"
     env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-           "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path.cwd())}
+           "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path.cwd()), "PP": str(pp)}
     procs = [subprocess.Popen([sys.executable, str(worker), str(tmp_path), str(tiny_hf_dir), str(out)],
                               env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
              for r in range(2)]
@@ -258,7 +256,7 @@ def test_data_parallel_2_takes_the_same_step_as_one_rank(dist1, tiny_hf_dir, tmp
     import dp_worker
 
     dp1 = dp_worker.run(str(tmp_path), str(tiny_hf_dir))
-    assert dp1["num_local"] == 8 and dp2["num_local"] == 4
+    assert dp1["num_local"] == 8 and dp2["num_local"] == (4 if pp == 1 else 8)
     m1, m2 = dp1["metrics"], dp2["metrics"]
     for key in ("loss", "num_tokens", "grad_norm", "train/pg_loss", "train/clip_frac_low", "train/approx_kl",
                 "train/num_tokens", "train/old_logprob_gap_mean", "train/old_logprob_gap_abs_max"):

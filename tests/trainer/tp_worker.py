@@ -28,19 +28,20 @@ def fixed_batch(vocab: int) -> list:
 
 
 def run(hf_dir: str, tp: int) -> dict:
-    from rstar_hpc.trainer.hf_convert import gather_hf_state, load_hf_checkpoint
-    from rstar_hpc.trainer.model import Qwen3Arch, build_model, init_distributed
-    from rstar_hpc.trainer.step import build_optimizer, forward_backward, train_step
+    from conftest import make_optimizer, make_policy
+
+    from rstar_hpc.trainer.hf_convert import gather_hf_state
+    from rstar_hpc.trainer.model import init_distributed
+    from rstar_hpc.trainer.step import forward_backward, train_step
 
     init_distributed(tp=tp)
-    model = build_model(Qwen3Arch.from_hf_config(hf_dir))
-    load_hf_checkpoint(model, hf_dir)
+    model = make_policy(hf_dir)
     batch = fixed_batch(model.arch.vocab_size)
     first = forward_backward(model, batch)
     grads = gather_hf_state(model, grads=True)
-    opt = build_optimizer(model, lr=1e-2)
     # grad_clip small enough to clip: the tensor-parallel norm must count replicated norms once
-    losses = [train_step(model, opt, None, batch, grad_clip=0.5) for _ in range(3)]
+    opt = make_optimizer(model, lr=1e-2, grad_clip=0.5)
+    losses = [train_step(model, opt, None, batch) for _ in range(3)]
     return {"loss": first["loss"], "grads": grads, "losses": [m["loss"] for m in losses],
             "grad_norms": [m["grad_norm"] for m in losses]}
 

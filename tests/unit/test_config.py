@@ -146,3 +146,27 @@ def test_explain_lists_field_docs():
     assert "augmentation.down_sampling_config" in text
     with pytest.raises(ConfigError, match="'roc2' is not one of"):
         explain_section("algo.roc2")
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["trainer.pipeline_parallel_size=3"], (r"= 32 is not a multiple of trainer.tensor_parallel_size \(4\) x "
+                                            r"trainer.pipeline_parallel_size \(3\) = 12")),
+    (["trainer.pipeline_parallel_size=16", "trainer.tensor_parallel_size=1"],
+     r"40 layers do not split evenly over trainer.pipeline_parallel_size = 16"),  # 32 ranks divide; the layers not
+    (["trainer.virtual_pipeline_parallel_size=3"], r"pipeline_parallel_size x virtual_pipeline_parallel_size = 6"),
+    (["trainer.tensor_parallel_size=16", "trainer.pipeline_parallel_size=1"], r"key/value heads \(8\) do not split"),
+    (["launch.trainer.num_nodes=1", "launch.trainer.tasks_per_node=8"],
+     r"use_distributed_optimizer=true .* = 1 data-parallel rank; set it to false or add trainer ranks"),
+    (["trainer.pipeline_parallel_size=1", "trainer.virtual_pipeline_parallel_size=2"],
+     r"virtual_pipeline_parallel_size=2 needs trainer.pipeline_parallel_size > 1"),
+    (["trainer.recompute=selective", "trainer.recompute_modules=[]"], r"recomputes nothing"),
+])
+def test_impossible_trainer_layouts_are_refused_naming_the_key(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config("qwen3-14b", overrides)
+
+
+def test_the_14b_recipe_layout_is_the_planned_one():
+    t = load_config("qwen3-14b").trainer
+    assert (t.tensor_parallel_size, t.pipeline_parallel_size, t.params_dtype, t.use_distributed_optimizer,
+            t.recompute) == (4, 2, "bfloat16", True, "selective")

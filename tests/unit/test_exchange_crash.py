@@ -14,7 +14,7 @@ from rstar_hpc.exchange.rundir import RunPaths
 from rstar_hpc.exchange.writer import ShardWriter
 
 PRODUCER = """
-import sys
+import sys, time
 from rstar_hpc.exchange.rundir import RunPaths
 from rstar_hpc.exchange.synthetic import make_step
 from rstar_hpc.exchange.writer import ShardWriter
@@ -28,6 +28,7 @@ for step in range(first, first + num_steps):
     w = ShardWriter(paths, "rl", step, f"rollout-{rank}", max_rows_per_shard=2)
     for i in range(0, len(trajs), 2):
         w.write(trajs[i:i + 2])
+        time.sleep(0.01)               # a writer's pace, not a tight loop: kills land mid-step, not after the job
     w.commit()
 """
 

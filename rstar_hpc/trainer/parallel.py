@@ -1,0 +1,137 @@
+"""The policy as megatron-core trains it: model chunks of this rank's pipeline stage(s), wrapped in megatron's
+DistributedDataParallel, and megatron's optimizer over them.
+
+    init_distributed(tp, pp, backend, vpp=...)          # model.py: process groups
+    policy = build_policy(arch, cfg.trainer, backend)   # chunks of this rank, DDP-wrapped
+    load_hf_checkpoint(policy, hf_dir)                  # hf_convert.py: this rank's shard of every chunk
+    optimizer = build_optimizer(policy, cfg.trainer, lr)
+
+Layout: ranks = tp x pp x dp. Each rank holds `virtual_pipeline_parallel_size` chunks (one without virtual
+stages) of its pipeline stage, each chunk a `GPTModel` with the first stage's embedding and the last stage's
+final norm and output layer. Gradients live in DDP's contiguous buffers (`param.main_grad`, fp32 with
+`grad_reduce_in_fp32`); `finalize_model_grads` (called by the schedule) reduces them over data-parallel ranks,
+sums the replicated QK-norm gradients over tensor-parallel ranks and scales by the step's trained tokens.
+The optimizer is megatron's: fp32 main weights for bf16 parameters, and with `use_distributed_optimizer` its
+state and main weights sharded over data-parallel ranks (reduce-scatter of gradients, all-gather of weights).
+On the `cpu` backend all of this runs on gloo inside `host_device.on_host()`.
+"""
+from __future__ import annotations
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+from rstar_hpc.trainer import host_device
+from rstar_hpc.trainer.model import Backend, Qwen3Arch, Recompute, build_model
+
+
+class Policy(torch.nn.Module):
+    """This rank's model chunks (DDP-wrapped), in virtual-stage order; `arch` is the whole model's."""
+
+    def __init__(self, chunks: list[DistributedDataParallel], arch: Qwen3Arch):
+        super().__init__()
+        self.chunks = torch.nn.ModuleList(chunks)
+        self.arch = arch
+
+    @property
+    def config(self):
+        return self.chunks[0].config
+
+    def modules_with_offsets(self) -> list[tuple[torch.nn.Module, int]]:
+        """(GPTModel chunk, global index of its first layer) for each chunk."""
+        from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+        return [(c.module, get_transformer_layer_offset(c.module.config, c.module.vp_stage)) for c in self.chunks]
+
+    def single_module(self) -> torch.nn.Module:
+        """The whole model as one GPTModel (no pipeline parallelism), for direct forward calls."""
+        if len(self.chunks) != 1 or parallel_state.get_pipeline_model_parallel_world_size() != 1:
+            raise ValueError("this policy is split over pipeline stages; run it through step.py's schedule")
+        return self.chunks[0].module
+
+    def zero_grad_buffers(self) -> None:
+        """Zero DDP's gradient buffers and drop `.grad`: megatron's fp32 optimizer points `.grad` at `main_grad`,
+        and a `.grad` left from the last step would be added into the buffer a second time."""
+        for c in self.chunks:
+            c.zero_grad_buffer()
+        for p in self.parameters():
+            p.grad = None
+
+    def sharded_state_dict(self) -> dict:
+        """Megatron's sharded state of every chunk: layer tensors carry global layer indices, so a checkpoint
+        loads under another tensor/pipeline/virtual layout."""
+        return {f"chunk{i}": c.module.sharded_state_dict() for i, c in enumerate(self.chunks)}
+
+    def load_sharded(self, loaded: dict) -> None:
+        for i, c in enumerate(self.chunks):
+            c.module.load_state_dict(loaded[f"chunk{i}"], strict=False)
+
+
+def build_policy(arch: Qwen3Arch, trainer, backend: Backend, *, seed: int = 0) -> Policy:
+    """This rank's chunks for the `trainer` config section (degrees from the initialised process groups)."""
+    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    recompute = Recompute(trainer.recompute, tuple(trainer.recompute_modules), trainer.recompute_num_layers)
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=trainer.grad_reduce_in_fp32,
+                                               use_distributed_optimizer=trainer.use_distributed_optimizer)
+    chunks = []
+    with host_device.on_host():
+        for v in range(vpp or 1):
+            model = build_model(arch, backend=backend, params_dtype=getattr(torch, trainer.params_dtype), seed=seed,
+                                vp_stage=v if vpp else None, recompute=recompute)
+            # one bucket per chunk after the first, as Megatron-LM does (their grads finish at different times)
+            chunks.append(DistributedDataParallel(model.config, ddp_config, model, disable_bucketing=v > 0))
+    for c in chunks:
+        c.config.finalize_model_grads_func = finalize_model_grads
+        c.config.no_sync_func = [x.no_sync for x in chunks] if len(chunks) > 1 else chunks[0].no_sync
+    return Policy(chunks, arch)
+
+
+def build_optimizer(policy: Policy, trainer, lr: float):
+    """Megatron's AdamW for the `trainer` section: decay on matrices only, clipping at `optimizer.grad_clip`,
+    fp32 main weights with bf16 parameters, sharded over data-parallel ranks with `use_distributed_optimizer`.
+    Build it after loading the weights: it copies them into its fp32 main weights."""
+    opt = trainer.optimizer
+    config = OptimizerConfig(optimizer="adam", lr=lr, min_lr=0.0, weight_decay=opt.weight_decay,
+                             adam_beta1=opt.betas[0], adam_beta2=opt.betas[1], adam_eps=1e-8,
+                             clip_grad=opt.grad_clip, bf16=trainer.params_dtype == "bfloat16",
+                             params_dtype=getattr(torch, trainer.params_dtype),
+                             use_distributed_optimizer=trainer.use_distributed_optimizer)
+    with host_device.on_host():
+        optimizer = get_megatron_optimizer(config, list(policy.chunks))
+    for g in optimizer.param_groups:  # megatron leaves wd_mult (0 on norms) to its own lr scheduler
+        g["weight_decay"] = opt.weight_decay * g.get("wd_mult", 1.0)
+    return optimizer
+
+
+# --------------------------------------------------------------------------------------------------
+# reductions the step's metrics need
+
+
+def _device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def dp_sum(values: list[float]) -> list[float]:
+    """Sums over data-parallel ranks (float64)."""
+    t = torch.tensor(values, dtype=torch.float64, device=_device())
+    if parallel_state.get_data_parallel_world_size() > 1:
+        torch.distributed.all_reduce(t, group=parallel_state.get_data_parallel_group())
+    return t.tolist()
+
+
+def from_last_stage(values: dict[str, float], op: str = "sum") -> dict[str, float]:
+    """Per-rank metric values that only the last pipeline stage has (its loss function's): reduced over
+    data-parallel ranks (`sum` or `max`) there, then sent to every stage."""
+    if parallel_state.is_pipeline_last_stage(ignore_virtual=True) and values:
+        t = torch.tensor(list(values.values()), dtype=torch.float64, device=_device())
+        if parallel_state.get_data_parallel_world_size() > 1:
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM if op == "sum" else
+                                         torch.distributed.ReduceOp.MAX, group=parallel_state.get_data_parallel_group())
+        values = dict(zip(values, t.tolist()))
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        box = [values]
+        torch.distributed.broadcast_object_list(box, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                                                group=parallel_state.get_pipeline_model_parallel_group())
+        values = box[0]
+    return values
