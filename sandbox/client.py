@@ -27,6 +27,7 @@ import itertools
 import logging
 import time
 
+from rstar_hpc.exchange.rendezvous import read_announcements
 from sandbox.protocol import MAX_BATCH, encode, read_frame
 from sandbox.results import make_result
 
@@ -182,12 +183,7 @@ class SandboxClient:
         if not self.run_dir or (not force and time.monotonic() - self._refreshed < self.refresh_s):
             return
         self._refreshed = time.monotonic()
-        try:
-            from rstar_hpc.exchange.rendezvous import read_announcements
-            records = read_announcements(self.run_dir, "sandbox")
-        except ImportError:
-            records = _read_announcements(self.run_dir)
-        for rec in records:
+        for rec in read_announcements(self.run_dir, "sandbox"):
             self._add(rec["host"], rec["port"], rec.get("workers", 1), rec.get("timeout_s"))
 
     def _choose(self, p: _Pending) -> _Node | None:
@@ -378,18 +374,3 @@ class SandboxClient:
         for p in unsent:
             p.attempts += 1   # never sent, so it cannot have run; still bounded when every service is down
             self._retry(p, why)
-
-
-def _read_announcements(run_dir: str) -> list[dict]:
-    import json
-    import os
-    folder = os.path.join(run_dir, "rendezvous", "sandbox")
-    out = []
-    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
-        if name.endswith(".json") and not name.startswith("."):
-            try:
-                with open(os.path.join(folder, name)) as f:
-                    out.append(json.load(f))
-            except (OSError, ValueError):
-                pass
-    return out

@@ -15,8 +15,9 @@ Status values:
 """
 from __future__ import annotations
 
-STATUSES = ("ok", "error", "timeout", "memory", "output_truncated", "killed", "invalid_request",
-            "internal_error", "unavailable")
+from rstar_hpc.exchange.tool_status import TOOL_STATUSES
+
+STATUSES = tuple(s for s in TOOL_STATUSES if s != "parse_error")   # parse_error is the agent loop's, not ours
 SUCCESS = ("ok", "output_truncated")
 
 

@@ -17,6 +17,8 @@ import time
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+from rstar_hpc.exchange.atomic import atomic_write_text
+from rstar_hpc.exchange.rendezvous import announce
 from sandbox.limits import Limits
 from sandbox.pool import Pool
 from sandbox.protocol import MAX_BATCH, FrameTooLarge, encode, read_frame, validate_call
@@ -39,26 +41,7 @@ def run_loop(main: Coroutine[Any, Any, T]) -> T:
 
 
 def _announce(run_dir: str, name: str, host: str, port: int, **extra: object) -> None:
-    try:
-        from rstar_hpc.exchange.rendezvous import announce
-        announce(run_dir, "sandbox", name, port, host=host, **extra)
-        return
-    except ImportError:
-        pass
-    # same format as rstar_hpc.exchange.rendezvous, for a service installed without rstar_hpc
-    path = os.path.join(run_dir, "rendezvous", "sandbox", name + ".json")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    now = time.time()
-    record = {"role": "sandbox", "name": name, "host": host, "port": port, "pid": os.getpid(),
-              "slurm_job_id": os.environ.get("SLURM_JOB_ID"), "started_at": now, "updated_at": now, **extra}
-    _atomic_write(path, json.dumps(record, sort_keys=True) + "\n")
-
-
-def _atomic_write(path: str, text: str) -> None:
-    tmp = f"{os.path.dirname(path)}/.{os.path.basename(path)}.tmp-{socket.gethostname()}-{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    announce(run_dir, "sandbox", name, port, host=host, **extra)
 
 
 class Service:
@@ -131,7 +114,7 @@ class Service:
                   queue_depth=snap["queue_depth"], in_flight=snap["in_flight"], timeout_s=self.limits.timeout_s)
         folder = os.path.join(self.run_dir, "sandbox", "stats")
         os.makedirs(folder, exist_ok=True)
-        _atomic_write(os.path.join(folder, self.name + ".json"), json.dumps(self.stats(), indent=1) + "\n")
+        atomic_write_text(os.path.join(folder, self.name + ".json"), json.dumps(self.stats(), indent=1) + "\n")
 
     def _log_summary(self) -> None:
         s = self.stats()
