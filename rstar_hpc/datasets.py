@@ -67,19 +67,31 @@ def _field(row: dict, keys: tuple[str, ...], where: str, what: str) -> str:
     raise DatasetError(f"{where}: no {what} (looked for {', '.join(keys)}; the row has {sorted(row)})")
 
 
-def load_prompts(stage, seed: int = 0) -> list[dict]:
-    """The prompts of an rl or eval stage as [{"uid", "question", "answer"}], in file order."""
+def load_prompts(stage, seed: int = 0, run_dir=None) -> list[dict]:
+    """The prompts of an rl or hard_subset stage as [{"uid", "question", "answer"}], in file order; `run_dir`
+    resolves `data: "@<stage>"` (the subset an earlier hard_subset stage wrote there)."""
     if stage.data is None:
-        if stage.hard_subset_of:
-            raise DatasetError(f"stage {stage.name!r}: hard_subset_of={stage.hard_subset_of!r} is not built "
-                               f"automatically yet; build the subset (the prompts of stage "
-                               f"{stage.hard_subset_of!r} its final policy does not solve in every one of "
-                               f"{stage.hard_subset_rollouts} rollouts) and set stages[].data to it")
         raise DatasetError(f"stage {stage.name!r} ({stage.kind}) has no data; set stages[].data to a JSONL or "
                            f"Parquet file of prompts with answers, or to '{DEMO}' for the built-in demo set")
-    if stage.data == DEMO:
+    data = stage.data
+    if data.startswith("@"):
+        from rstar_hpc.exchange.rundir import RunPaths
+        if run_dir is None:
+            raise DatasetError(f"stage {stage.name!r}: data {data!r} is an earlier stage's output; it needs the "
+                               f"run directory")
+        path = RunPaths(run_dir).stage_data(data[1:])
+        if not path.is_file():
+            raise DatasetError(f"stage {stage.name!r}: {path} does not exist yet; stage {data[1:]!r} (hard_subset) "
+                               f"writes it, and must be done before this stage starts")
+        data = str(path)
+    return load_prompt_file(data, seed)
+
+
+def load_prompt_file(data: str, seed: int = 0) -> list[dict]:
+    """Prompts with answers from a JSONL or Parquet file, or the demo set ('demo')."""
+    if data == DEMO:
         return demo_prompts(DEMO_PROMPTS, seed)
-    path = Path(stage.data)
+    path = Path(data)
     out, seen = [], set()
     for i, row in enumerate(_rows(path)):
         where = f"{path} row {i + 1}"
@@ -92,7 +104,8 @@ def load_prompts(stage, seed: int = 0) -> list[dict]:
         seen.add(uid)
         out.append({"uid": uid, "question": question, "answer": answer})
     if not out:
-        raise DatasetError(f"{path}: no prompts")
+        raise DatasetError(f"{path}: no prompts; a benchmark or prompt file needs rows with a question and an "
+                           f"answer ({', '.join(QUESTION_KEYS)} / {', '.join(ANSWER_KEYS)})")
     return out
 
 

@@ -7,7 +7,8 @@
     rollout:   vLLM engines, agent loop, scheduler              (config/rollout.py)
     algo:      reward, RoC, advantages, loss                    (config/algo.py)
     trainer:   Megatron trainer, optimizer, checkpoints         (config/trainer.py)
-    stages:    the pipeline, in order (SFT -> RL 8K -> RL 12K -> RL hard -> eval)
+    eval:      the evaluation protocol (k, temperature, turns)
+    stages:    the pipeline, in order (SFT -> RL 8K -> RL 12K -> hard subset -> RL hard -> eval)
 
 Aliases: `augmentation.down_sampling_config.*` (the public rStar recipe's path) is read as `algo.roc.*`.
 """
@@ -85,27 +86,78 @@ class ModelConfig(Section):
         return self
 
 
+STAGE_KINDS = ("sft", "rl", "hard_subset", "eval")
+STAGE_OUTPUT = "@"   # `data: "@<stage>"`: the data set an earlier hard_subset stage wrote
+
+
 class StageConfig(Section):
-    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9._-]+$")
-    kind: Literal["sft", "rl", "eval"]
+    """One stage of the pipeline. The kinds: `sft` (trainer: chat samples), `rl` (trainer + rollout: GRPO-RoC on
+    prompts), `hard_subset` (rollout: sample `num_samples` rollouts per prompt of `data` with the current policy and
+    keep the prompts it does not solve every time; later stages use it as `data: "@<this stage>"`), `eval`
+    (rollout: the `eval` section's protocol on `benchmarks`)."""
+
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_-]+$")
+    kind: Literal["sft", "rl", "hard_subset", "eval"]
     num_steps: int = Field(1, ge=1)
-    """Optimizer steps (sft, rl) or evaluation passes (eval)."""
+    """Optimizer steps (sft, rl). A hard_subset or eval stage takes as many rollout steps as its prompts need."""
     data: str | None = None
-    """Dataset: a JSONL or Parquet file of prompts with ground truth (rl, eval) or chat samples (sft)."""
+    """Dataset: a JSONL or Parquet file of prompts with ground truth (rl, hard_subset), chat samples (sft), 'demo'
+    (the built-in demo set), or "@<stage>" for the subset an earlier hard_subset stage built (rl)."""
     prompts_per_step: int = Field(512, ge=1)
-    """Prompts per RL step (paper: 512); for SFT, samples per step."""
+    """Prompts per RL step (paper: 512); for SFT, samples per step; for hard_subset and eval, prompts per rollout
+    step (the unit of progress that survives a restart)."""
     max_response_length: int | None = Field(None, ge=16)
-    """Overrides rollout.agent.max_response_length in this stage (paper: 8K, 12K, 12K)."""
+    """Overrides rollout.agent.max_response_length (eval: eval.max_response_length) in this stage (paper: 8K,
+    12K, 12K)."""
     max_turns: int | None = Field(None, ge=1)
-    """Overrides rollout.agent.max_turns in this stage (paper: 10, 10, 15)."""
+    """Overrides rollout.agent.max_turns (eval: eval.max_turns) in this stage (paper: 10, 10, 15; eval 30)."""
     lr: float | None = Field(None, gt=0)
     """Overrides trainer.optimizer.lr in this stage."""
     reset_optimizer: bool = False
     """Start this stage with fresh optimizer state (the paper's stage 3)."""
+    num_samples: int | None = Field(None, ge=1)
+    """Rollouts per prompt: hard_subset (default 8, the paper's), eval (default eval.k)."""
+    drop_unsolved: bool = False
+    """hard_subset: also drop the prompts solved in none of the rollouts (the paper keeps them)."""
+    benchmarks: dict[str, str] = Field(default_factory=dict)
+    """eval: benchmark name -> JSONL or Parquet file of problems with answers ('demo': the demo's eval set). With
+    none, `data` is the one benchmark, named after its file."""
+    temperature: float | None = Field(None, ge=0)
+    """eval: sampling temperature (default eval.temperature)."""
+    top_p: float | None = Field(None, gt=0, le=1)
+    """eval: nucleus sampling (default eval.top_p)."""
     hard_subset_of: str | None = None
-    """Build this stage's data from another stage's: drop prompts the current policy solves in every one of
-    `hard_subset_rollouts` rollouts (the paper's 17.3K subset)."""
-    hard_subset_rollouts: int = Field(8, ge=1)
+    """Replaced by the hard_subset stage kind (an error names the fix)."""
+
+    @model_validator(mode="after")
+    def _kind_fields(self) -> "StageConfig":
+        if self.hard_subset_of is not None:
+            raise ValueError(f"stage {self.name!r}: hard_subset_of is gone; add a stage {{name: hard, kind: "
+                             f"hard_subset, data: <the source data>}} before this one and set this stage's data: "
+                             f"\"@hard\"")
+        if self.kind == "eval" and not self.benchmarks and not self.data:
+            raise ValueError(f"stage {self.name!r} (eval): name its benchmarks ({{name: file}}) or its data file")
+        if self.kind == "hard_subset" and (not self.data or self.data.startswith(STAGE_OUTPUT)):
+            raise ValueError(f"stage {self.name!r} (hard_subset): data must be the source data file (or 'demo')")
+        return self
+
+    def benchmark_files(self) -> dict[str, str]:
+        """eval: name -> file of each benchmark."""
+        if self.benchmarks:
+            return dict(self.benchmarks)
+        return {Path(self.data).stem if self.data != "demo" else "demo": self.data}
+
+
+class EvalConfig(Section):
+    """The evaluation protocol (the paper's by default: avg@k pass@1 with k = 16, T = 0.6, top-p 1, 30 turns)."""
+
+    k: int = Field(16, ge=1)
+    """Samples per problem; pass@1 is their mean correctness (avg@k)."""
+    temperature: float = Field(0.6, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_turns: int = Field(30, ge=1)
+    max_response_length: int = Field(30000, ge=16)
+    """Tokens of the whole response, tool outputs included."""
 
 
 class RunConfig(Section):
@@ -116,6 +168,7 @@ class RunConfig(Section):
     rollout: RolloutConfig = RolloutConfig()
     algo: AlgoConfig = AlgoConfig()
     trainer: TrainerConfig = TrainerConfig()
+    eval: EvalConfig = EvalConfig()
     stages: list[StageConfig] = Field(default_factory=list)
 
     @model_validator(mode="after")
@@ -124,10 +177,13 @@ class RunConfig(Section):
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"stage names must be unique; repeated: {', '.join(dupes)}")
-        for s in self.stages:
-            if s.hard_subset_of is not None and s.hard_subset_of not in names[: names.index(s.name)]:
-                raise ValueError(f"stage {s.name!r}: hard_subset_of={s.hard_subset_of!r} must name an earlier "
-                                 f"stage; earlier stages: {', '.join(names[: names.index(s.name)]) or 'none'}")
+        for i, s in enumerate(self.stages):
+            if s.data and s.data.startswith(STAGE_OUTPUT):
+                ref = s.data[len(STAGE_OUTPUT):]
+                earlier = [e.name for e in self.stages[:i] if e.kind == "hard_subset"]
+                if ref not in earlier:
+                    raise ValueError(f"stage {s.name!r}: data={s.data!r} must name an earlier hard_subset stage; "
+                                     f"earlier hard_subset stages: {', '.join(earlier) or 'none'}")
             if s.kind == "rl" and self.algo.roc.do_down_sampling and self.algo.roc.down_sample_to_n > \
                     self.algo.num_samples_per_prompt:
                 raise ValueError(f"algo.roc.down_sample_to_n ({self.algo.roc.down_sample_to_n}) must be <= "

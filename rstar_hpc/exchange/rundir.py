@@ -14,6 +14,10 @@
           <producer>.commit.json                   commit record, written last: shards, rows, bytes, sha256
       rendezvous/<role>/<name>.json                host/port announcements (rendezvous.py)
       export/<stage>/step-00000123.{parquet,jsonl} copies made by `rstar-hpc traj export`
+      data/<stage>.parquet, data/<stage>.stats.json   the prompt subset a hard_subset stage built, and its counts
+      eval/<stage>/results.json, results.md      an eval stage's figures (rstar_hpc.eval)
+      launch/jobs.json                           the jobs `rstar-hpc launch` submitted (run status, cancel)
+      heartbeat/<role>.json                      what each role is doing now, rewritten every few seconds
       generate/<job id>/{samples.jsonl,summary.json}  output of `rstar-hpc generate` (the demo's job)
       logs/                                        Slurm and role logs
       metrics/<role>.jsonl                         one JSON object per step and role
@@ -129,6 +133,24 @@ class RunPaths:
     def export_file(self, stage: str, step: int, fmt: str) -> Path:
         """Where `rstar-hpc traj export` copies a step (fmt: parquet or jsonl)."""
         return self.dir / "export" / _check("stage", stage) / f"step-{_step(step):08d}.{fmt}"
+
+    # -- stage outputs, launch records ---------------------------------------------------------------------------
+    def stage_data(self, stage: str) -> Path:
+        """The prompt subset a hard_subset stage wrote (Parquet); `stage_data_stats` its counts."""
+        return self.dir / "data" / f"{_check('stage', stage)}.parquet"
+
+    def stage_data_stats(self, stage: str) -> Path:
+        return self.dir / "data" / f"{_check('stage', stage)}.stats.json"
+
+    def eval_dir(self, stage: str) -> Path:
+        return self.dir / "eval" / _check("stage", stage)
+
+    @property
+    def launch_record(self) -> Path:
+        return self.dir / "launch" / "jobs.json"
+
+    def heartbeat(self, role: str) -> Path:
+        return self.dir / "heartbeat" / f"{_check('role', role)}.json"
 
     # -- rendezvous, logs, metrics ------------------------------------------------------------------------------
     def rendezvous_dir(self, role: str) -> Path:

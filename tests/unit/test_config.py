@@ -22,7 +22,11 @@ def test_qwen3_14b_holds_the_papers_recipe():
     assert [s.max_turns for s in rl] == [10, 10, 15]
     assert [s.num_steps for s in rl] == [300, 85, 125]
     assert all(s.prompts_per_step == 512 for s in rl)
-    assert rl[2].reset_optimizer and rl[2].hard_subset_of == "rl-12k" and rl[2].hard_subset_rollouts == 8
+    assert rl[2].reset_optimizer and rl[2].data == "@hard"
+    hard = cfg.stage("hard")
+    assert hard.kind == "hard_subset" and hard.num_samples == 8 and not hard.drop_unsolved
+    assert [s.kind for s in cfg.stages] == ["sft", "rl", "rl", "hard_subset", "rl", "eval"]
+    assert (cfg.eval.k, cfg.eval.temperature, cfg.eval.top_p, cfg.eval.max_turns) == (16, 0.6, 1.0, 30)
     assert cfg.algo.num_samples_per_prompt == 32
     assert cfg.algo.roc.down_sample_to_n == 16          # given under the public recipe's alias path
     assert cfg.algo.roc.min_zero_reward_trace_num == 2 and cfg.algo.roc.min_non_zero_reward_trace_num == 2
@@ -46,9 +50,9 @@ def test_stage_items_are_reached_by_name_or_index():
     assert cfg.stage("rl-hard").max_turns == 20
     assert cfg.stage("sft").data == "/lustre/sft.jsonl"
     assert cfg.stage("rl-8k").max_turns == 10                    # the others are untouched
-    with pytest.raises(ConfigError, match=r"no item 'rl-16k' in stages; items: sft, rl-8k, rl-12k, rl-hard, eval"):
+    with pytest.raises(ConfigError, match=r"no item 'rl-16k' in stages; items: sft, rl-8k, rl-12k, hard, rl-hard, eval"):
         load_config("qwen3-14b", ["stages.rl-16k.max_turns=3"])
-    with pytest.raises(ConfigError, match=r"stages.3.max_turn: unknown key; did you mean 'max_turns'"):
+    with pytest.raises(ConfigError, match=r"stages.4.max_turn: unknown key; did you mean 'max_turns'"):
         load_config("qwen3-14b", ["stages.rl-hard.max_turn=3"])
 
 
@@ -97,11 +101,16 @@ def test_roc_minimums_must_fit_the_target():
         load_config("qwen3-14b", ["algo.roc.down_sample_to_n=3"])
 
 
-def test_stage_names_unique_and_hard_subset_must_name_an_earlier_stage():
+def test_stage_names_unique_and_a_stage_output_must_be_an_earlier_hard_subset():
     with pytest.raises(ConfigError, match="repeated: rl"):
-        load_config("tiny-cpu", ["stages=[{name: rl, kind: rl}, {name: rl, kind: eval}]"])
-    with pytest.raises(ConfigError, match="hard_subset_of='later' must name an earlier stage"):
-        load_config("tiny-cpu", ["stages=[{name: a, kind: rl, hard_subset_of: later}, {name: later, kind: rl}]"])
+        load_config("tiny-cpu", ["stages=[{name: rl, kind: rl}, {name: rl, kind: eval, data: demo}]"])
+    with pytest.raises(ConfigError, match="data='@later' must name an earlier hard_subset stage"):
+        load_config("tiny-cpu", ["stages=[{name: a, kind: rl, data: '@later'}, "
+                                 "{name: later, kind: hard_subset, data: demo}]"])
+    with pytest.raises(ConfigError, match="hard_subset_of is gone; add a stage"):
+        load_config("tiny-cpu", ["stages=[{name: a, kind: rl, hard_subset_of: b}]"])
+    with pytest.raises(ConfigError, match="name its benchmarks"):
+        load_config("tiny-cpu", ["stages=[{name: e, kind: eval}]"])
 
 
 def test_malformed_override_and_unknown_config_name():

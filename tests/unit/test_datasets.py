@@ -65,10 +65,10 @@ def test_missing_data_is_an_error_not_a_silent_default(tmp_path):
         load_sft_conversations(_stage(tmp_path, None, kind="sft"))
 
 
-def test_hard_subset_without_data_says_what_to_build(tmp_path):
+def test_a_hard_subset_not_built_yet_says_which_stage_builds_it(tmp_path):
     cfg = load_config("qwen3-14b", [f"run.root={tmp_path}"])
-    with pytest.raises(DatasetError, match="hard_subset_of='rl-12k' is not built automatically yet"):
-        load_prompts(cfg.stage("rl-hard"))
+    with pytest.raises(DatasetError, match="stage 'hard' \\(hard_subset\\) writes it"):
+        load_prompts(cfg.stage("rl-hard"), run_dir=cfg.run.dir)
 
 
 def test_rollout_cli_refuses_bad_data_before_starting_ranks(tmp_path):
