@@ -16,10 +16,13 @@ from rstar_hpc.config.loader import DEFAULT_CONFIG
 @click.argument("overrides", nargs=-1)
 @click.option("--stage", "stage_name", default=None,
               help="Stage to train [the first sft/rl stage of the config that is not DONE].")
+@click.option("--follow", is_flag=True,
+              help="Train every sft/rl stage of the config in order, skipping DONE ones (the stage driver's walk: what "
+                   "`rstar-hpc launch` runs); each resumes where the run directory says it stopped.")
 @click.option("--submit", is_flag=True,
               help="Submit sbatch/trainer.sbatch (resources from launch.trainer) and follow the job, instead of "
                    "training in this process.")
-def command(config: str, overrides: tuple[str, ...], stage_name: str | None, submit: bool) -> None:
+def command(config: str, overrides: tuple[str, ...], stage_name: str | None, follow: bool, submit: bool) -> None:
     """Train one stage of CONFIG: resume its latest checkpoint (or carry the previous stage's policy over),
     train to the stage's num_steps, publish policies for the rollout engines; on USR2 save and exit 0 before
     the end (sbatch/trainer.sbatch then requeues). Under srun every task is one rank (one GPU); alone it is a
@@ -30,7 +33,9 @@ def command(config: str, overrides: tuple[str, ...], stage_name: str | None, sub
     from rstar_hpc.config import load_config
 
     cfg = load_config(config, overrides)
-    stage = _pick_stage(cfg, stage_name)
+    if follow and (stage_name or submit):
+        raise click.UsageError("--follow walks every stage: it takes neither --stage nor --submit")
+    stage = _pick_stage(cfg, stage_name, none_left_ok=follow)
     if submit:
         _submit_and_follow(cfg, config, overrides, stage)
         return
@@ -46,18 +51,22 @@ def command(config: str, overrides: tuple[str, ...], stage_name: str | None, sub
 
     rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
     init_logging("trainer", rank, rank0_only=True)
-    # the bar only on an interactive terminal of rank 0; batch logs get the fixed-field step lines
-    bar = tqdm(total=stage.num_steps, desc=f"train {stage.name}", unit="step", disable=None if rank == 0 else True)
+    code = 0
+    while stage is not None:
+        # the bar only on an interactive terminal of rank 0; batch logs get the fixed-field step lines
+        bar = tqdm(total=stage.num_steps, desc=f"train {stage.name}", unit="step",
+                   disable=None if rank == 0 else True)
 
-    def on_step(step: int, metrics: dict) -> None:
-        bar.n = step
-        bar.set_postfix(loss=f"{metrics.get('loss', float('nan')):.4f}", refresh=False)
-        bar.refresh()
+        def on_step(step: int, metrics: dict, bar=bar) -> None:
+            bar.n = step
+            bar.set_postfix(loss=f"{metrics.get('loss', float('nan')):.4f}", refresh=False)
+            bar.refresh()
 
-    try:
-        code = run(cfg, stage.name, on_step=on_step)
-    finally:
-        bar.close()
+        try:
+            code = run(cfg, stage.name, on_step=on_step)
+        finally:
+            bar.close()
+        stage = _pick_stage(cfg, None, none_left_ok=True) if follow and code == 0 else None
     if code == EXIT_REQUEUE:
         # exit 0 on every rank: under `srun --kill-on-bad-exit` one rank's non-zero exit kills the others; the
         # sbatch script knows it sent USR2 and requeues
@@ -68,7 +77,7 @@ def command(config: str, overrides: tuple[str, ...], stage_name: str | None, sub
     sys.exit(code)
 
 
-def _pick_stage(cfg, name: str | None):
+def _pick_stage(cfg, name: str | None, none_left_ok: bool = False):
     from rstar_hpc.exchange.rundir import RunPaths
     from rstar_hpc.exchange.state import read_stage_state
 
@@ -80,6 +89,8 @@ def _pick_stage(cfg, name: str | None):
     for s in cfg.stages:
         if s.kind in ("sft", "rl") and read_stage_state(RunPaths(cfg.run.dir), s.name).status != "DONE":
             return s
+    if none_left_ok:
+        return None
     raise click.UsageError("no sft/rl stage left to train in this config (all DONE, or none); pass --stage")
 
 

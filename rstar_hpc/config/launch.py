@@ -1,5 +1,8 @@
-"""Where each role runs: Slurm partitions, node counts and time limits."""
+"""Where each role runs (Slurm resources per role) and the site settings every job of a run gets. `rstar-hpc launch`
+renders them into the run's job script (`--dry-run` prints it): nothing is edited in a template."""
 from __future__ import annotations
+
+from typing import Literal
 
 from pydantic import Field
 
@@ -12,14 +15,45 @@ class RoleResources(Section):
     gpus_per_node: int = Field(0, ge=0)
     cpus_per_task: int = Field(1, ge=1)
     tasks_per_node: int = Field(1, ge=1)
+    """Tasks per node: the trainer one per GPU; the rollout one per engine, plus rank 0 (the scheduler) on the
+    first node; the sandbox one per node (it sizes its pool from the node's cores)."""
     time_min: int = Field(60, ge=1)
     """Slurm time limit; jobs checkpoint on the pre-timeout signal and are requeued."""
+    mem: str | None = None
+    """Slurm --mem of each node ("0": the whole node, "200G"); null: the partition's default."""
+    gres: str | None = None
+    """Slurm --gres (e.g. "gpu:8"), where a site asks for it instead of --gpus-per-node."""
+    constraint: str | None = None
+    """Slurm --constraint (node features, e.g. "a100&ib")."""
+    exclusive: bool = False
+    """Whole nodes (--exclusive)."""
+    extra: list[str] = Field(default_factory=list)
+    """More sbatch options for this role, verbatim (e.g. ["--reservation=rl"])."""
 
 
 class LaunchConfig(Section):
+    launcher: Literal["sbatch", "submitit"] = "sbatch"
+    """sbatch: one heterogeneous job (trainer / rollout / sandbox groups) runs every stage; submitit: one job per
+    role (submitit cannot express a heterogeneous job), meeting in the run directory. `rstar-hpc launch
+    --launcher` overrides it."""
     trainer: RoleResources = RoleResources(partition="gpu")
     rollout: RoleResources = RoleResources(partition="gpu")
     sandbox: RoleResources = RoleResources(partition="cpu")
+    account: str | None = None
+    """Slurm --account of every job."""
+    qos: str | None = None
+    """Slurm --qos of every job."""
+    modules: list[str] = Field(default_factory=list)
+    """Environment modules every job loads first (`module load` each), e.g. ["cuda/12.4", "openmpi/4.1"]."""
+    setup: list[str] = Field(default_factory=list)
+    """Shell lines every job runs before the roles start (e.g. "source /lustre/envs/rstar/bin/activate")."""
+    python: str | None = None
+    """The Python that runs the roles on the nodes; null: the one running `rstar-hpc launch` (a shared venv)."""
     signal_lead_s: int = Field(90, ge=10)
-    """Seconds before the time limit at which Slurm sends USR2 (save, then requeue)."""
-    max_restarts: int = Field(3, ge=0)
+    """Seconds before the time limit at which Slurm sends USR2: the roles save, the job requeues itself."""
+    max_restarts: int = Field(20, ge=0)
+    """Requeues a run's job may go through (time limits, preemption, node failures; SLURM_RESTART_COUNT); beyond
+    it the job stops with a message saying so, and the run stays resumable by a new `rstar-hpc launch`."""
+    role_restarts: int = Field(3, ge=0)
+    """Within one job: how often a role whose processes died (a crash, a kill -9) is started again while the
+    others keep running."""

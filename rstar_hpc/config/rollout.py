@@ -67,11 +67,16 @@ class SchedulerConfig(Section):
     """Step N generates with the policy the trainer published after its step N - max_policy_lag (0: strictly
     on-policy, the weights trained on step N-1); rank 0 waits for it."""
     policy_wait_s: float = Field(3600.0, gt=0)
-    """How long a step waits for its policy to be published before it fails with a clear message."""
+    """How long a step waits for its policy while the trainer says nothing (its heartbeat) before it fails with a
+    clear message; a trainer at work (a long SFT stage before) may take longer."""
     policy_load_timeout_s: float = Field(600.0, gt=0)
     """How long engine ranks may take to load a new policy in place before rank 0 gives up on them."""
     engine_timeout_s: float = Field(60.0, gt=0)
     """An engine rank silent for this long is declared dead; its unfinished trajectories run elsewhere."""
+    journal_every_s: float = Field(30.0, ge=0)
+    """How often rank 0 commits a step's finished trajectories to the step's journal (rollout/journal.py), so a
+    step killed halfway (time limit, preemption, a crash) keeps them and its rerun runs only the rest; 0: only
+    the final commit (a killed step starts over)."""
 
 
 class RolloutConfig(Section):

@@ -89,7 +89,8 @@ class TrainerConfig(Section):
     """Trajectory producers whose commit records make an RL step complete (the rollout role writes as
     `rollout`)."""
     trajectory_timeout_s: float = Field(3600.0, gt=0)
-    """How long an RL step waits for its trajectories before failing with the missing producers named."""
+    """How long an RL step waits for its trajectories while the rollout says nothing (its heartbeat) before failing
+    with the missing producers named; a rollout at work (a long hard_subset stage in between) may take longer."""
 
     @model_validator(mode="after")
     def _knobs_agree(self) -> TrainerConfig:

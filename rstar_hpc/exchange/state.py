@@ -73,3 +73,27 @@ def write_stage_state(paths: RunPaths, state: StageState) -> None:
     path = paths.stage_state(state.stage)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(path, asdict(state))
+
+
+def write_heartbeat(paths: RunPaths, role: str, doing: str, **fields: object) -> None:
+    """What a role is doing now (`heartbeat/<role>.json`), for `rstar-hpc run status`: its text, when, where."""
+    path = paths.heartbeat(role)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(path, {"role": role, "doing": doing, "time": time.time(), "pid": os.getpid(),
+                             "host": os.uname().nodename, "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+                             **fields})
+
+
+def read_heartbeat(paths: RunPaths, role: str) -> dict | None:
+    try:
+        return json.loads(paths.heartbeat(role).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def silence_s(paths: RunPaths, role: str, since: float) -> float:
+    """Seconds since `role` last said anything (its heartbeat), counted from `since` (a monotonic-free wall time)
+    when it said nothing after that: how long a waiting role has heard nothing of the one it waits for."""
+    beat = read_heartbeat(paths, role)
+    last = max(since, beat["time"]) if beat else since
+    return max(0.0, time.time() - last)

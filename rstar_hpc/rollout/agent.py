@@ -161,8 +161,9 @@ class AgentLoop:
 
     def __init__(self, engine: Engine, tools: ToolRunner, tokenizer: Tokenizer, cfg: AgentConfig, *,
                  max_response_length: int | None = None, max_turns: int | None = None,
-                 stop_token_id: int | None = None):
+                 stop_token_id: int | None = None, sampling: dict | None = None):
         self.engine, self.tools, self.tok, self.cfg = engine, tools, tokenizer, cfg
+        self.sampling = sampling   # the engine's sampling overrides for these trajectories (an eval's temperature)
         self.max_response_length = max_response_length or cfg.max_response_length
         self.max_turns = max_turns or cfg.max_turns
         ids = tokenizer.encode(IM_END, add_special_tokens=False)
@@ -186,6 +187,8 @@ class AgentLoop:
             left = budget - len(res.response_ids)
             t0 = time.perf_counter()
             turn_kw = {} if seed is None else {"seed": (seed + res.num_assistant_turns) % 2**63}
+            if self.sampling:
+                turn_kw["sampling"] = self.sampling
             gen = await self.engine.generate(context, left, f"{request_id}-t{res.num_assistant_turns}", **turn_kw)
             res.timings.generate_s += time.perf_counter() - t0
             res.num_cached_tokens += gen.num_cached_tokens

@@ -103,13 +103,13 @@ class VLLMEngine:
         self._SamplingParams = SamplingParams
 
     async def generate(self, prompt_ids: Sequence[int], max_tokens: int, request_id: str, *,
-                       seed: int | None = None) -> Generation:
+                       seed: int | None = None, sampling: dict | None = None) -> Generation:
         from vllm.inputs import TokensPrompt
 
         max_tokens = min(max_tokens, self.max_model_len - len(prompt_ids))
         if max_tokens <= 0:
             return Generation([], [], "length")
-        params = self._SamplingParams(max_tokens=max_tokens, seed=seed, **self._params)
+        params = self._SamplingParams(max_tokens=max_tokens, seed=seed, **{**self._params, **(sampling or {})})
         final = None
         async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)), params, request_id):
             final = out

@@ -15,31 +15,36 @@ import time
 
 from rstar_hpc.config.rollout import AgentConfig, SchedulerConfig
 from rstar_hpc.rollout.agent import AgentLoop
-from rstar_hpc.rollout.mpi import (TAG_ABORT, TAG_BEAT, TAG_DEAD, TAG_DONE, TAG_HELLO, TAG_RESULT, TAG_START, TAG_STOP,
-                                   TAG_WORK, recv_from_rank0)
+from rstar_hpc.rollout.mpi import (TAG_ABORT, TAG_BEAT, TAG_DEAD, TAG_DONE, TAG_EXIT, TAG_HELLO, TAG_RESULT, TAG_START,
+                                   TAG_STOP, TAG_WORK, recv_from_rank0)
 from rstar_hpc.rollout.step import StageLimits, request_seed
 
 log = logging.getLogger("rstar_hpc.rollout")
 
 
-async def run_engine_rank(comm, MPI, sc: SchedulerConfig, agent_cfg: AgentConfig, limits: StageLimits, engine,
-                          tools, *, run_seed: int, stage: str, step: int) -> dict:
-    """An engine rank for one step: load the step's policy, then run what rank 0 admits until it says the
-    step is done. Returns this rank's figures of the step."""
+async def run_engine_rank(comm, MPI, sc: SchedulerConfig, agent_cfg: AgentConfig, engine, tools, *,
+                          run_seed: int) -> dict | None:
+    """An engine rank for one rollout step: wait for rank 0's START (it names the stage, step, limits and
+    policy), load the policy, then run what rank 0 admits until it says the step is done. Returns this rank's
+    figures of the step; None when rank 0 ends the job instead (EXIT, read by the caller next)."""
     rank = comm.Get_rank()
-    tag, start = await recv_from_rank0(comm, MPI, sc.policy_wait_s + sc.engine_timeout_s, f"step {step}")
+    tag, start = await recv_from_rank0(comm, MPI, sc.policy_wait_s + sc.engine_timeout_s, "the next step",
+                                       peek_exit=True)
+    if tag == TAG_EXIT:
+        return None
     if tag == TAG_ABORT:
         raise RuntimeError(f"rank 0 aborted the job: {start}")
     if tag == TAG_STOP:   # already committed: nothing to run
         return {"done": 0, "skipped": True}
     if tag != TAG_START:
-        raise RuntimeError(f"engine rank {rank}: expected the start of step {step}, got tag {tag}")
+        raise RuntimeError(f"engine rank {rank}: expected the start of a step, got tag {tag}")
+    stage, step, limits = start["stage"], start["step"], StageLimits(*start["limits"])
     comm.send({"loading": start["policy_version"] != engine.policy_version}, dest=0, tag=TAG_BEAT)
     if start["policy_version"] is not None and start["policy_version"] != engine.policy_version:
         load_s = await engine.load_policy(start["policy_dir"], start["policy_version"])
         log.info("engine rank %d: loaded policy v%d in %.1fs", rank, engine.policy_version, load_s)
     agent = AgentLoop(engine, tools, engine.tokenizer, agent_cfg, max_response_length=limits.max_response_length,
-                      max_turns=limits.max_turns)
+                      max_turns=limits.max_turns, sampling=limits.sampling())
     comm.send({"capacity_tokens": engine.kv.capacity_tokens, "policy_version": engine.policy_version},
               dest=0, tag=TAG_HELLO)
     return await _EngineStep(comm, MPI, sc, engine, agent, run_seed=run_seed, stage=stage, step=step).serve()

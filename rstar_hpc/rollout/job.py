@@ -20,26 +20,19 @@ from rstar_hpc.rollout.mpi import TAG_ABORT, TAG_BYE, TAG_EXIT, env_rank, init_m
 log = logging.getLogger("rstar_hpc.rollout")
 
 
-def pick_stage(cfg, name: str | None) -> str:
-    if name:
-        cfg.stage(name)
-        return name
-    for s in cfg.stages:
-        if s.kind == "rl":
-            return s.name
-    raise ValueError("no rl stage in the config; pass --stage")
-
-
-def run(cfg, stage: str, steps: Sequence[int], *, sandbox: Sequence[str] = (), progress: bool = False) -> NoReturn:
-    """This rank's part of `steps` of `stage`; ends the process (os._exit) with the job's outcome.
-    `sandbox`: HOST:PORT of sandbox services (default: the run directory's announcements); `progress`: a bar on
-    rank 0."""
+def run(cfg, stage: str | None = None, steps: Sequence[int] | None = None, *, sandbox: Sequence[str] = (),
+        progress: bool = False) -> NoReturn:
+    """This rank's part of the rollout: with no `stage`, every rollout stage of the run in order (what is not done
+    yet: the stage driver's walk, rstar_hpc.pipeline), else `steps` of `stage` (default: its uncommitted ones).
+    Ends the process (os._exit) with the job's outcome. `sandbox`: HOST:PORT of sandbox services (default: the run
+    directory's announcements); `progress`: a bar on rank 0."""
     from rstar_hpc.config import prepare_run_dir
     from rstar_hpc.exchange.rundir import RunPaths
     from rstar_hpc.models.resolve import resolve_model
 
     paths = RunPaths(cfg.run.dir)
     rank = env_rank()
+    _catch_stop_signals(rank)
     if rank == 0:
         prepare_run_dir(cfg)
         model_dir = resolve_model(cfg)
@@ -48,7 +41,7 @@ def run(cfg, stage: str, steps: Sequence[int], *, sandbox: Sequence[str] = (), p
     if rank == 0:
         code, end = _scheduler(cfg, paths, stage, steps, progress, model_dir)
     else:
-        code, end = _engine(cfg, paths, stage, steps, sandbox, model_dir, rank)
+        code, end = _engine(cfg, paths, sandbox, model_dir, rank)
     sys.stdout.flush()
     sys.stderr.flush()
     if end != "exit":
@@ -63,6 +56,22 @@ def run(cfg, stage: str, steps: Sequence[int], *, sandbox: Sequence[str] = (), p
                         "Ending the MPI job with MPI_Abort(0) (exit status 0 under mpirun)")
             MPI.COMM_WORLD.Abort(0)
     os._exit(code)
+
+
+EXIT_REQUEUE = 75   # stopped by a signal with the work so far committed: run again to continue
+_STOP: list[str] = []
+
+
+def _catch_stop_signals(rank: int) -> None:
+    """USR2 (Slurm's pre-timeout signal) and TERM (preemption, `scancel --signal=TERM`): rank 0 commits the step's
+    finished trajectories to its journal and ends the job; engine ranks wait for its word (USR2 would kill them)."""
+    import signal
+
+    def stop(signum, frame):
+        _STOP.append(signal.Signals(signum).name)
+    signal.signal(signal.SIGUSR2, stop if rank == 0 else signal.SIG_IGN)
+    if rank == 0:
+        signal.signal(signal.SIGTERM, stop)
 
 
 def _wait_for_model(cfg, timeout_s: float = 600.0):
@@ -86,8 +95,13 @@ def _scheduler(cfg, paths, stage, steps, progress, model_dir) -> tuple[int, str]
     tok = AutoTokenizer.from_pretrained(model_dir)
     MPI = init_mpi()
     comm = MPI.COMM_WORLD
+    from rstar_hpc.rollout.scheduler import StopRequested
     try:
         return _scheduler_steps(cfg, paths, stage, steps, progress, tok, comm, MPI)
+    except StopRequested as e:
+        log.warning("%s; ending the job, run again to continue", e)
+        wait_sent([comm.isend(str(e), dest=r, tag=TAG_ABORT) for r in range(1, comm.Get_size())], 5.0)
+        return EXIT_REQUEUE, "exit"
     except BaseException as e:
         # engine ranks would otherwise wait for work until their timeout: tell them, then fail
         log.exception("rank 0 failed")
@@ -97,28 +111,42 @@ def _scheduler(cfg, paths, stage, steps, progress, model_dir) -> tuple[int, str]
 
 
 def _scheduler_steps(cfg, paths, stage, steps, progress, tok, comm, MPI) -> tuple[int, str]:
-    from rstar_hpc.datasets import load_prompts
+    from rstar_hpc import pipeline
+    from rstar_hpc.exchange.state import write_heartbeat
     from rstar_hpc.rollout.scheduler import StepScheduler
-    from rstar_hpc.rollout.step import Scorer, StageLimits, step_items
+    from rstar_hpc.rollout.step import Scorer
+    from rstar_hpc.rollout.tasks import finish_stage, stage_steps
 
-    stage_cfg = cfg.stage(stage)
-    rows = load_prompts(stage_cfg, seed=cfg.run.seed)   # once for the job, not once per step
-    limits = StageLimits.of(stage_cfg, cfg.rollout.agent)
     score = Scorer(cfg.run.name, cfg.algo.reward, cfg.algo.roc)
     dead: set[int] = set()
-    for step in steps:
-        items, dropped = step_items(stage_cfg, step, tok, rows, agent=cfg.rollout.agent,
-                                    samples_per_prompt=cfg.algo.num_samples_per_prompt)
-        bar = None
-        if progress:
-            from tqdm import tqdm
-            bar = tqdm(total=len(items), desc=f"rollout step {step}", unit="traj", file=sys.stderr)
-        summary = StepScheduler(comm, MPI, cfg.rollout.scheduler, paths, stage, step, items,
-                                max_response=limits.max_response_length, score=score, dropped=dropped,
-                                progress=bar.update if bar else None, dead_ranks=dead).run()
-        if bar:
-            bar.close()
-        print(json.dumps(summary), flush=True)
+    stages = [stage] if stage else [s.name for s in cfg.stages if s.kind in pipeline.ROLLOUT_KINDS]
+    for name in stages:
+        if stage is None and pipeline.rollout_done(cfg, paths, name):
+            continue
+        write_heartbeat(paths, "rollout", f"stage {name}: reading its prompts", stage=name)
+        for task in stage_steps(cfg, paths, name, tok, steps=steps):
+            bar = None
+            if progress:
+                from tqdm import tqdm
+                bar = tqdm(total=len(task.items), desc=f"rollout {name} step {task.step}", unit="traj",
+                           file=sys.stderr)
+            write_heartbeat(paths, "rollout", f"step {task.step} of stage {name}: starting", stage=name,
+                            step=task.step)
+            summary = StepScheduler(
+                comm, MPI, cfg.rollout.scheduler, paths, name, task.step, task.items, limits=task.limits,
+                need=task.need, score=score, dropped=task.dropped, progress=bar.update if bar else None,
+                dead_ranks=dead, beat=lambda text: write_heartbeat(paths, "rollout", text, stage=name),
+                stop=lambda: _STOP[0] if _STOP else None).run()
+            if bar:
+                bar.close()
+            print(json.dumps(summary), flush=True)
+            write_heartbeat(paths, "rollout", f"step {task.step} of stage {name}: committed", stage=name,
+                            step=task.step)
+        if steps is None:
+            out = finish_stage(cfg, paths, name)
+            if out is not None:
+                log.info("stage %s done: %s", name, out.get("summary", ""))
+    write_heartbeat(paths, "rollout", "done: every rollout stage asked for is committed")
     return _end_job(comm, MPI, cfg.rollout.scheduler, dead)
 
 
@@ -142,25 +170,23 @@ def _end_job(comm, MPI, sc, dead: set[int]) -> tuple[int, str]:
     return 0, "abort"
 
 
-def _engine(cfg, paths, stage, steps, sandbox, model_dir, rank) -> tuple[int, str]:
+def _engine(cfg, paths, sandbox, model_dir, rank) -> tuple[int, str]:
     from rstar_hpc.rollout.engine import VLLMEngine
 
     engine = VLLMEngine(cfg.rollout, model_dir, seed=cfg.run.seed * 1000 + rank)   # before MPI (kv-balancing §4.6)
     from rstar_hpc.rollout.engine_rank import run_engine_rank
-    from rstar_hpc.rollout.step import StageLimits
     from sandbox.client import SandboxClient
 
     MPI = init_mpi()
     comm = MPI.COMM_WORLD
     sc, agent_cfg = cfg.rollout.scheduler, cfg.rollout.agent
-    limits = StageLimits.of(cfg.stage(stage), agent_cfg)
 
     async def run_steps() -> bool:
         client = SandboxClient(addresses=list(sandbox) or None, run_dir=None if sandbox else str(paths.dir))
         try:
-            for step in steps:   # rank 0 names the policy each step runs; the engine loads it in place
-                await run_engine_rank(comm, MPI, sc, agent_cfg, limits, engine, client, run_seed=cfg.run.seed,
-                                      stage=stage, step=step)
+            # rank 0 names the stage, step, limits and policy of each step; the engine loads the policy in place
+            while await run_engine_rank(comm, MPI, sc, agent_cfg, engine, client, run_seed=cfg.run.seed) is not None:
+                pass
         finally:
             await client.close()
         tag, msg = await recv_from_rank0(comm, MPI, sc.engine_timeout_s, "the end of the job")

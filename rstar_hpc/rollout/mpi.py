@@ -57,8 +57,10 @@ def wait_sent(requests: list, timeout_s: float) -> bool:
     return True
 
 
-async def recv_from_rank0(comm, MPI, timeout_s: float, what: str) -> tuple[int, object]:
-    """The next message from rank 0 (tag, payload); a silent rank 0 is a dead one: give up, do not hang."""
+async def recv_from_rank0(comm, MPI, timeout_s: float, what: str, *, peek_exit: bool = False) -> tuple[int, object]:
+    """The next message from rank 0 (tag, payload); a silent rank 0 is a dead one: give up, do not hang. Rank 0's
+    heartbeats keep the wait going (it may wait long for a policy between stages). `peek_exit`: an EXIT is
+    reported as (TAG_EXIT, None) and left for the caller to receive."""
     deadline = time.monotonic() + timeout_s
     st = MPI.Status()
     while True:
@@ -68,6 +70,9 @@ async def recv_from_rank0(comm, MPI, timeout_s: float, what: str) -> tuple[int, 
                                    f"waited for {what}; it is presumed dead")
             await asyncio.sleep(0.01)
         tag = st.Get_tag()
+        if tag == TAG_EXIT and peek_exit:
+            return tag, None
         msg = comm.recv(source=0, tag=tag)
-        if tag != TAG_BEAT:   # a late heartbeat of the previous step
+        if tag != TAG_BEAT:
             return tag, msg
+        deadline = time.monotonic() + timeout_s   # rank 0 is alive, only busy (waiting for a policy)

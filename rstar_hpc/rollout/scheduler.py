@@ -4,19 +4,22 @@
 
 `StepScheduler.run` reads top-down as the step's stages:
 
-    start_engines    wait for the policy the step needs (trained through step N - max_policy_lag), name it in
-                     START; each engine rank acks at once, loads it in place if new, says HELLO with its KV capacity
+    start_engines    wait for the policy the step needs (pipeline.policy_need: trained through step N -
+                     max_policy_lag, or the stage's starting policy), name it, the stage, step, limits and sampling
+                     in START; each engine rank acks at once, loads it in place if new, says HELLO with its KV
+                     capacity
     admit            FIFO over the step's trajectories: the shared admission policy (policy.py: `kv_aware` or
                      `static`) places the head on an engine rank, which keeps it for all its turns; nothing jumps
                      the queue
     dispatch         send each engine rank its admitted work (never a blocking send)
     collect          results (release the booking, score off the generation path: reward and RoC quality
-                     signals), heartbeats (KV booking from the live trajectories' context lengths), deaths
+                     signals), heartbeats (KV booking from the live trajectories' context lengths), deaths;
+                     every `journal_every_s` the new results are committed as a journal part, so a step killed
+                     halfway keeps them and a restart runs only the unfinished trajectories
     keep_alive       heartbeat the engines; an engine rank silent for `engine_timeout_s` is dropped
     finish_engines   DONE; each engine rank answers with its figures
-    commit           all trajectories in ONE committed shard set (producer "rollout"): a trajectory is written
-                     once, or, if rank 0 dies, not at all (a rerun starts clean: the commit record is the only
-                     publication)
+    commit           all trajectories, in item order, in ONE committed shard set (producer "rollout"), then the
+                     journal parts go: readers see a step whole or not at all, as before
     publish_metrics  the step's summary, appended to metrics/rollout.jsonl and returned
 
 Tool calls are not dispatched here: each engine rank runs its trajectories as agent-loop coroutines (agent.py)
@@ -45,10 +48,15 @@ from rstar_hpc.exchange.schema import Trajectory
 from rstar_hpc.exchange.writer import ShardWriter
 from rstar_hpc.rollout.mpi import TAG_BEAT, TAG_DEAD, TAG_DONE, TAG_HELLO, TAG_RESULT, TAG_START, TAG_STOP, TAG_WORK
 from rstar_hpc.rollout.policy import make_policy
-from rstar_hpc.rollout.step import Scorer, WorkItem, wait_for_policy
+from rstar_hpc.rollout.journal import Journal
+from rstar_hpc.rollout.step import Scorer, StageLimits, WorkItem, wait_for_policy
 
 log = logging.getLogger("rstar_hpc.rollout")
 PRODUCER = "rollout"
+
+
+class StopRequested(Exception):
+    """Slurm's pre-timeout USR2 or a TERM reached rank 0: the step's finished trajectories are in its journal."""
 
 
 class StepScheduler:
@@ -56,10 +64,13 @@ class StepScheduler:
     in place); `progress(n)` hears every finished trajectory."""
 
     def __init__(self, comm, MPI, sc: SchedulerConfig, paths: RunPaths, stage: str, step: int,
-                 items: Sequence[WorkItem], *, max_response: int, score: Scorer, dropped: Sequence[str] = (),
-                 progress: Callable[[int], object] | None = None, dead_ranks: set[int] | None = None):
+                 items: Sequence[WorkItem], *, limits: StageLimits, need, score: Scorer, dropped: Sequence[str] = (),
+                 progress: Callable[[int], object] | None = None, dead_ranks: set[int] | None = None,
+                 beat: Callable[[str], object] | None = None, stop: Callable[[], str | None] = lambda: None):
         self.comm, self.MPI, self.sc, self.paths, self.stage, self.step = comm, MPI, sc, paths, stage, step
-        self.items, self.max_response, self.score, self.dropped = list(items), max_response, score, list(dropped)
+        self.items, self.limits, self.need = list(items), limits, need
+        self.max_response, self.score, self.dropped = limits.max_response_length, score, list(dropped)
+        self.beat_file, self.stop = beat, stop
         self.progress = progress
         self.dead_ranks = set() if dead_ranks is None else dead_ranks
         self.sends: list = []                     # non-blocking sends in flight
@@ -69,21 +80,29 @@ class StepScheduler:
         self.reward_s = 0.0
         self.reruns = 0
         self.infra_failures = 0
+        self.journal = Journal(paths, stage, step, sc.journal_every_s)
 
     def run(self) -> dict:
         """The step, stage by stage; returns its summary (also appended to metrics/rollout.jsonl)."""
         engines = self.live_engines()
         if ShardWriter.is_committed(self.paths, self.stage, self.step, PRODUCER):
             return self.skip(engines)
-        policy_ref = wait_for_policy(self.sc, self.paths, self.stage, self.step)
+        policy_ref = wait_for_policy(self.sc, self.paths, self.need, what=f"step {self.step} of stage {self.stage}",
+                                     beat=lambda text: self.waiting(engines, text))
         self.t_start = time.monotonic()
         self.policy_version = policy_ref[0] if policy_ref is not None else None
         hello = self.start_engines(engines, policy_ref)
         self.prepare_admission(hello)
+        self.resume_from_journal()
         while len(self.results) < len(self.items):
             self.dispatch(self.admit())
             got = self.collect()
             self.keep_alive()
+            self.journal.maybe_write(self.results)
+            if self.stop():
+                self.journal.maybe_write(self.results, force=True)
+                raise StopRequested(f"{self.stop()}: step {self.step} of stage {self.stage} stopped with "
+                                    f"{len(self.results)} of {len(self.items)} trajectories in its journal")
             if not got:
                 time.sleep(0.005)
         generation_s = time.monotonic() - self.t_start
@@ -101,6 +120,29 @@ class StepScheduler:
                                f"{self.step} cannot run")
         return engines
 
+    def waiting(self, engines: list[int], text: str) -> None:
+        """While rank 0 waits for the step's policy: keep the engines waiting too (heartbeats), and say why."""
+        if self.stop():
+            raise StopRequested(f"{self.stop()} while step {self.step} of stage {self.stage} waited for its policy")
+        now = time.monotonic()
+        if now - self.last_beat > self.sc.heartbeat_s:
+            self.sends += [self.comm.isend(None, dest=e, tag=TAG_BEAT) for e in engines]
+            self.sends[:] = [r for r in self.sends if not r.Test()]
+            self.last_beat = now
+            if self.beat_file is not None:
+                self.beat_file(f"step {self.step} of stage {self.stage}: {text}")
+
+    def resume_from_journal(self) -> None:
+        """The trajectories an earlier attempt of this step committed to its journal: kept, not run again."""
+        for key, traj in self.journal.load().items():
+            if key in self.by_key and key not in self.results:
+                self.results[key] = traj
+        if self.results:
+            log.info("step %d of stage %s: %d of %d trajectories kept from an interrupted attempt", self.step,
+                     self.stage, len(self.results), len(self.items))
+            if self.progress is not None:
+                self.progress(len(self.results))
+
     def skip(self, engines: list[int]) -> dict:
         log.info("step %d of stage %s already committed: nothing to do", self.step, self.stage)
         for e in engines:
@@ -112,7 +154,8 @@ class StepScheduler:
         policy, then says hello: one that does not ack is dead after engine_timeout_s, one that loads gets
         policy_load_timeout_s more."""
         comm, MPI, sc = self.comm, self.MPI, self.sc
-        start = {"policy_version": self.policy_version, "policy_dir": policy_ref[1] if policy_ref else None}
+        start = {"policy_version": self.policy_version, "policy_dir": policy_ref[1] if policy_ref else None,
+                 "stage": self.stage, "step": self.step, "limits": list(self.limits)}
         self.sends += [comm.isend(start, dest=e, tag=TAG_START) for e in engines]
         hello: dict[int, dict] = {}
         acked: set[int] = set()
@@ -267,12 +310,14 @@ class StepScheduler:
         trajs = [self.results[it.key] for it in self.items]
         with ShardWriter(self.paths, self.stage, self.step, PRODUCER) as w:
             w.write(trajs)
+        self.journal.clear()
         return trajs
 
     def publish_metrics(self, trajs: list[Trajectory], generation_s: float, engine_stats: dict[int, dict]) -> dict:
         last_admit = max(self.queued_at.values(), default=0.0)
         summary = {
             "step": self.step, "stage": self.stage, "policy": self.sc.policy, "trajectories": len(trajs),
+            "kept_from_journal": self.journal.loaded,
             "dropped_prompts": self.dropped, "engines": self.engines, "dead_engines": self.dead,
             "reruns": self.reruns, "wall_s": round(time.monotonic() - self.t_start, 3),
             "generation_wall_s": round(generation_s, 3),

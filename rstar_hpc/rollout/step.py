@@ -34,27 +34,45 @@ class WorkItem:
 
 
 class StageLimits(NamedTuple):
-    """A stage's response budget and turn limit: the stage's own, else the agent loop's defaults."""
+    """A stage's response budget, turn limit and sampling: the stage's own, else the agent loop's defaults (an
+    eval stage: the eval protocol's). temperature/top_p None: the engine's (rollout.agent's)."""
     max_response_length: int
     max_turns: int
+    temperature: float | None = None
+    top_p: float | None = None
 
     @classmethod
-    def of(cls, stage: StageConfig, agent: AgentConfig) -> StageLimits:
+    def of(cls, stage: StageConfig, agent: AgentConfig, protocol=None) -> StageLimits:
+        if stage.kind == "eval" and protocol is not None:
+            return cls(stage.max_response_length or protocol.max_response_length, stage.max_turns or protocol.max_turns,
+                       protocol.temperature if stage.temperature is None else stage.temperature,
+                       protocol.top_p if stage.top_p is None else stage.top_p)
         return cls(stage.max_response_length or agent.max_response_length, stage.max_turns or agent.max_turns)
+
+    def sampling(self) -> dict | None:
+        """The engine's sampling overrides, if any."""
+        out = {k: v for k, v in (("temperature", self.temperature), ("top_p", self.top_p)) if v is not None}
+        return out or None
 
 
 # --------------------------------------------------------------------------------------------------- step input
 def step_items(stage: StageConfig, step: int, tokenizer, rows: list[dict], *, agent: AgentConfig,
                samples_per_prompt: int) -> tuple[list[WorkItem], list[str]]:
-    """The step's prompts (out of the stage's `rows`, datasets.load_prompts) x samples_per_prompt, and the
+    """An rl step's prompts (out of the stage's `rows`, datasets.load_prompts) x samples_per_prompt, and the
     uids of prompts dropped as over-long (the reference filters them: they cannot be trained on)."""
-    from rstar_hpc.rollout.agent import PromptTooLong, encode_prompt
-
     n = stage.prompts_per_step
     if n > len(rows):
         raise ValueError(f"stage {stage.name!r}: prompts_per_step={n} but the data has {len(rows)} prompts; a step "
                          f"cannot hold a prompt twice (its uid names one GRPO group): lower prompts_per_step")
     prompts = [rows[(step * n + i) % len(rows)] for i in range(n)]   # epochs wrap around the file
+    return make_items(prompts, tokenizer, agent=agent, samples_per_prompt=samples_per_prompt)
+
+
+def make_items(prompts: list[dict], tokenizer, *, agent: AgentConfig,
+               samples_per_prompt: int) -> tuple[list[WorkItem], list[str]]:
+    """`prompts` ({"uid", "question", "answer"}) x samples_per_prompt as work items; over-long ones dropped."""
+    from rstar_hpc.rollout.agent import PromptTooLong, encode_prompt
+
     items, dropped = [], []
     for p in prompts:
         uid = p["uid"]
@@ -76,40 +94,34 @@ def request_seed(run_seed: int, stage: str, step: int, prompt_uid: str, sample_i
 
 
 # --------------------------------------------------------------------------------------------------- policy
-def required_trainer_step(sc: SchedulerConfig, step: int) -> int | None:
-    """The trainer step a policy must have reached to generate `step`: on-policy, step N runs the weights
-    trained on step N-1 (trainer_step N), `max_policy_lag` steps older allowed. None: anything goes."""
-    need = step - sc.max_policy_lag
-    return need if need > 0 else None
-
-
-def wait_for_policy(sc: SchedulerConfig, paths: RunPaths, stage: str, step: int, *,
+def wait_for_policy(sc: SchedulerConfig, paths: RunPaths, need, *, what: str = "a rollout step", beat=None,
                     poll_s: float = 1.0) -> tuple[int, str] | None:
-    """(version, directory) of the newest published policy good enough for `step`, waiting for the trainer
-    to publish it (`policy_wait_s`); None when the step may run the base model and nothing is published."""
+    """(version, directory) of the newest published policy that satisfies `need` (pipeline.PolicyNeed), waiting
+    for the trainer to publish it (`policy_wait_s`); None when `need` is the base model. `beat(text)` hears
+    what it waits for (the role's heartbeat, shown by `rstar-hpc run status`)."""
+    if need.stage is None:
+        return None
+    from rstar_hpc.exchange.state import silence_s
+
     dirs = paths.policies()
-    need = required_trainer_step(sc, step)
-    deadline = time.monotonic() + sc.policy_wait_s
+    t0, wall0 = time.monotonic(), time.time()
     waited = False
     while True:
         for v in sorted(dirs.complete_steps(), reverse=True):
-            if need is None:
-                return v, str(dirs.path(v))
             meta = dirs.marker(v)
-            if meta.get("stage") == stage and int(meta.get("trainer_step", -1)) >= need:
+            if meta.get("stage") == need.stage and int(meta.get("trainer_step", -1)) >= need.trainer_step:
                 return v, str(dirs.path(v))
-        if need is None:
-            return None
         if not waited:
-            log.info("step %d of stage %s waits for a policy with trainer_step >= %d (max_policy_lag=%d)",
-                     step, stage, need, sc.max_policy_lag)
+            log.info("%s waits for %s (max_policy_lag=%d)", what, need, sc.max_policy_lag)
             waited = True
-        if time.monotonic() > deadline:
+        if beat is not None:
+            beat(f"waiting for {need} since {time.monotonic() - t0:.0f}s")
+        if silence_s(paths, "trainer", wall0) > sc.policy_wait_s:   # a trainer at work may take its time
             raise TimeoutError(
-                f"rollout step {step} of stage {stage!r} needs a policy the trainer published after training "
-                f"step {need} of that stage (COMMITTED.json trainer_step >= {need} under {dirs.root}); none "
-                f"appeared in {sc.policy_wait_s:.0f}s. Is the trainer running? "
-                f"(rollout.scheduler.max_policy_lag allows older policies; policy_wait_s waits longer)")
+                f"{what} needs {need} (COMMITTED.json stage {need.stage!r}, trainer_step >= {need.trainer_step} "
+                f"under {dirs.root}); the trainer said nothing for {sc.policy_wait_s:.0f}s (heartbeat/trainer.json)."
+                f" Is it running? (rollout.scheduler.max_policy_lag allows older policies; policy_wait_s waits "
+                f"longer)")
         time.sleep(poll_s)
 
 

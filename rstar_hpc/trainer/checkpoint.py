@@ -299,12 +299,12 @@ def load_checkpoint(state: TrainState, path: str | os.PathLike, *, reset_optimiz
 
 
 class SaveOnSignal:
-    """SIGUSR2 (or `sig`) sets a flag; `should_save()` is true on every rank once any rank got it."""
+    """SIGUSR2 (Slurm's pre-timeout signal) or SIGTERM (preemption's grace period, `scancel --signal=TERM`, a
+    requeue) sets a flag; `should_save()` is true on every rank once any rank got one."""
 
-    def __init__(self, sig: int = signal.SIGUSR2):
+    def __init__(self, sigs: tuple[int, ...] = (signal.SIGUSR2, signal.SIGTERM)):
         self.requested = False
-        self._previous = signal.signal(sig, self._handle)
-        self._sig = sig
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in sigs}
 
     def _handle(self, signum, frame) -> None:
         self.requested = True
@@ -320,4 +320,5 @@ class SaveOnSignal:
         self.requested = False
 
     def close(self) -> None:
-        signal.signal(self._sig, self._previous)
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)

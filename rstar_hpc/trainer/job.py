@@ -26,7 +26,7 @@ import torch
 
 from rstar_hpc.config import RunConfig, StageConfig
 from rstar_hpc.exchange.rundir import RunPaths
-from rstar_hpc.exchange.state import read_stage_state, write_stage_state
+from rstar_hpc.exchange.state import read_stage_state, write_heartbeat, write_stage_state
 from rstar_hpc.trainer.checkpoint import SaveOnSignal, TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
 from rstar_hpc.trainer.hf_convert import load_hf_checkpoint
 from rstar_hpc.trainer.model import Qwen3Arch, destroy_distributed, init_distributed
@@ -94,11 +94,15 @@ def run(cfg: RunConfig, stage_name: str, *, on_step: Callable[[int, dict], None]
                     _checkpoint(state, data, paths, stage, rank0, tcfg.checkpoint.keep_last)
             metrics.update(timer.metrics())
             _log_step(metrics_out, stage, state.step, metrics, backend, model)
+            if rank0:
+                write_heartbeat(paths, "trainer", f"stage {stage.name}: trained step {state.step}/{stage.num_steps}",
+                                stage=stage.name, step=state.step)
             if on_step is not None:
                 on_step(state.step, metrics)
             if stop and state.step < stage.num_steps:
                 return _save_and_requeue(state, data, paths, stage, rank0, tcfg.checkpoint.keep_last)
         _set_state(paths, stage, rank0, "DONE", step=state.step)
+        torch.distributed.barrier()   # every rank sees DONE before it picks the next stage (train --follow)
         return 0
     except BaseException as e:
         if not isinstance(e, KeyboardInterrupt):

@@ -45,6 +45,7 @@ from rstar_hpc.exchange.columns import TrajectoryColumns
 from rstar_hpc.exchange.errors import ExchangeError, StepNotReadyError
 from rstar_hpc.exchange.reader import Consumer
 from rstar_hpc.exchange.rundir import RunPaths
+from rstar_hpc.exchange.state import silence_s, write_heartbeat
 from rstar_hpc.exchange.tool_status import INFRA_TOOL_STATUSES
 from rstar_hpc.trainer.parallel import from_last_stage
 from rstar_hpc.trainer.step import MicroBatch, forward_logprobs, pack, train_step
@@ -252,13 +253,19 @@ class TrajectorySource:
         """The next step's batch once every producer committed it; None if `stop_requested()` turns true on
         any rank first (the trainer spends most of a synchronous run waiting here, so Slurm's pre-timeout
         signal usually lands here). Ranks decide together, so none is left waiting alone in a collective."""
-        reader, step, start = self.consumer.reader, self.next_step, time.monotonic()
+        reader, step, start, wall0 = self.consumer.reader, self.next_step, time.monotonic(), time.time()
+        rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
         while True:
             records = reader.commits(step)
             missing = [p for p in self.consumer.producers if p not in records]
             waited = time.monotonic() - start
+            if missing and rank0 and int(waited) % 5 == 0:
+                write_heartbeat(reader.paths, "trainer", f"stage {self.stage}: waiting for the trajectories of step "
+                                f"{step} since {waited:.0f}s", stage=self.stage, step=step)
+            # late: the producers said nothing for trajectory_timeout_s (a long rollout stage in between is fine)
+            silent = min(silence_s(reader.paths, p, wall0) for p in ("rollout",)) if missing else 0.0
             not_ready, stop, late = _any_rank(bool(missing), stop_requested(),
-                                              waited >= self.cfg.trainer.trajectory_timeout_s)
+                                              silent >= self.cfg.trainer.trajectory_timeout_s)
             if not not_ready:
                 break
             if stop:

@@ -101,7 +101,7 @@ def _sft(base: Path, out: Path, steps: int = 150, batch: int = 8, lr: float = 5e
     return out
 
 
-def _publish(paths, src: Path, version: int, trainer_step: int, scale: float) -> Path:
+def _publish(paths, src: Path, version: int, trainer_step: int, scale: float, stage: str = "rl") -> Path:
     """A policy version as the trainer publishes it: src's weights, one matrix scaled (logprobs tell which
     weights an engine ran)."""
     from safetensors.torch import load_file, save_file
@@ -114,7 +114,7 @@ def _publish(paths, src: Path, version: int, trainer_step: int, scale: float) ->
     key = next(k for k in st if k.endswith("layers.1.mlp.down_proj.weight"))
     st[key] = st[key] * scale
     save_file(st, tmp / "model.safetensors", metadata={"format": "pt"})
-    return paths.policies().commit(version, tmp, stage="rl", trainer_step=trainer_step)
+    return paths.policies().commit(version, tmp, stage=stage, trainer_step=trainer_step)
 
 
 def _rank_pid(rank: int, parent: int) -> int | None:
@@ -168,17 +168,19 @@ def e2e(tiny_model_dir, tmp_path_factory):
     run_dir = work / "runs" / "e2e"
     paths = RunPaths(run_dir)
     paths.create()
-    # v1 as if the trainer had trained on step 0 (trainer_step 1): step 0 may run anything, step 1 needs it
-    _publish(paths, sft, 1, trainer_step=1, scale=1.5)
+    # v1 as if the trainer had finished the sft stage: the rl stage starts from it (steps 0 and 1, with
+    # max_policy_lag 1); step 2 needs the policy trained on rl step 1
+    _publish(paths, sft, 1, trainer_step=1, scale=1.5, stage="sft")
 
     cfg = yaml.safe_load((REPO / "configs/tiny-cpu.yaml").read_text())
     cfg["run"] = {"name": "e2e", "root": str(work / "runs"), "seed": 0}
     cfg["model"] = {"path": str(sft)}
     cfg["rollout"]["engine"]["kv_cache_memory_mb"] = 16   # 16k tokens: ~15 worst-case trajectories per engine
     cfg["rollout"]["agent"].update(max_prompt_length=768, max_response_length=256, temperature=TEMPERATURE)
-    cfg["rollout"]["scheduler"].update(heartbeat_s=0.5, engine_timeout_s=10, policy_wait_s=120)
+    cfg["rollout"]["scheduler"].update(heartbeat_s=0.5, engine_timeout_s=10, policy_wait_s=120, max_policy_lag=1)
     cfg["algo"]["num_samples_per_prompt"] = SAMPLES
-    cfg["stages"] = [{"name": "rl", "kind": "rl", "num_steps": 3, "prompts_per_step": PROMPTS, "data": "demo"}]
+    cfg["stages"] = [{"name": "sft", "kind": "sft", "num_steps": 1, "data": "demo"},
+                     {"name": "rl", "kind": "rl", "num_steps": 3, "prompts_per_step": PROMPTS, "data": "demo"}]
     cfg_path = work / "e2e.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg))
 
@@ -319,7 +321,7 @@ def test_step_as_slurm_job_waits_for_its_policy(e2e, slurm_cluster):
     while job_state(job, slurm_cluster.env).get("JobState") in (None, "PENDING", "CONFIGURING"):
         assert time.monotonic() < deadline, f"job {job} never started"
         time.sleep(0.5)
-    time.sleep(3.0)   # step 2 needs trainer_step >= 2: rank 0 is waiting for it now
+    time.sleep(3.0)   # step 2 needs the policy trained on rl step 1: rank 0 is waiting for it now
     assert not paths.traj_commit("rl", 2, "rollout").exists()
     _publish(paths, e2e["sft"], 2, trainer_step=2, scale=0.5)
     try:

@@ -1,0 +1,86 @@
+"""The run's one heterogeneous Slurm job: `sbatch/run.sbatch`, its `#SBATCH` header rendered from the config.
+
+Component 0 is the trainer's nodes, 1 the rollout's, 2 the sandbox's (a run without a trainer or rollout stage
+drops the components it does not need). Job-wide options (name, log, requeue, the pre-timeout signal, account,
+qos) go on the first component; resources on each. The script's body (sbatch/run.sbatch, after its header) runs
+the supervisor, `python -m rstar_hpc.launch.supervise RUN`, which starts each role as a job step
+(`srun --het-group=N`), restarts a role that dies, forwards Slurm's signals, and requeues the job when it was
+stopped before the run was done.
+"""
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+from rstar_hpc.launch.roles import python_of, roles_needed
+from rstar_hpc.launch.slurm import SBATCH_DIR
+
+TEMPLATE = SBATCH_DIR / "run.sbatch"
+HEADER_MARK = "#RSTAR-HEADER"   # the line of the template the rendered #SBATCH header replaces
+HET_ROLES = ("trainer", "rollout", "sandbox")
+
+
+def het_groups(cfg) -> dict[str, int]:
+    """role -> het group index, for the roles this run needs, in HET_ROLES order."""
+    need = roles_needed(cfg)
+    return {r: i for i, r in enumerate(r for r in HET_ROLES if r in need)}
+
+
+def _hours(minutes: int) -> str:
+    return f"{minutes // 60:d}:{minutes % 60:02d}:00"
+
+
+def role_options(res) -> list[str]:
+    """The sbatch resource options of one role's component."""
+    opts = [f"--partition={res.partition}", f"--nodes={res.num_nodes}", f"--ntasks-per-node={res.tasks_per_node}",
+            f"--cpus-per-task={res.cpus_per_task}", f"--time={_hours(res.time_min)}"]
+    if res.gpus_per_node:
+        opts.append(f"--gpus-per-node={res.gpus_per_node}")
+    for key in ("mem", "gres", "constraint"):
+        if getattr(res, key):
+            opts.append(f"--{key}={getattr(res, key)}")
+    if res.exclusive:
+        opts.append("--exclusive")
+    return opts + list(res.extra)
+
+
+def job_options(cfg, run_dir: str | Path) -> list[str]:
+    """The job-wide options (on the first component)."""
+    launch = cfg.launch
+    opts = [f"--job-name=rstar-{cfg.run.name}", f"--output={Path(run_dir) / 'logs' / 'run-%j.out'}",
+            "--open-mode=append", "--requeue", f"--signal=B:USR2@{launch.signal_lead_s}"]
+    if launch.account:
+        opts.append(f"--account={launch.account}")
+    if launch.qos:
+        opts.append(f"--qos={launch.qos}")
+    return opts
+
+
+def header(cfg, run_dir: str | Path) -> str:
+    lines = []
+    for i, role in enumerate(het_groups(cfg)):
+        if i:
+            lines.append("#SBATCH hetjob")
+        lines.append(f"# component {i}: {role}")
+        opts = (job_options(cfg, run_dir) if i == 0 else []) + role_options(getattr(cfg.launch, role))
+        lines += [f"#SBATCH {o}" for o in opts]
+    return "\n".join(lines)
+
+
+def render(cfg, run_dir: str | Path, repo: str | Path | None = None) -> str:
+    """The job script of a run: the template with its header rendered and the run's settings filled in."""
+    text = TEMPLATE.read_text()
+    if HEADER_MARK not in text:
+        raise ValueError(f"{TEMPLATE} lost its {HEADER_MARK} line; restore it from the repository")
+    groups = het_groups(cfg)
+    setup = "\n".join([*(f"module load {shlex.quote(m)}" for m in cfg.launch.modules), *cfg.launch.setup])
+    values = {
+        "RUN_DIR": shlex.quote(str(run_dir)), "PYTHON": shlex.quote(python_of(cfg)),
+        "RSTAR_HPC_ROOT": shlex.quote(str(repo or Path(__file__).resolve().parents[2])),
+        "HET_GROUPS": shlex.quote(",".join(f"{r}={i}" for r, i in groups.items())),
+        "SETUP": setup or ":",
+    }
+    text = text.replace(HEADER_MARK, header(cfg, run_dir))
+    for key, value in values.items():
+        text = text.replace("{{" + key + "}}", value)
+    return text

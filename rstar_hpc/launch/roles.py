@@ -1,0 +1,58 @@
+"""The commands that start each role of a run, the same under every launcher: each role walks the run's stages
+itself (rstar_hpc.pipeline), so a launcher only starts them and starts them again.
+
+    trainer  rstar-hpc train RUN/config.yaml --follow         every sft and rl stage, in order
+    rollout  rstar-hpc rollout --config RUN/config.yaml        every rl, hard_subset and eval stage (MPI ranks)
+    sandbox  rstar-hpc sandbox serve --run-dir RUN ...         until the job ends (or the run is done)
+
+Roles read the run's resolved config (RUN/config.yaml, written at launch), so a requeued job runs exactly what
+was launched, overrides included.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from rstar_hpc import pipeline
+from rstar_hpc.exchange.rundir import RunPaths
+
+ROLES = ("trainer", "rollout", "sandbox")
+
+
+def python_of(cfg) -> str:
+    return cfg.launch.python or sys.executable
+
+
+def role_argv(cfg, role: str, run_dir: str | Path) -> list[str]:
+    """`python -m rstar_hpc ...` of a role (without the launcher's srun/mpirun around it)."""
+    config = str(Path(run_dir) / "config.yaml")
+    base = [python_of(cfg), "-m", "rstar_hpc"]
+    if role == "trainer":
+        return [*base, "train", config, "--follow"]
+    if role == "rollout":
+        return [*base, "rollout", "--config", config]
+    if role == "sandbox":
+        return [*base, "sandbox", "serve", "--run-dir", str(run_dir), "--config", config]
+    raise ValueError(f"unknown role {role!r}; roles: {', '.join(ROLES)}")
+
+
+def roles_needed(cfg) -> list[str]:
+    """The roles a run's stages need: the trainer for sft/rl, the rollout (and its sandbox) for rl/hard_subset/eval."""
+    kinds = {s.kind for s in cfg.stages}
+    need = []
+    if kinds & set(pipeline.TRAINER_KINDS):
+        need.append("trainer")
+    if kinds & set(pipeline.ROLLOUT_KINDS):
+        need += ["rollout", "sandbox"]
+    return need
+
+
+def role_done(cfg, paths: RunPaths, role: str) -> bool:
+    """Whether a role has nothing left in the run (the sandbox is done when the rollout is)."""
+    if role == "trainer":
+        return all(pipeline.trainer_done(paths, s.name) for s in cfg.stages if s.kind in pipeline.TRAINER_KINDS)
+    return all(pipeline.rollout_done(cfg, paths, s.name) for s in cfg.stages if s.kind in pipeline.ROLLOUT_KINDS)
+
+
+def run_done(cfg, paths: RunPaths) -> bool:
+    return role_done(cfg, paths, "trainer") and role_done(cfg, paths, "rollout")

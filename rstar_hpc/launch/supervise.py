@@ -1,0 +1,173 @@
+"""The supervisor of a run's heterogeneous job (the batch step of sbatch/run.sbatch):
+
+    python -m rstar_hpc.launch.supervise RUN_DIR
+
+- refuses to start past `launch.max_restarts` requeues (SLURM_RESTART_COUNT), saying so;
+- starts each role the run still needs as a job step on its het group (`srun --het-group=N`), the sandbox first;
+- a role whose step ends before the role is done (a crash, a kill -9 of one of its processes) is started again,
+  up to `launch.role_restarts` times, while the others keep running: it resumes from the run directory;
+- USR2 (Slurm's pre-timeout signal, --signal=B:USR2@lead) and TERM (preemption's grace time, scancel
+  --signal=TERM, scontrol requeue) are passed to the trainer and rollout steps, which save and exit; once they
+  have, the sandbox is stopped and the job requeues itself, unless the run is done or `run cancel` was used;
+- when every stage is done it stops the sandbox and ends the job successfully.
+Everything it does is logged to the job's output (RUN/logs/run-<job>.out).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from rstar_hpc.exchange.rundir import RunPaths
+from rstar_hpc.launch.record import cancelled
+from rstar_hpc.launch.roles import role_argv, role_done, roles_needed, run_done
+
+log = logging.getLogger("rstar_hpc.launch")
+
+
+class Supervisor:
+    def __init__(self, cfg, paths: RunPaths, groups: dict[str, int]):
+        self.cfg, self.paths, self.groups = cfg, paths, groups
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.restarts = dict.fromkeys(groups, 0)
+        self.done: set[str] = set()
+        self.stop_reason: str | None = None
+        self.stop_at = 0.0
+
+    # ------------------------------------------------------------------------------------------------ steps
+    def step_argv(self, role: str) -> list[str]:
+        srun = ["srun", f"--het-group={self.groups[role]}", "--kill-on-bad-exit=" + ("1" if role == "trainer" else "0")]
+        if role == "rollout":
+            srun.append("--mpi=pmix")
+        if role == "sandbox":
+            srun.append("--ntasks-per-node=1")
+        return srun + role_argv(self.cfg, role, self.paths.dir)
+
+    def start(self, role: str) -> None:
+        out = open(self.paths.logs / f"{role}-{os.environ.get('SLURM_JOB_ID', 'local')}.log", "ab")  # noqa: SIM115
+        argv = self.step_argv(role)
+        log.info("starting %s: %s", role, " ".join(argv))
+        self.procs[role] = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def signal_role(self, role: str, sig: int) -> None:
+        proc = self.procs.get(role)
+        if proc is not None and proc.poll() is None:
+            try:
+                proc.send_signal(sig)   # srun passes it on to every task of the step
+            except ProcessLookupError:
+                pass
+
+    # ------------------------------------------------------------------------------------------------ signals
+    def on_signal(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.stop_reason is None:
+            self.stop_reason = {"SIGUSR2": "the time limit is near (USR2)"}.get(name, f"{name} from Slurm")
+            self.stop_at = time.monotonic()
+            log.warning("%s: asking the trainer and the rollout to save and stop", self.stop_reason)
+        for role in ("trainer", "rollout"):
+            self.signal_role(role, signal.SIGUSR2 if name == "SIGUSR2" else signal.SIGTERM)
+
+    # ------------------------------------------------------------------------------------------------ the loop
+    def run(self) -> int:
+        for sig in (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self.on_signal)
+        for role in ("sandbox", "trainer", "rollout"):
+            if role in self.groups and not (role != "sandbox" and role_done(self.cfg, self.paths, role)):
+                self.start(role)
+            elif role in self.groups:
+                self.done.add(role)
+        workers = [r for r in ("trainer", "rollout") if r in self.groups]
+        while True:
+            time.sleep(1.0)
+            for role in workers:
+                self.check(role)
+            if "sandbox" in self.groups and self.stop_reason is None and self.procs["sandbox"].poll() is not None:
+                self.restart("sandbox", self.procs["sandbox"].returncode)
+            if all(r in self.done for r in workers):
+                break
+            if self.stop_reason and all(self.procs[r].poll() is not None for r in workers if r in self.procs):
+                break
+            if self.stop_reason and time.monotonic() - self.stop_at > max(30, self.cfg.launch.signal_lead_s - 15):
+                log.error("roles still running %.0fs after %s; killing them", time.monotonic() - self.stop_at,
+                          self.stop_reason)
+                for role in workers:
+                    self.signal_role(role, signal.SIGKILL)
+        return self.finish()
+
+    def check(self, role: str) -> None:
+        proc = self.procs.get(role)
+        if role in self.done or proc is None or proc.poll() is None:
+            return
+        if role_done(self.cfg, self.paths, role):
+            log.info("%s: every stage of the role is done", role)
+            self.done.add(role)
+        elif self.stop_reason is None:
+            self.restart(role, proc.returncode)
+
+    def restart(self, role: str, code: int) -> None:
+        self.restarts[role] += 1
+        if self.restarts[role] > self.cfg.launch.role_restarts:
+            log.error("%s ended (exit %s) %d times in this job, more than launch.role_restarts=%d; stopping the "
+                      "job (see RUN/logs/%s-*.log)", role, code, self.restarts[role], self.cfg.launch.role_restarts,
+                      role)
+            self.stop_reason = self.stop_reason or f"{role} failed"
+            self.failed = True
+            self.on_signal(signal.SIGTERM, None)
+            return
+        log.warning("%s ended (exit %s) before its stages were done; starting it again (%d/%d); it resumes from the "
+                    "run directory", role, code, self.restarts[role], self.cfg.launch.role_restarts)
+        self.start(role)
+
+    def finish(self) -> int:
+        proc = self.procs.get("sandbox")
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        if run_done(self.cfg, self.paths):
+            log.info("run %s: every stage is done", self.paths.name)
+            return 0
+        if getattr(self, "failed", False):
+            return 1
+        if cancelled(self.paths):
+            log.warning("run cancelled (rstar-hpc run cancel): not requeueing; `rstar-hpc launch` resumes it")
+            return 0
+        job = os.environ.get("SLURM_JOB_ID")
+        log.warning("%s before the run was done: requeueing job %s; it resumes where this one stopped",
+                    self.stop_reason or "stopped", job)
+        if job:
+            subprocess.run(["scontrol", "requeue", job], check=False)
+        return 0
+
+
+def main(run_dir: str) -> int:
+    from rstar_hpc.config import load_config
+    from rstar_hpc.logs import init_logging
+
+    init_logging("supervisor", 0)
+    paths = RunPaths(run_dir)
+    cfg = load_config(str(Path(run_dir) / "config.yaml"))
+    restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+    if restarts > cfg.launch.max_restarts:
+        log.error("job %s was requeued %d times, more than launch.max_restarts=%d: not starting again. The run "
+                  "directory is intact; `rstar-hpc launch %s` (with a higher launch.max_restarts if it keeps "
+                  "stopping) continues it", os.environ.get("SLURM_JOB_ID"), restarts, cfg.launch.max_restarts,
+                  paths.dir / "config.yaml")
+        return 1
+    groups = dict(item.split("=") for item in os.environ["RSTAR_HET_GROUPS"].split(",")) \
+        if os.environ.get("RSTAR_HET_GROUPS") else {r: i for i, r in enumerate(roles_needed(cfg))}
+    return Supervisor(cfg, paths, {r: int(i) for r, i in groups.items()}).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

@@ -1,0 +1,118 @@
+"""The stage driver's rules: which role works in which stage, in what order, on which policy, and when a stage
+is done. Every role walks `stages[]` with these functions, so a restarted job of any role finds its place from
+the run directory alone (the roles never talk to each other):
+
+    kind         trainer                         rollout
+    sft          trains it                       -
+    rl           trains each step's trajectories  generates step N with the policy trained through N - lag
+    hard_subset  -                               samples num_samples rollouts per prompt with the stage's
+                                                 starting policy; writes data/<stage>.parquet (+ stats)
+    eval         -                               the eval protocol on the stage's benchmarks; eval/<stage>/
+
+A stage's starting policy is the final one of the nearest earlier trainer stage (sft or rl), or the base model.
+Stage state (stages/<stage>/state.json) is written by the role that owns the stage: the trainer for sft and rl,
+the rollout for hard_subset and eval.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from rstar_hpc.exchange.rundir import RunPaths
+from rstar_hpc.exchange.state import read_stage_state
+
+TRAINER_KINDS = ("sft", "rl")
+ROLLOUT_KINDS = ("rl", "hard_subset", "eval")
+PRODUCER = "rollout"   # the rollout's final commit of a step (the trainer reads this producer)
+
+
+@dataclass(frozen=True)
+class PolicyNeed:
+    """The policy a rollout step must run: published by trainer stage `stage` at `trainer_step` or later; with
+    `stage` None, the base model."""
+    stage: str | None
+    trainer_step: int = 0
+
+    def __str__(self) -> str:
+        return "the base model" if self.stage is None else \
+            f"the policy of stage {self.stage!r} after trainer step {self.trainer_step}"
+
+
+def stage_index(cfg, name: str) -> int:
+    return [s.name for s in cfg.stages].index(cfg.stage(name).name)
+
+
+def previous_trainer_stage(cfg, name: str):
+    """The nearest trainer stage (sft or rl) before stage `name`, or None."""
+    earlier = [s for s in cfg.stages[:stage_index(cfg, name)] if s.kind in TRAINER_KINDS]
+    return earlier[-1] if earlier else None
+
+
+def starting_policy(cfg, name: str) -> PolicyNeed:
+    """The policy stage `name` starts from: the previous trainer stage's final one, or the base model."""
+    prev = previous_trainer_stage(cfg, name)
+    return PolicyNeed(None) if prev is None else PolicyNeed(prev.name, prev.num_steps)
+
+
+def policy_need(cfg, stage: str, step: int) -> PolicyNeed:
+    """What rollout step `step` of `stage` runs: in an rl stage, on-policy, step N the weights trained on step
+    N - 1 of the stage (rollout.scheduler.max_policy_lag steps older allowed); before that, and in hard_subset
+    and eval stages, the stage's starting policy."""
+    if cfg.stage(stage).kind == "rl":
+        need = step - cfg.rollout.scheduler.max_policy_lag
+        if need > 0:
+            return PolicyNeed(stage, need)
+    return starting_policy(cfg, stage)
+
+
+def rollout_steps(stage, num_prompts: int | None = None) -> int:
+    """Rollout steps of a stage: an rl stage's num_steps; a hard_subset or eval stage's prompts in chunks of
+    prompts_per_step (`num_prompts` of them)."""
+    if stage.kind == "rl":
+        return stage.num_steps
+    return max(1, math.ceil((num_prompts or 0) / stage.prompts_per_step))
+
+
+def trainer_done(paths: RunPaths, stage: str) -> bool:
+    return read_stage_state(paths, stage).status == "DONE"
+
+
+def stage_done(cfg, paths: RunPaths, stage: str) -> bool:
+    """Whether a stage is over for every role: trainer stages by their state; a hard_subset stage once its subset
+    is written, an eval stage once its results are (both set DONE right after)."""
+    return read_stage_state(paths, stage).status == "DONE"
+
+
+def rollout_done(cfg, paths: RunPaths, stage: str) -> bool:
+    """Whether the rollout has nothing left to do in stage `stage`."""
+    s = cfg.stage(stage)
+    if s.kind == "sft":
+        return True
+    if s.kind == "rl":
+        from rstar_hpc.exchange.writer import ShardWriter
+        return stage_done(cfg, paths, stage) or all(
+            ShardWriter.is_committed(paths, stage, n, PRODUCER) for n in range(s.num_steps))
+    return stage_done(cfg, paths, stage)
+
+
+def stage_prompts(cfg, stage) -> list[dict]:
+    """All prompts a rollout stage draws from (rl: its data; hard_subset: the source; eval: every benchmark's)."""
+    from rstar_hpc.datasets import load_prompt_file, load_prompts
+
+    if stage.kind == "eval":
+        out = []
+        for name, data in stage.benchmark_files().items():
+            out += [dict(p, uid=f"{name}/{p['uid']}") for p in load_prompt_file(data, cfg.run.seed)]
+        return out
+    if stage.kind == "hard_subset":
+        return load_prompt_file(stage.data, cfg.run.seed)
+    return load_prompts(stage, seed=cfg.run.seed, run_dir=cfg.run.dir)
+
+
+def sample_count(cfg, stage) -> int:
+    """Rollouts per prompt: rl the algorithm's group size, hard_subset 8 by default, eval eval.k."""
+    if stage.kind == "rl":
+        return cfg.algo.num_samples_per_prompt
+    if stage.kind == "hard_subset":
+        return stage.num_samples or 8
+    return stage.num_samples or cfg.eval.k
