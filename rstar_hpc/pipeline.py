@@ -99,14 +99,15 @@ def stage_prompts(cfg, stage) -> list[dict]:
     """All prompts a rollout stage draws from (rl: its data; hard_subset: the source; eval: every benchmark's)."""
     from rstar_hpc.datasets import load_prompt_file, load_prompts
 
+    limit = stage.max_prompts
     if stage.kind == "eval":
         out = []
         for name, data in stage.benchmark_files().items():
-            out += [dict(p, uid=f"{name}/{p['uid']}") for p in load_prompt_file(data, cfg.run.seed)]
+            out += [dict(p, uid=f"{name}/{p['uid']}") for p in load_prompt_file(data, cfg.run.seed)[:limit]]
         return out
     if stage.kind == "hard_subset":
-        return load_prompt_file(stage.data, cfg.run.seed)
-    return load_prompts(stage, seed=cfg.run.seed, run_dir=cfg.run.dir)
+        return load_prompt_file(stage.data, cfg.run.seed)[:limit]
+    return load_prompts(stage, seed=cfg.run.seed, run_dir=cfg.run.dir)[:limit]
 
 
 def sample_count(cfg, stage) -> int:

@@ -18,6 +18,7 @@ from rstar_hpc.cli.status import EXIT_CONFIG, EXIT_USAGE
 # verb -> (module under rstar_hpc.cli, one-line summary shown by --help)
 VERBS: dict[str, tuple[str, str]] = {
     "demo": ("demo", "Run the main job on the embedded default: local cluster, doctor, a tiny-model job."),
+    "launch": ("launch", "Submit a whole run (every stage of a config) as one Slurm job; --wait follows it."),
     "doctor": ("doctor", "Preflight a node or login host: bwrap, Slurm, MPI, vLLM, GPUs, run dir, offline."),
     "cluster": ("cluster", "Bring up, inspect or stop an emulated multi-node Slurm cluster on this machine."),
     "config": ("config", "Show, validate and explain run configs (YAML + dotted overrides)."),
@@ -28,7 +29,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "rollout": ("rollout", "Run one rollout step: vLLM engine ranks over MPI, agent loop, sandbox tool calls."),
     "sandbox": ("sandbox", "Run or call the bubblewrap Python sandbox service."),
     "traj": ("traj", "List, show and export trajectory shards of a run."),
-    "run": ("run", "Inspect a run directory: stage state and role announcements."),
+    "run": ("run", "Follow a run: status (stages, steps, ETA, jobs, health), logs, cancel."),
 }
 
 

@@ -117,6 +117,9 @@ class StageConfig(Section):
     """Start this stage with fresh optimizer state (the paper's stage 3)."""
     num_samples: int | None = Field(None, ge=1)
     """Rollouts per prompt: hard_subset (default 8, the paper's), eval (default eval.k)."""
+    max_prompts: int | None = Field(None, ge=1)
+    """Use only the first N prompts of `data` (of each benchmark, in eval): a quick eval, a hard subset mined from
+    part of a large set, a CI-sized run. Null: all of them."""
     drop_unsolved: bool = False
     """hard_subset: also drop the prompts solved in none of the rollouts (the paper keeps them)."""
     benchmarks: dict[str, str] = Field(default_factory=dict)

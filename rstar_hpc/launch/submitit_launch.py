@@ -1,17 +1,26 @@
-"""The Python launcher: the same role jobs the sbatch/ templates start, submitted through submitit.
+"""The Python launcher: a run through submitit, one job per role.
 
-    job = submit_command(cfg, "rollout", ["generate", "tiny-cpu", "--num-prompts", "4"])
-    print(job.job_id, job.result())          # the command's stdout
+submitit cannot express a heterogeneous job (submitit#1741), so `rstar-hpc launch --launcher submitit` submits
+three jobs at once, without dependencies: trainer (launch.trainer), rollout (launch.rollout), sandbox
+(launch.sandbox). They need none, because they meet only in the run directory: the rollout waits for the sandbox's
+announcement and for each policy it needs, the trainer for each step's trajectories. Each job runs a `RoleJob`:
+- it starts the role's command (rstar_hpc.launch.roles) as a child process and starts it again if it dies before
+  the role is done (up to launch.role_restarts times), like the sbatch supervisor does;
+- on USR2 (`launch.signal_lead_s` before the time limit, or preemption), submitit calls `checkpoint`: the child
+  is told to save (USR2) and waited for, then submitit requeues the job (launch.max_restarts times at most) and the
+  requeued job starts the role again, which resumes from the run directory;
+- the sandbox job serves until the run is done, then ends.
+The rollout job takes launch.rollout's nodes; its one submitit task starts the MPI ranks itself: `mpirun` on one
+node, `srun --mpi=pmix` across several.
 
-Resources come from the config's `launch.<role>` section; jobs are requeueable and get USR2
-`launch.signal_lead_s` seconds before their time limit (submitit's own handler requeues them). submitit cannot
-express heterogeneous jobs (submitit#1741): co-scheduled roles go through the sbatch templates.
-Without an accounting database (`sacct`), submitit tracks jobs through their result pickles; `wait` adds a
-deadline so a job that dies without one cannot hang the caller.
+    job = submit_command(cfg, "sandbox", ["make-tiny-model", "/tmp/m"])   # any `rstar-hpc` command as a job
 """
 from __future__ import annotations
 
+import logging
 import os
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -19,8 +28,10 @@ from typing import Mapping, Sequence
 
 from rstar_hpc.config import RunConfig
 from rstar_hpc.exchange.rundir import RunPaths
+from rstar_hpc.launch.roles import ROLES, role_argv, role_done, roles_needed, run_done
 
-ROLES = ("trainer", "rollout", "sandbox")
+log = logging.getLogger("rstar_hpc.launch")
+_MPI_VARS = ("SLURM_", "PMIX_", "PMI_", "OMPI_")
 
 
 def executor(cfg: RunConfig, role: str, *, tasks_per_node: int | None = None, folder: Path | None = None):
@@ -29,17 +40,132 @@ def executor(cfg: RunConfig, role: str, *, tasks_per_node: int | None = None, fo
 
     if role not in ROLES:
         raise ValueError(f"unknown role {role!r}; roles: {', '.join(ROLES)}")
-    res = getattr(cfg.launch, role)
     folder = folder or RunPaths(cfg.run.dir).logs / "submitit" / "%j"
     ex = submitit.AutoExecutor(folder=folder, cluster="slurm", slurm_max_num_timeout=cfg.launch.max_restarts)
-    ex.update_parameters(
-        name=f"rstar-{role}", timeout_min=res.time_min, nodes=res.num_nodes,
-        tasks_per_node=tasks_per_node or res.tasks_per_node, cpus_per_task=res.cpus_per_task,
-        slurm_partition=res.partition, slurm_signal_delay_s=cfg.launch.signal_lead_s,
-        slurm_additional_parameters={"requeue": True},
-        **({"gpus_per_node": res.gpus_per_node} if res.gpus_per_node else {}),
-    )
+    ex.update_parameters(**role_parameters(cfg, role, tasks_per_node=tasks_per_node))
     return ex
+
+
+def role_parameters(cfg: RunConfig, role: str | None = None, *, tasks_per_node: int | None = None) -> dict:
+    """submitit's parameters of a role's job (all roles the run needs when `role` is None): what --dry-run prints."""
+    if role is None:
+        return {r: role_parameters(cfg, r, tasks_per_node=1) for r in roles_needed(cfg)}
+    res, launch = getattr(cfg.launch, role), cfg.launch
+    extra = {"requeue": True, "open-mode": "append"}
+    for key in ("gres", "constraint"):
+        if getattr(res, key):
+            extra[key] = getattr(res, key)
+    if res.exclusive:
+        extra["exclusive"] = True
+    params = dict(name=f"rstar-{cfg.run.name}-{role}", timeout_min=res.time_min, nodes=res.num_nodes,
+                  tasks_per_node=tasks_per_node or res.tasks_per_node, cpus_per_task=res.cpus_per_task,
+                  slurm_partition=res.partition, slurm_signal_delay_s=launch.signal_lead_s,
+                  slurm_additional_parameters=extra)
+    if res.gpus_per_node:
+        params["gpus_per_node"] = res.gpus_per_node
+    if res.mem:
+        params["slurm_mem"] = res.mem
+    if launch.account:
+        params["slurm_account"] = launch.account
+    if launch.qos:
+        params["slurm_qos"] = launch.qos
+    setup = [*(f"module load {m}" for m in launch.modules), *launch.setup]
+    if setup:
+        params["slurm_setup"] = setup
+    return params
+
+
+class RoleJob:
+    """One role of a run, as a checkpointable submitit callable (pickled with the run directory only)."""
+
+    def __init__(self, run_dir: str, role: str):
+        self.run_dir, self.role = str(run_dir), role
+        self._child: subprocess.Popen | None = None
+        self._stop = False
+
+    def __getstate__(self) -> dict:
+        return {"run_dir": self.run_dir, "role": self.role}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["run_dir"], state["role"])
+
+    def _cfg(self):
+        from rstar_hpc.config import load_config
+        return load_config(str(Path(self.run_dir) / "config.yaml"))
+
+    def argv(self, cfg) -> tuple[list[str], dict[str, str]]:
+        argv, env = role_argv(cfg, self.role, self.run_dir), dict(os.environ)
+        if self.role != "rollout":
+            return argv, env
+        res = cfg.launch.rollout
+        if res.num_nodes == 1:   # one node: the command's own mpirun, outside Slurm's view of the task
+            env = {k: v for k, v in env.items() if not k.startswith(_MPI_VARS)}
+            return [*argv, "--engines", str(max(1, res.tasks_per_node - 1))], env
+        return ["srun", "--overlap", "--mpi=pmix", f"--ntasks-per-node={res.tasks_per_node}", *argv], env
+
+    def __call__(self) -> str:
+        from rstar_hpc.logs import init_logging
+
+        init_logging(f"submitit-{self.role}", 0)
+        cfg, paths = self._cfg(), RunPaths(self.run_dir)
+        restarts = 0
+        while not self._stop:
+            if self.role != "sandbox" and role_done(cfg, paths, self.role):
+                return f"{self.role}: every stage of the role is done"
+            argv, env = self.argv(cfg)
+            log.info("starting %s: %s", self.role, " ".join(argv))
+            self._child = subprocess.Popen(argv, env=env)
+            code = self._watch(cfg, paths)
+            if code is None:
+                return "sandbox: the run is done"
+            if self._stop or (self.role != "sandbox" and role_done(cfg, paths, self.role)):
+                continue
+            restarts += 1
+            if restarts > cfg.launch.role_restarts:
+                raise RuntimeError(f"{self.role} ended (exit {code}) {restarts} times, more than "
+                                   f"launch.role_restarts={cfg.launch.role_restarts}; see RUN/logs/submitit/")
+            log.warning("%s ended (exit %s) before its stages were done; starting it again (%d/%d)", self.role, code,
+                        restarts, cfg.launch.role_restarts)
+        return f"{self.role}: stopped"
+
+    def _watch(self, cfg, paths: RunPaths) -> int | None:
+        """The child's exit code; None when this is the sandbox and the run is done (the child is then stopped)."""
+        while self._child.poll() is None:
+            if self.role == "sandbox" and run_done(cfg, paths):
+                self._child.terminate()
+                self._child.wait(30)
+                return None
+            time.sleep(2.0)
+        return self._child.returncode
+
+    def checkpoint(self, *args, **kwargs):
+        """USR2 (time limit near, or preemption): the child saves and exits, then submitit requeues this job."""
+        import submitit
+
+        self._stop = True
+        child = self._child
+        if child is not None and child.poll() is None:
+            child.send_signal(signal.SIGUSR2)
+            try:
+                child.wait(max(10, self._cfg().launch.signal_lead_s - 15))
+            except subprocess.TimeoutExpired:
+                child.kill()
+        return submitit.helpers.DelayedSubmission(RoleJob(self.run_dir, self.role))
+
+
+def submit_roles(cfg: RunConfig, paths: RunPaths, env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Submit one job per role the run needs; role -> job id."""
+    saved = dict(os.environ)
+    os.environ.update(env or {})   # submitit calls sbatch with this process's environment
+    try:
+        jobs = {}
+        for role in ("sandbox", "trainer", "rollout"):
+            if role in roles_needed(cfg):
+                jobs[role] = executor(cfg, role, tasks_per_node=1).submit(RoleJob(str(paths.dir), role)).job_id
+        return jobs
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def submit_command(cfg: RunConfig, role: str, argv: Sequence[str], *, env: Mapping[str, str] | None = None,
@@ -61,8 +187,3 @@ def wait(job, timeout_s: float = 600, poll_s: float = 1.0):
                                f"log: {job.paths.stdout} (state {job.state})")
         time.sleep(poll_s)
     return job.result()
-
-
-def slurm_client_env(slurm_conf: str | os.PathLike | None) -> dict[str, str]:
-    """submitit calls sbatch with this process's environment: point it at a cluster's slurm.conf."""
-    return {**os.environ, **({"SLURM_CONF": str(slurm_conf)} if slurm_conf else {})}

@@ -27,6 +27,21 @@ from rstar_hpc.launch.record import cancelled
 from rstar_hpc.launch.roles import role_argv, role_done, roles_needed, run_done
 
 log = logging.getLogger("rstar_hpc.launch")
+STABLE_S = 600.0   # a role that ran this long before failing starts its restart count afresh
+
+
+def first_host(nodelist: str) -> str:
+    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=30)
+    return (out.stdout.split() or [nodelist.split(",")[0]])[0]
+
+
+def node_addr(node: str) -> str:
+    """The address slurmd of `node` is reached at (NodeAddr), else the name itself."""
+    out = subprocess.run(["scontrol", "show", "node", node], capture_output=True, text=True, timeout=30).stdout
+    for token in out.split():
+        if token.startswith("NodeAddr="):
+            return token.split("=", 1)[1]
+    return node
 
 
 class Supervisor:
@@ -34,6 +49,8 @@ class Supervisor:
         self.cfg, self.paths, self.groups = cfg, paths, groups
         self.procs: dict[str, subprocess.Popen] = {}
         self.restarts = dict.fromkeys(groups, 0)
+        self.starts = dict.fromkeys(groups, 0)
+        self.started_at = dict.fromkeys(groups, 0.0)
         self.done: set[str] = set()
         self.stop_reason: str | None = None
         self.stop_at = 0.0
@@ -47,11 +64,28 @@ class Supervisor:
             srun.append("--ntasks-per-node=1")
         return srun + role_argv(self.cfg, role, self.paths.dir)
 
+    def step_env(self, role: str) -> dict[str, str]:
+        """The step's environment: the trainer's torch.distributed rendezvous on its first node (the node's NodeAddr:
+        a node's name need not resolve), on a port of this job and attempt, so a restart never meets the old one's
+        socket; a torchrun-style RANK leaked from the submit shell would win over srun's SLURM_PROCID."""
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+        if role == "trainer":
+            nodes = env.get(f"SLURM_JOB_NODELIST_HET_GROUP_{self.groups[role]}", env.get("SLURM_JOB_NODELIST", ""))
+            env.setdefault("MASTER_ADDR", node_addr(first_host(nodes)) if nodes else "127.0.0.1")
+            job = int(env.get("SLURM_JOB_ID", "0") or 0)
+            env["MASTER_PORT"] = env.get("RSTAR_MASTER_PORT") or str(20000 + (job * 7 + self.starts[role]) % 20000)
+        res = getattr(self.cfg.launch, role)
+        env.setdefault("OMP_NUM_THREADS", str(res.cpus_per_task))
+        return env
+
     def start(self, role: str) -> None:
         out = open(self.paths.logs / f"{role}-{os.environ.get('SLURM_JOB_ID', 'local')}.log", "ab")  # noqa: SIM115
         argv = self.step_argv(role)
+        self.starts[role] += 1
         log.info("starting %s: %s", role, " ".join(argv))
-        self.procs[role] = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        self.started_at[role] = time.monotonic()
+        self.procs[role] = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                            env=self.step_env(role))
 
     def signal_role(self, role: str, sig: int) -> None:
         proc = self.procs.get(role)
@@ -109,6 +143,8 @@ class Supervisor:
             self.restart(role, proc.returncode)
 
     def restart(self, role: str, code: int) -> None:
+        if time.monotonic() - self.started_at[role] > STABLE_S:
+            self.restarts[role] = 0   # it ran a good while: a new failure, not a crash loop
         self.restarts[role] += 1
         if self.restarts[role] > self.cfg.launch.role_restarts:
             log.error("%s ended (exit %s) %d times in this job, more than launch.role_restarts=%d; stopping the "
@@ -118,8 +154,10 @@ class Supervisor:
             self.failed = True
             self.on_signal(signal.SIGTERM, None)
             return
-        log.warning("%s ended (exit %s) before its stages were done; starting it again (%d/%d); it resumes from the "
-                    "run directory", role, code, self.restarts[role], self.cfg.launch.role_restarts)
+        delay = min(60, 5 * 2 ** (self.restarts[role] - 1))
+        log.warning("%s ended (exit %s) before its stages were done; starting it again in %d s (%d/%d); it resumes "
+                    "from the run directory", role, code, delay, self.restarts[role], self.cfg.launch.role_restarts)
+        time.sleep(delay)
         self.start(role)
 
     def finish(self) -> int:

@@ -1,0 +1,55 @@
+"""`rstar-hpc launch`: a whole run (every stage of a config) as one submission."""
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from rstar_hpc.cli.status import EXIT_FAILED
+
+
+@click.command("launch")
+@click.argument("config")
+@click.argument("overrides", nargs=-1)
+@click.option("--launcher", type=click.Choice(["sbatch", "submitit"]), default=None,
+              help="sbatch: one heterogeneous job; submitit: one job per role [launch.launcher of the config].")
+@click.option("--wait", is_flag=True, help="Follow the run (a progress line per change) until it is done.")
+@click.option("--dry-run", is_flag=True, help="Print the job script (sbatch) or job parameters (submitit); submit "
+              "nothing.")
+@click.option("--timeout-s", type=float, default=None, help="With --wait: give up following after this long.")
+@click.option("--json", "as_json", is_flag=True, help="End with one JSON line: run, jobs, and (with --wait) status.")
+def command(config: str, overrides: tuple[str, ...], launcher, wait: bool, dry_run: bool, timeout_s, as_json) -> None:
+    """Submit every stage of CONFIG (sft -> rl ... -> hard_subset -> rl -> eval) as one run.
+
+    CONFIG is a name in configs/, a YAML path, or a run directory's config.yaml (launching a run again continues
+    it where its run directory says it stopped). OVERRIDES are dotted key=value pairs, e.g.
+    model.path=/lustre/models/Qwen3-14B-Base launch.trainer.partition=a100 launch.account=proj42.
+    Site settings (partition, account, qos, constraint, time, gres, modules) come from the config's `launch`
+    section and overrides; `--dry-run` shows the result.
+    """
+    from rstar_hpc.config import load_config
+    from rstar_hpc.launch.submit import LaunchError, launch_run
+
+    cfg = load_config(config, list(overrides))
+    try:
+        info = launch_run(cfg, launcher, wait=wait, dry_run=dry_run, timeout_s=timeout_s,
+                          echo=lambda line: click.echo(line, err=as_json))
+    except LaunchError as e:
+        click.echo(f"rstar-hpc launch: {e}", err=True)
+        sys.exit(EXIT_FAILED)
+    if dry_run:
+        if info["launcher"] == "sbatch":
+            click.echo(info["script"], nl=False)
+        else:
+            click.echo(json.dumps(info["parameters"], indent=1))
+        return
+    status = info.get("status")
+    if not as_json:
+        click.echo(f"follow it: rstar-hpc run status {info['dir']} --watch   logs: rstar-hpc run logs {info['dir']} -f")
+    else:
+        click.echo(json.dumps(info, default=str))
+    if status is not None and not status["done"]:
+        click.echo("the run stopped before every stage was done:\n  " + "\n  ".join(status["problems"] or
+                   ["see `rstar-hpc run status`"]), err=True)
+        sys.exit(EXIT_FAILED)

@@ -1,0 +1,267 @@
+"""What a run is doing, from its run directory and Slurm: `rstar-hpc run status` (and `launch --wait`'s progress).
+
+    run_status(cfg, paths) -> {"run", "dir", "done", "stages": [...], "jobs": [...], "roles": {...}, "problems": [...]}
+
+Per stage: name, kind, state (pending|running|done|failed), step/steps, the step time breakdown (generation, tool
+calls, reward, training, checkpoint: means over the stage's steps so far), ETA, last mean reward, pass@1 (eval).
+Per job: id, role, Slurm state and reason, nodes, elapsed. Per role: its last heartbeat and how old it is.
+`problems` says in words what looks wrong (a role silent too long, waiting on a job Slurm has not started, a failed
+stage, a job that ended while the run is not done). Nothing here writes to the run directory.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+from rstar_hpc import pipeline
+from rstar_hpc.exchange.rundir import RunPaths
+from rstar_hpc.exchange.state import read_heartbeat, read_stage_state
+from rstar_hpc.launch.record import cancelled, read_record
+from rstar_hpc.launch.roles import roles_needed
+
+ACTIVE = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING",
+          "SUSPENDED", "STAGE_OUT", "SIGNALING"}
+SILENT_AFTER_S = 600.0   # a role whose heartbeat is older than this while its job runs is reported as stuck
+
+
+# ------------------------------------------------------------------------------------------------ metrics
+def _read_jsonl(path: Path) -> list[dict]:
+    out = []
+    try:
+        with open(path) as f:
+            for line in f:
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue   # a line cut by a kill; the record after it is whole
+    except FileNotFoundError:
+        pass
+    return out
+
+
+def _by_stage(records: list[dict]) -> dict[str, dict[int, dict]]:
+    """stage -> step -> its LAST record (a redone step after a restart replaces the first)."""
+    out: dict[str, dict[int, dict]] = {}
+    for r in records:
+        if "stage" in r and "step" in r:
+            out.setdefault(r["stage"], {})[int(r["step"])] = r
+    return out
+
+
+def _mean(values) -> float | None:
+    values = [float(v) for v in values if isinstance(v, (int, float))]
+    return round(statistics.fmean(values), 3) if values else None
+
+
+def _timing(trainer: dict[int, dict], rollout: dict[int, dict]) -> dict[str, float | None]:
+    """Mean seconds per step of each phase (rollout times are the step's wall time on rank 0)."""
+    return {
+        "generation_s": _mean(r.get("generation_wall_s") for r in rollout.values()),
+        "tool_calls_s": _mean(r.get("tool_wait_s") for r in rollout.values()),
+        "reward_s": _mean(r.get("reward_s") for r in rollout.values()),
+        "training_s": _mean(_train_s(r) for r in trainer.values()),
+        "checkpoint_s": _mean((r.get("time/checkpoint(s)", 0) + r.get("time/publish(s)", 0)) for r in trainer.values()),
+        "step_s": _mean([r.get("time/step(s)") for r in trainer.values()] or [r.get("wall_s") for r in rollout.values()]),
+    }
+
+
+def _train_s(r: dict) -> float | None:
+    """A trainer step's training time: the step's own clock, else its wall time less reading, publishing and
+    checkpointing."""
+    if "step_time_s" in r:
+        return r["step_time_s"]
+    if "time/step(s)" not in r:
+        return None
+    return r["time/step(s)"] - sum(r.get(f"time/{k}(s)", 0.0) for k in ("read", "publish", "checkpoint"))
+
+
+def _eta_s(records: dict[int, dict], done: int, total: int) -> float | None:
+    """Remaining steps x the median interval between the stage's recent step records."""
+    times = sorted(r["time"] for r in records.values() if isinstance(r.get("time"), (int, float)))[-11:]
+    if done >= total or len(times) < 2:
+        return None
+    gaps = [b - a for a, b in zip(times, times[1:]) if b > a]
+    return round(statistics.median(gaps) * (total - done), 1) if gaps else None
+
+
+# ------------------------------------------------------------------------------------------------ stages
+def _rollout_stage_steps(cfg, paths: RunPaths, stage) -> tuple[int, int | None]:
+    """(committed rollout steps, total) of a hard_subset or eval stage; total None when its prompts can't be read."""
+    from rstar_hpc.exchange.writer import ShardWriter
+
+    done = sum(ShardWriter.is_committed(paths, stage.name, n, pipeline.PRODUCER) for n in paths.traj_steps(stage.name))
+    try:
+        total = pipeline.rollout_steps(stage, len(pipeline.stage_prompts(cfg, stage)))
+    except Exception:   # noqa: BLE001  (a status must show what it can: the stage itself reports bad data)
+        total = None
+    return done, total
+
+
+def stage_status(cfg, paths: RunPaths, stage, trainer: dict, rollout: dict, evals: dict) -> dict:
+    state = read_stage_state(paths, stage.name)
+    t_recs, r_recs = trainer.get(stage.name, {}), rollout.get(stage.name, {})
+    if stage.kind in pipeline.TRAINER_KINDS:
+        step, steps = state.step, stage.num_steps
+    else:
+        step, steps = _rollout_stage_steps(cfg, paths, stage)
+    started = state.status != "PENDING" or bool(t_recs or r_recs) or bool(paths.traj_steps(stage.name))
+    kind_state = {"DONE": "done", "FAILED": "failed"}.get(state.status, "running" if started else "pending")
+    last_rollout = r_recs[max(r_recs)] if r_recs else None
+    out = {
+        "name": stage.name, "kind": stage.kind, "state": kind_state, "step": step, "steps": steps,
+        "timing": _timing(t_recs, r_recs),
+        "eta_s": _eta_s(t_recs or r_recs, step, steps or 0) if kind_state == "running" else None,
+        "last_reward": round(last_rollout["mean_reward"], 4) if last_rollout and "mean_reward" in last_rollout else None,
+        "policy_version": state.policy_version, "message": state.message,
+        "updated_at": state.updated_at if paths.stage_state(stage.name).exists() else None,
+    }
+    results = evals.get(stage.name)
+    if results:
+        out["pass1"] = {b: {"pass1": m["pass1"], "stderr": m["pass1_stderr"]} for b, m in results["benchmarks"].items()}
+        out["policy_label"] = results["policy"]["label"]
+    if stage.kind == "hard_subset" and paths.stage_data_stats(stage.name).is_file():
+        out["subset"] = json.loads(paths.stage_data_stats(stage.name).read_text())
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ Slurm
+def slurm_jobs(job_ids: list[str], env=None) -> dict[str, list[dict]]:
+    """id -> the `scontrol show job` records of the job (one per hetjob component); {} for jobs Slurm forgot."""
+    out: dict[str, list[dict]] = {}
+    for job_id in job_ids:
+        try:
+            proc = subprocess.run(["scontrol", "show", "job", "-o", str(job_id)], capture_output=True, text=True,
+                                  env=env, timeout=15)
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        if proc.returncode:
+            continue
+        out[job_id] = []
+        for line in proc.stdout.splitlines():
+            fields: dict[str, str] = {}
+            for token in line.split():
+                key, _, value = token.partition("=")
+                fields.setdefault(key, value)
+            if fields:
+                out[job_id].append(fields)
+    return out
+
+
+def job_rows(paths: RunPaths, env=None) -> list[dict]:
+    launches = read_record(paths)["launches"]
+    if not launches:
+        return []
+    jobs = launches[-1]["jobs"]
+    known = slurm_jobs(list(jobs.values()), env)
+    rows = []
+    for role, job_id in jobs.items():
+        for comp in known.get(job_id) or [{}]:
+            jid = f"{comp['HetJobId']}+{comp['HetJobOffset']}" if comp.get("HetJobOffset") else comp.get("JobId", job_id)
+            rows.append({"role": role if role != "run" else _het_role(comp), "job_id": jid,
+                         "state": comp.get("JobState", "UNKNOWN (no longer known to Slurm)"),
+                         "reason": comp.get("Reason", ""), "nodes": comp.get("NodeList", ""),
+                         "elapsed": comp.get("RunTime", ""), "restarts": int(comp.get("Restarts", 0) or 0),
+                         "launcher": launches[-1]["launcher"]})
+    return rows
+
+
+def _het_role(comp: dict) -> str:
+    """The role of a hetjob component, from the launch's het group order (recorded in the script's environment)."""
+    offset = comp.get("HetJobOffset")
+    return f"het group {offset}" if offset is not None else "run"
+
+
+# ------------------------------------------------------------------------------------------------ the whole run
+def run_status(cfg, paths: RunPaths, env=None, *, with_slurm: bool = True) -> dict:
+    trainer = _by_stage(_read_jsonl(paths.metrics("trainer")))
+    rollout = _by_stage(_read_jsonl(paths.metrics("rollout")))
+    from rstar_hpc.eval.results import read_results
+    evals = {s.name: r for s in cfg.stages if s.kind == "eval" and (r := read_results(paths, s.name))}
+    stages = [stage_status(cfg, paths, s, trainer, rollout, evals) for s in cfg.stages]
+    groups = {str(i): r for i, r in enumerate(r for r in ("trainer", "rollout", "sandbox") if r in roles_needed(cfg))}
+    jobs = job_rows(paths, env) if with_slurm else []
+    for j in jobs:
+        if j["role"].startswith("het group "):
+            j["role"] = groups.get(j["role"].split()[-1], j["role"])
+    now = time.time()
+    roles = {}
+    for role in roles_needed(cfg):
+        beat = read_heartbeat(paths, role) if role != "sandbox" else _sandbox_beat(paths)
+        roles[role] = {"doing": beat["doing"], "age_s": round(now - beat["time"], 1), "host": beat.get("host"),
+                       "job": beat.get("slurm_job_id")} if beat else None
+    status = {"run": paths.name, "dir": str(paths.dir), "done": all(s["state"] == "done" for s in stages),
+              "cancelled": cancelled(paths), "stages": stages, "jobs": jobs, "roles": roles}
+    status["problems"] = problems(status)
+    return status
+
+
+def _sandbox_beat(paths: RunPaths) -> dict | None:
+    """The sandbox services' announcements (refreshed while they serve), as one heartbeat."""
+    from rstar_hpc.exchange import rendezvous
+
+    records = rendezvous.read_roles(paths.dir).get("sandbox", [])
+    if not records:
+        return None
+    newest = max(records, key=lambda r: r["updated_at"])
+    return {"doing": f"serving: {len(records)} service(s), " + ", ".join(f"{r['host']}:{r['port']}" for r in records),
+            "time": newest["updated_at"], "host": newest["host"], "slurm_job_id": newest.get("slurm_job_id")}
+
+
+def problems(status: dict) -> list[str]:
+    """What looks wrong, in words a user can act on."""
+    out = []
+    jobs = status["jobs"]
+    active = [j for j in jobs if j["state"] in ACTIVE]
+    for s in status["stages"]:
+        if s["state"] == "failed":
+            out.append(f"stage {s['name']} FAILED: {s['message'] or 'see RUN/logs'}")
+    if status["done"] or status["cancelled"]:
+        return out
+    for j in jobs:
+        if j["state"] == "PENDING" and j["reason"] not in ("", "None", "BeginTime"):
+            out.append(f"{j['role']} job {j['job_id']} is PENDING ({j['reason']})")
+    if jobs and not active:
+        out.append(f"every job of the run has ended ({', '.join(sorted({j['state'] for j in jobs}))}) but the run is "
+                   f"not done: `rstar-hpc launch {status['dir']}/config.yaml` resumes it")
+    for role, beat in status["roles"].items():
+        running = any(j["state"] == "RUNNING" for j in active)
+        if beat and running and beat["age_s"] > SILENT_AFTER_S:
+            out.append(f"{role} silent for {beat['age_s'] / 60:.0f} min (last: {beat['doing']})")
+        if beat and "waiting for" in beat["doing"] and beat["age_s"] < SILENT_AFTER_S:
+            pending = [j for j in active if j["state"] == "PENDING"]
+            if pending:
+                out.append(f"{role} {beat['doing']}; " + "; ".join(
+                    f"{j['role']} job {j['job_id']} is PENDING ({j['reason']})" for j in pending))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ text
+def _dur(seconds) -> str:
+    if seconds is None:
+        return "-"
+    seconds = float(seconds)
+    if seconds < 120:
+        return f"{seconds:.0f}s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}m"
+    return f"{seconds / 3600:.1f}h"
+
+
+def progress_line(status: dict) -> str:
+    """One line for a running launch: the current stage, its step, reward, ETA."""
+    current = next((s for s in status["stages"] if s["state"] in ("running", "failed")), None) or \
+        next((s for s in status["stages"] if s["state"] == "pending"), None)
+    done = sum(s["state"] == "done" for s in status["stages"])
+    if current is None:
+        return f"{status['run']}: every stage done ({done}/{len(status['stages'])})"
+    parts = [f"stage {done + 1}/{len(status['stages'])} {current['name']} ({current['kind']}) {current['state']}",
+             f"step {current['step']}/{current['steps'] if current['steps'] is not None else '?'}"]
+    if current.get("last_reward") is not None:
+        parts.append(f"reward {current['last_reward']:.3f}")
+    if current.get("eta_s") is not None:
+        parts.append(f"ETA {_dur(current['eta_s'])}")
+    jobs = ", ".join(sorted({f"{j['job_id']} {j['state']}" for j in status["jobs"]}))
+    return "  ".join(parts) + (f"  [{jobs}]" if jobs else "")

@@ -1,0 +1,140 @@
+"""Submit a whole run and follow it: what `rstar-hpc launch` does.
+
+    info = launch_run(cfg, "sbatch", wait=True)   # {"run", "dir", "launcher", "jobs": {...}, "script"?, "status"?}
+
+- sbatch (the default): the run's job script (sbatch/run.sbatch with its #SBATCH header rendered from the config)
+  is written to RUN/launch/run.sbatch and submitted as ONE heterogeneous job; its supervisor starts the roles.
+- submitit: one job per role (submitit cannot express a heterogeneous job; rstar_hpc.launch.submitit_launch).
+Both start the same role commands (rstar_hpc.launch.roles), which walk the stages from the run directory, so
+launching a run again continues it. Before anything is submitted the config's data and model are checked here,
+on the login node, so a typo fails in seconds rather than after a queue wait.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+from rstar_hpc.exchange.rundir import RunPaths
+from rstar_hpc.launch.hetjob import render
+from rstar_hpc.launch.record import add_launch
+from rstar_hpc.launch.status import ACTIVE, job_rows, progress_line, run_status
+
+LAUNCHERS = ("sbatch", "submitit")
+
+
+class LaunchError(RuntimeError):
+    """The run could not be submitted; the message says why and what to do."""
+
+
+def slurm_env(env=None) -> dict[str, str]:
+    """The environment for Slurm clients: this one, or the local emulated cluster when it is up and nothing else
+    is configured (SLURM_CONF unset, no /etc/slurm/slurm.conf)."""
+    env = dict(os.environ if env is None else env)
+    if "SLURM_CONF" not in env and not Path("/etc/slurm/slurm.conf").is_file():
+        from rstar_hpc.cluster import LocalCluster
+        local = LocalCluster()
+        if local.is_up():
+            env["SLURM_CONF"] = str(local.conf)
+    return env
+
+
+def preflight(cfg) -> None:
+    """Fail now on what would fail on the nodes: unreadable stage data, a missing model, no sbatch."""
+    from rstar_hpc import datasets, pipeline
+    from rstar_hpc.models.resolve import resolve_model
+
+    for s in cfg.stages:
+        if s.kind == "sft":
+            datasets.load_sft_conversations(s, cfg.run.seed)
+        elif not (s.data or "").startswith("@"):
+            pipeline.stage_prompts(cfg, s)
+    resolve_model(cfg)   # builds the tiny model once here, so no two roles race to build it
+
+
+def _active_jobs(paths: RunPaths, env) -> list[dict]:
+    return [j for j in job_rows(paths, env) if j["state"] in ACTIVE]
+
+
+def launch_run(cfg, launcher: str | None = None, *, wait: bool = False, dry_run: bool = False, env=None,
+               echo=print, timeout_s: float | None = None, poll_s: float = 5.0) -> dict:
+    """Submit every stage of `cfg` (or print what would be submitted with `dry_run`); with `wait`, follow the run
+    until it is done (or every job of it ended) and return its final status under "status"."""
+    from rstar_hpc.config import prepare_run_dir
+
+    launcher = launcher or cfg.launch.launcher
+    if launcher not in LAUNCHERS:
+        raise LaunchError(f"unknown launcher {launcher!r}; launchers: {', '.join(LAUNCHERS)}")
+    paths = RunPaths(cfg.run.dir)
+    info: dict = {"run": paths.name, "dir": str(paths.dir), "launcher": launcher}
+    if dry_run:
+        if launcher == "sbatch":
+            info["script"] = render(cfg, paths.dir)
+        else:
+            from rstar_hpc.launch.submitit_launch import role_parameters
+            info["parameters"] = role_parameters(cfg)
+        return info
+    env = slurm_env(env)
+    if shutil.which("sbatch") is None:
+        raise LaunchError("sbatch not found: run this on a Slurm login node (or install slurm-client; for the local "
+                          "emulated cluster: `rstar-hpc cluster up`)")
+    active = _active_jobs(paths, env)
+    if active:
+        raise LaunchError(f"run {paths.name} already has jobs in Slurm ({', '.join(sorted({j['job_id'] + ' ' + j['state'] for j in active}))}); "
+                          f"follow it with `rstar-hpc run status {paths.dir}`, or `rstar-hpc run cancel {paths.dir}` "
+                          f"first to launch it again")
+    preflight(cfg)
+    prepare_run_dir(cfg)
+    if launcher == "sbatch":
+        info["jobs"] = {"run": _sbatch(cfg, paths, env)}
+        info["script"] = str(paths.launch_record.parent / "run.sbatch")
+    else:
+        from rstar_hpc.launch.submitit_launch import submit_roles
+        info["jobs"] = submit_roles(cfg, paths, env)
+    add_launch(paths, launcher, info["jobs"])
+    echo(f"run {paths.name}: {paths.dir}")
+    echo("submitted " + ", ".join(f"{role} job {j}" for role, j in info["jobs"].items()) + f" ({launcher})")
+    if wait:
+        info["status"] = follow(cfg, paths, env, echo=echo, timeout_s=timeout_s, poll_s=poll_s)
+    return info
+
+
+def _sbatch(cfg, paths: RunPaths, env) -> str:
+    script = paths.launch_record.parent / "run.sbatch"
+    script.parent.mkdir(parents=True, exist_ok=True)
+    script.write_text(render(cfg, paths.dir))
+    proc = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, env=env, timeout=60)
+    if proc.returncode != 0:
+        raise LaunchError(f"sbatch refused the run's job script {script}: {proc.stderr.strip()}\n"
+                          f"  check launch.* in the config (partitions, node counts, time), e.g. with "
+                          f"`rstar-hpc launch ... --dry-run`")
+    return proc.stdout.strip().split(";")[0]
+
+
+def follow(cfg, paths: RunPaths, env=None, *, echo=print, timeout_s: float | None = None, poll_s: float = 5.0) -> dict:
+    """Print a progress line whenever it changes, until the run is done or no job of it is left in Slurm."""
+    deadline = time.monotonic() + timeout_s if timeout_s else None
+    last, shown_at, gone_since = None, 0.0, None
+    while True:
+        status = run_status(cfg, paths, env)
+        line = progress_line(status)
+        # a line when the stage, its step or a job's state moves, else one a minute (the ETA alone moves often)
+        key = ([(s["state"], s["step"]) for s in status["stages"]], [j["state"] for j in status["jobs"]])
+        if key != last or time.monotonic() - shown_at > 60:
+            echo(time.strftime("%H:%M:%S ") + line)
+            last, shown_at = key, time.monotonic()
+        if status["done"] and not [j for j in status["jobs"] if j["state"] in ACTIVE]:
+            return status
+        if status["jobs"] and not [j for j in status["jobs"] if j["state"] in ACTIVE]:
+            # a requeue shows as a brief gap: call it over only when no job has been active for a while
+            gone_since = gone_since or time.monotonic()
+            if time.monotonic() - gone_since > 30:
+                return status
+        else:
+            gone_since = None
+        if deadline and time.monotonic() > deadline:
+            raise LaunchError(f"run {paths.name} not done after {timeout_s:.0f} s: {line}; "
+                              f"`rstar-hpc run status {paths.dir}` says more")
+        time.sleep(poll_s)
