@@ -104,7 +104,7 @@ class LocalCluster:
             return {}
 
     # ---- lifecycle -------------------------------------------------------------------------------
-    def up(self, timeout_s: float = 60.0) -> "LocalCluster":
+    def up(self, timeout_s: float = 60.0) -> LocalCluster:
         """Start the cluster, or return at once if this state directory's cluster is already healthy."""
         self._check_binaries()
         if self.is_up():
@@ -159,6 +159,28 @@ class LocalCluster:
                 stopped.append(f"{key}[{pid}]")
         self._pids_file().unlink(missing_ok=True)
         return stopped
+
+    def kill_node(self, node: str) -> int:
+        """SIGKILL one node's slurmd (a crashed node daemon: its jobs' processes keep running); returns its pid."""
+        key = f"slurmd:{node}"
+        pid = self._recorded().get(key)
+        if not self._alive(key, pid):
+            raise ClusterError(f"slurmd of {node} is not running")
+        os.kill(pid, signal.SIGKILL)
+        self._wait(lambda: not self._alive(key, pid), 10)
+        return pid
+
+    def start_node(self, node: str, timeout_s: float = 60.0) -> int:
+        """Start one node's slurmd again (after kill_node), and wait until every node answers."""
+        if node not in self.node_names:
+            raise ClusterError(f"no node {node!r}; nodes: {', '.join(self.node_names)}")
+        pids = self._recorded()
+        pids[f"slurmd:{node}"] = self._start(["slurmd", "-f", str(self.conf), "-N", node],
+                                             self.dir / "nodes" / node / "slurmd.pid", f"slurmd {node}",
+                                             self.dir / "nodes" / node / "slurmd.log")
+        self._save_pids(pids)
+        self._wait_idle(timeout_s)
+        return pids[f"slurmd:{node}"]
 
     def is_up(self) -> bool:
         recorded = self._recorded()

@@ -10,6 +10,8 @@ was launched, overrides included.
 """
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -56,3 +58,31 @@ def role_done(cfg, paths: RunPaths, role: str) -> bool:
 
 def run_done(cfg, paths: RunPaths) -> bool:
     return role_done(cfg, paths, "trainer") and role_done(cfg, paths, "rollout")
+
+
+def first_host(nodelist: str) -> str:
+    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=30)
+    return (out.stdout.split() or [nodelist.split(",")[0]])[0]
+
+
+def node_addr(node: str) -> str:
+    """The address slurmd of `node` is reached at (NodeAddr: a node's name need not resolve), else the name."""
+    out = subprocess.run(["scontrol", "show", "node", node], capture_output=True, text=True, timeout=30).stdout
+    for token in out.split():
+        if token.startswith("NodeAddr="):
+            return token.split("=", 1)[1]
+    return node
+
+
+def role_env(cfg, role: str, nodelist: str | None, attempt: int, env=None) -> dict[str, str]:
+    """A role's environment under Slurm. The trainer's torch.distributed rendezvous goes on its first node, on a
+    port of this job and attempt (a restart never meets the old one's socket; RSTAR_MASTER_PORT pins it); a
+    torchrun-style RANK leaked from the submit shell would win over srun's SLURM_PROCID, so it goes."""
+    env = {k: v for k, v in (os.environ if env is None else env).items() if k not in ("RANK", "WORLD_SIZE",
+                                                                                       "LOCAL_RANK")}
+    if role == "trainer":
+        env.setdefault("MASTER_ADDR", node_addr(first_host(nodelist)) if nodelist else "127.0.0.1")
+        job = int(env.get("SLURM_JOB_ID", "0") or 0)
+        env["MASTER_PORT"] = env.get("RSTAR_MASTER_PORT") or str(20000 + (job * 7 + attempt) % 20000)
+    env.setdefault("OMP_NUM_THREADS", str(getattr(cfg.launch, role).cpus_per_task))
+    return env

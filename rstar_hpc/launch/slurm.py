@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 import subprocess
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Mapping, Sequence
 
 SBATCH_DIR = Path(__file__).resolve().parents[2] / "sbatch"
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY",

@@ -257,7 +257,8 @@ def progress_line(status: dict) -> str:
     done = sum(s["state"] == "done" for s in status["stages"])
     if current is None:
         return f"{status['run']}: every stage done ({done}/{len(status['stages'])})"
-    parts = [f"stage {done + 1}/{len(status['stages'])} {current['name']} ({current['kind']}) {current['state']}",
+    index = status["stages"].index(current) + 1
+    parts = [f"stage {index}/{len(status['stages'])} {current['name']} ({current['kind']}) {current['state']}",
              f"step {current['step']}/{current['steps'] if current['steps'] is not None else '?'}"]
     if current.get("last_reward") is not None:
         parts.append(f"reward {current['last_reward']:.3f}")

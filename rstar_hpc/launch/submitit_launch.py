@@ -23,12 +23,12 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Mapping, Sequence
 
 from rstar_hpc.config import RunConfig
 from rstar_hpc.exchange.rundir import RunPaths
-from rstar_hpc.launch.roles import ROLES, role_argv, role_done, roles_needed, run_done
+from rstar_hpc.launch.roles import ROLES, role_argv, role_done, role_env, roles_needed, run_done
 
 log = logging.getLogger("rstar_hpc.launch")
 _MPI_VARS = ("SLURM_", "PMIX_", "PMI_", "OMPI_")
@@ -93,15 +93,20 @@ class RoleJob:
         from rstar_hpc.config import load_config
         return load_config(str(Path(self.run_dir) / "config.yaml"))
 
-    def argv(self, cfg) -> tuple[list[str], dict[str, str]]:
-        argv, env = role_argv(cfg, self.role, self.run_dir), dict(os.environ)
-        if self.role != "rollout":
-            return argv, env
-        res = cfg.launch.rollout
-        if res.num_nodes == 1:   # one node: the command's own mpirun, outside Slurm's view of the task
+    def argv(self, cfg, attempt: int) -> tuple[list[str], dict[str, str]]:
+        """The child's command and environment: the role's command, run on every task of the job's allocation
+        with srun where it has several (the one submitit task only starts them)."""
+        argv, res = role_argv(cfg, self.role, self.run_dir), getattr(cfg.launch, self.role)
+        env = role_env(cfg, self.role, os.environ.get("SLURM_JOB_NODELIST"), attempt)
+        if self.role == "rollout" and res.num_nodes == 1:
+            # one node: the command's own mpirun, outside Slurm's view of the task
             env = {k: v for k, v in env.items() if not k.startswith(_MPI_VARS)}
             return [*argv, "--engines", str(max(1, res.tasks_per_node - 1))], env
-        return ["srun", "--overlap", "--mpi=pmix", f"--ntasks-per-node={res.tasks_per_node}", *argv], env
+        per_node = 1 if self.role == "sandbox" else res.tasks_per_node   # one service per node, sized to it
+        if res.num_nodes * per_node > 1:
+            mpi = ["--mpi=pmix"] if self.role == "rollout" else []
+            return ["srun", "--overlap", *mpi, f"--ntasks-per-node={per_node}", *argv], env
+        return argv, env
 
     def __call__(self) -> str:
         from rstar_hpc.logs import init_logging
@@ -112,7 +117,7 @@ class RoleJob:
         while not self._stop:
             if self.role != "sandbox" and role_done(cfg, paths, self.role):
                 return f"{self.role}: every stage of the role is done"
-            argv, env = self.argv(cfg)
+            argv, env = self.argv(cfg, restarts)
             log.info("starting %s: %s", self.role, " ".join(argv))
             self._child = subprocess.Popen(argv, env=env)
             code = self._watch(cfg, paths)

@@ -24,24 +24,10 @@ from pathlib import Path
 
 from rstar_hpc.exchange.rundir import RunPaths
 from rstar_hpc.launch.record import cancelled
-from rstar_hpc.launch.roles import role_argv, role_done, roles_needed, run_done
+from rstar_hpc.launch.roles import role_argv, role_done, role_env, roles_needed, run_done
 
 log = logging.getLogger("rstar_hpc.launch")
 STABLE_S = 600.0   # a role that ran this long before failing starts its restart count afresh
-
-
-def first_host(nodelist: str) -> str:
-    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=30)
-    return (out.stdout.split() or [nodelist.split(",")[0]])[0]
-
-
-def node_addr(node: str) -> str:
-    """The address slurmd of `node` is reached at (NodeAddr), else the name itself."""
-    out = subprocess.run(["scontrol", "show", "node", node], capture_output=True, text=True, timeout=30).stdout
-    for token in out.split():
-        if token.startswith("NodeAddr="):
-            return token.split("=", 1)[1]
-    return node
 
 
 class Supervisor:
@@ -57,7 +43,10 @@ class Supervisor:
 
     # ------------------------------------------------------------------------------------------------ steps
     def step_argv(self, role: str) -> list[str]:
-        srun = ["srun", f"--het-group={self.groups[role]}", "--kill-on-bad-exit=" + ("1" if role == "trainer" else "0")]
+        # a trainer or rollout rank that dies takes its step down with it (the others would wait on it until a
+        # timeout); the supervisor starts the role again and it resumes from the run directory and its journal.
+        # One sandbox service dying leaves the others serving.
+        srun = ["srun", f"--het-group={self.groups[role]}", "--kill-on-bad-exit=" + ("0" if role == "sandbox" else "1")]
         if role == "rollout":
             srun.append("--mpi=pmix")
         if role == "sandbox":
@@ -65,18 +54,8 @@ class Supervisor:
         return srun + role_argv(self.cfg, role, self.paths.dir)
 
     def step_env(self, role: str) -> dict[str, str]:
-        """The step's environment: the trainer's torch.distributed rendezvous on its first node (the node's NodeAddr:
-        a node's name need not resolve), on a port of this job and attempt, so a restart never meets the old one's
-        socket; a torchrun-style RANK leaked from the submit shell would win over srun's SLURM_PROCID."""
-        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-        if role == "trainer":
-            nodes = env.get(f"SLURM_JOB_NODELIST_HET_GROUP_{self.groups[role]}", env.get("SLURM_JOB_NODELIST", ""))
-            env.setdefault("MASTER_ADDR", node_addr(first_host(nodes)) if nodes else "127.0.0.1")
-            job = int(env.get("SLURM_JOB_ID", "0") or 0)
-            env["MASTER_PORT"] = env.get("RSTAR_MASTER_PORT") or str(20000 + (job * 7 + self.starts[role]) % 20000)
-        res = getattr(self.cfg.launch, role)
-        env.setdefault("OMP_NUM_THREADS", str(res.cpus_per_task))
-        return env
+        nodes = os.environ.get(f"SLURM_JOB_NODELIST_HET_GROUP_{self.groups[role]}", os.environ.get("SLURM_JOB_NODELIST"))
+        return role_env(self.cfg, role, nodes, self.starts[role])
 
     def start(self, role: str) -> None:
         out = open(self.paths.logs / f"{role}-{os.environ.get('SLURM_JOB_ID', 'local')}.log", "ab")  # noqa: SIM115

@@ -1,0 +1,99 @@
+"""Helpers of the launch tests: a CI-sized copy of configs/tiny-cpu.yaml, the CLI, and what a finished run's
+directory says (its data order, the trainer's cursors, commits, leftover processes)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+KINDS = ["sft", "rl", "rl", "hard_subset", "rl", "eval"]
+
+
+def ci_config(tmp_path: Path, name: str, model_dir: Path, **launch) -> Path:
+    """configs/tiny-cpu.yaml, on the session's tiny model, under tmp_path (its stages as they are: all six kinds)."""
+    cfg = yaml.safe_load((REPO / "configs/tiny-cpu.yaml").read_text())
+    cfg["run"] = {"name": name, "root": str(tmp_path / "runs"), "seed": 0}
+    cfg["model"] = {"path": str(model_dir)}
+    cfg["rollout"]["engine"]["kv_cache_memory_mb"] = 64
+    cfg["launch"].update(launch)
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def rstar(*args: str, env: dict, timeout: float = 60, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "rstar_hpc", *args], capture_output=True, text=True, env=env,
+                          timeout=timeout, cwd=REPO)
+    if check:
+        assert proc.returncode == 0, f"rstar-hpc {' '.join(args)} exited {proc.returncode}:\n{proc.stderr[-4000:]}"
+    return proc
+
+
+def status(run: Path, env: dict) -> dict:
+    return json.loads(rstar("run", "status", str(run), "--json", env=env).stdout.splitlines()[-1])
+
+
+def run_facts(run: Path) -> dict:
+    """What a finished run has done, from its run directory: prompt uids of each rollout step (its data order),
+    the trainer's final step and trajectory cursor of each trainer stage."""
+    from rstar_hpc.config import load_config
+    from rstar_hpc.exchange.columns import from_table
+    from rstar_hpc.exchange.reader import StepReader, consumer_cursors
+    from rstar_hpc.exchange.rundir import RunPaths
+    from rstar_hpc.exchange.state import read_stage_state
+
+    paths = RunPaths(run)
+    cfg = load_config(str(paths.config))
+    facts = {"uids": {}, "trainer": {}, "commits": {}}
+    for s in cfg.stages:
+        state = read_stage_state(paths, s.name)
+        assert state.status == "DONE", f"{s.name}: {state}"
+        if s.kind in ("sft", "rl"):
+            facts["trainer"][s.name] = (state.step, state.data_cursor, consumer_cursors(paths, s.name))
+        if s.kind == "sft":
+            continue
+        reader = StepReader(paths, s.name)
+        for step in paths.traj_steps(s.name):
+            commits = reader.commits(step)
+            facts["commits"][(s.name, step)] = sorted(commits)
+            facts["uids"][(s.name, step)] = sorted(t.prompt_uid for t in from_table(reader.read(step, ["rollout"])))
+    return facts
+
+
+def leftover_processes(run: Path) -> list[str]:
+    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines()
+    return [line for line in out if str(run) in line and "ps -eo" not in line]
+
+
+def check_finished(run: Path, env: dict) -> dict:
+    st = status(run, env)
+    assert [s["kind"] for s in st["stages"]] == KINDS
+    assert [s["state"] for s in st["stages"]] == ["done"] * 6, st["stages"]
+    assert all(s["step"] == s["steps"] for s in st["stages"]), st["stages"]
+    assert st["done"] and not st["problems"], st["problems"]
+    evals = [s for s in st["stages"] if s["kind"] == "eval"]
+    assert "demo" in evals[0]["pass1"] and 0.0 <= evals[0]["pass1"]["demo"]["pass1"] <= 1.0
+    results = json.loads((run / "eval" / "eval" / "results.json").read_text())
+    assert results["policy"]["label"] == "rl" and results["k"] == 4
+    stats = json.loads((run / "data" / "hard.stats.json").read_text())
+    assert stats["prompts"] == 8 and sum(stats["solved_k_of_n"].values()) == 8
+    facts = run_facts(run)
+    for (stage, step), commits in facts["commits"].items():
+        assert commits == ["rollout"], (stage, step, commits)   # one final commit per step, nothing else left
+    deadline = time.monotonic() + 30   # the job's last processes go as Slurm reaps the steps
+    while leftover_processes(run) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert not leftover_processes(run)
+    return facts
+
+
+def _tail(run: Path) -> str:
+    logs = sorted((run / "logs").glob("*")) if (run / "logs").is_dir() else []
+    return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-1500:]}" for p in logs if p.is_file())
+
+

@@ -1,0 +1,91 @@
+"""`rstar-hpc launch` on the real local Slurm cluster: every stage kind of a run (sft, rl, rl, hard_subset, rl with an
+optimizer reset, eval) in one command, through sbatch (one heterogeneous job) and through submitit (a job per
+role), and `run status --json` saying each stage is done. The run's facts are checked from its run directory: each
+rollout step committed once, the trainer through every step, eval results and the hard subset written, and no
+process of the run left behind."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+
+import pytest
+from launching import _tail, check_finished, ci_config, rstar, run_facts
+
+pytestmark = [pytest.mark.slurm, pytest.mark.skipif(shutil.which("mpirun") is None or shutil.which("bwrap") is None,
+                                                    reason="needs mpirun and bwrap")]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_launch_runs_every_stage_kind_as_one_hetjob(sbatch_run):
+    run, env, info, wall_s = sbatch_run
+    assert info["launcher"] == "sbatch" and list(info["jobs"]) == ["run"]
+    check_finished(run, env)
+    script = (run / "launch" / "run.sbatch").read_text()
+    assert script.count("#SBATCH hetjob") == 2 and "#SBATCH --signal=B:USR2@30" in script
+    record = json.loads((run / "launch" / "jobs.json").read_text())
+    assert record["launches"][0]["jobs"] == info["jobs"] and record["cancelled_at"] is None
+    print(json.dumps({"launch_sbatch_wall_s": round(wall_s, 1)}))
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_launch_through_submitit_runs_the_same_stages(slurm_cluster, tiny_model_dir, tmp_path, sbatch_run):
+    config = ci_config(tmp_path, "all-stages", tiny_model_dir)
+    env = {**slurm_cluster.env, "OMP_NUM_THREADS": "1"}
+    proc = rstar("launch", str(config), "--launcher", "submitit", "--wait", "--json", "--timeout-s", "1200",
+                 env=env, timeout=1300, check=False)
+    run = tmp_path / "runs" / "all-stages"
+    assert proc.returncode == 0, proc.stderr[-3000:] + "\n" + _tail(run)
+    info = json.loads(proc.stdout.splitlines()[-1])
+    assert sorted(info["jobs"]) == ["rollout", "sandbox", "trainer"]
+    facts = check_finished(run, env)
+    # the same config and seed through the other launcher: the same prompts in the same steps
+    assert facts["uids"] == run_facts(sbatch_run[0])["uids"]
+
+
+def test_dry_run_renders_the_14b_hetjob_and_sbatch_accepts_it(slurm_cluster, tmp_path):
+    env = {**slurm_cluster.env}
+    out = rstar("launch", "qwen3-14b", f"run.root={tmp_path}", "model.path=/lustre/models/Qwen3-14B-Base",
+                "launch.account=proj42", "launch.modules=[cuda/12.4]", "--dry-run", env=env).stdout
+    assert out.count("#SBATCH hetjob") == 2
+    for line in ("#SBATCH --nodes=4", "#SBATCH --gpus-per-node=8", "#SBATCH --account=proj42",
+                 "#SBATCH --signal=B:USR2@300", "module load cuda/12.4", "-m rstar_hpc.launch.supervise"):
+        assert line in out, line
+    assert not (tmp_path / "qwen3-14b").exists()   # a dry run writes nothing
+    # the same script with node counts and GPUs that fit the local cluster: sbatch --test-only accepts it
+    fit = ["trainer.tensor_parallel_size=1", "trainer.pipeline_parallel_size=1", "trainer.use_distributed_optimizer=false", "launch.trainer.num_nodes=1", "launch.trainer.gpus_per_node=0", "launch.trainer.tasks_per_node=1",
+           "launch.rollout.num_nodes=1", "launch.rollout.gpus_per_node=0", "launch.rollout.tasks_per_node=2",
+           "launch.sandbox.num_nodes=1", "launch.trainer.time_min=60", "launch.rollout.time_min=60",
+           "launch.sandbox.time_min=60", "launch.sandbox.cpus_per_task=1", "launch.trainer.cpus_per_task=1",
+           "launch.rollout.cpus_per_task=1", "launch.trainer.mem=null", "launch.rollout.mem=null",
+           "launch.sandbox.mem=null", "launch.trainer.exclusive=false", "launch.rollout.exclusive=false"]
+    script = rstar("launch", "qwen3-14b", f"run.root={tmp_path}", *fit, "--dry-run", env=env).stdout
+    path = tmp_path / "run.sbatch"
+    path.write_text(script)
+    test = subprocess.run(["sbatch", "--test-only", str(path)], capture_output=True, text=True, env=env, timeout=60)
+    assert test.returncode == 0 and "to start at" in test.stderr, test.stderr
+    params = json.loads(rstar("launch", "qwen3-14b", f"run.root={tmp_path}", "--launcher", "submitit",
+                              "--dry-run", env=env).stdout)
+    assert params["trainer"]["nodes"] == 4 and params["trainer"]["gpus_per_node"] == 8
+    assert params["rollout"]["slurm_signal_delay_s"] == 300 and params["sandbox"]["slurm_partition"] == "cpu"
+
+
+def test_launch_refuses_a_run_whose_jobs_are_still_in_slurm(slurm_cluster, tmp_path, tiny_model_dir):
+    from rstar_hpc.exchange.rundir import RunPaths
+    from rstar_hpc.launch.record import add_launch
+
+    env = {**slurm_cluster.env}
+    config = ci_config(tmp_path, "busy", tiny_model_dir)
+    held = subprocess.run(["sbatch", "--parsable", "--hold", "--wrap", "sleep 60"], capture_output=True, text=True,
+                          env=env, timeout=60).stdout.strip()
+    try:
+        add_launch(RunPaths(tmp_path / "runs" / "busy"), "sbatch", {"run": held})
+        proc = rstar("launch", str(config), env=env, check=False)
+        assert proc.returncode == 1
+        assert f"already has jobs in Slurm ({held} PENDING)" in proc.stderr and "run cancel" in proc.stderr
+        assert "cancelled run job" in rstar("run", "cancel", str(tmp_path / "runs" / "busy"), env=env).stdout
+        assert json.loads((tmp_path / "runs" / "busy" / "launch" / "jobs.json").read_text())["cancelled_at"]
+    finally:
+        subprocess.run(["scancel", held], env=env, timeout=30)

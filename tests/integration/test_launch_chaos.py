@@ -1,0 +1,156 @@
+"""A launched run survives what a cluster does to it, mid-step, and ends as if nothing happened.
+
+One run of the all-stage tiny config through sbatch meets, in order:
+  1. the time limit (Slurm's B:USR2 to the batch step, as `--signal=B:USR2@lead` sends it) during SFT -> the
+     trainer saves, the job requeues itself;
+  2. `kill -9` of the trainer's process during an RL stage -> the supervisor starts the trainer again in the job;
+  3. `kill -9` of the rollout's rank 0 mid-step -> the step (all its ranks) goes, the rollout starts again and
+     keeps the trajectories its journal holds;
+  4. `scontrol requeue` during a rollout step -> TERM, save, requeue;
+  5. `scancel --full --signal=TERM` (what preemption's GraceTime sends) during the hard subset -> save, requeue;
+  6. `kill -9` of the sandbox node's slurmd while the others keep running, then the daemon comes back.
+Then every stage is DONE, every rollout step committed once with the same prompts as the uninterrupted run of
+test_launch.py, the trainer at every stage's last step having read each step's trajectories once, and no process
+left. A second, short test shows the restart bound (launch.max_restarts) stopping a job with a clear message.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from launching import KINDS, _tail, check_finished, ci_config, rstar, run_facts
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.vllm]
+
+
+class Run:
+    def __init__(self, run: Path, env: dict, job: str):
+        self.run, self.env, self.job = run, env, job
+        self.log: list[str] = []
+
+    def status(self) -> dict:
+        return json.loads(rstar("run", "status", str(self.run), "--json", env=self.env).stdout.splitlines()[-1])
+
+    def heartbeat(self, role: str) -> dict:
+        try:
+            return json.loads((self.run / "heartbeat" / f"{role}.json").read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return {}
+
+    def restarts(self) -> int:
+        out = subprocess.run(["scontrol", "show", "job", "-o", self.job], capture_output=True, text=True,
+                             env=self.env, timeout=30).stdout
+        return max((int(t.split("=")[1]) for t in out.split() if t.startswith("Restarts=")), default=0)
+
+    def wait_for(self, what: str, pred, timeout_s: float = 600) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if pred():
+                self.log.append(f"{time.strftime('%H:%M:%S')} {what}")
+                return
+            time.sleep(0.5)
+        raise AssertionError(f"timed out waiting for {what}; so far: {self.log}\n{_tail(self.run)}")
+
+    def stage(self, name: str) -> dict:
+        return next(s for s in self.status()["stages"] if s["name"] == name)
+
+    def slurm(self, *argv: str) -> None:
+        proc = subprocess.run(list(argv), capture_output=True, text=True, env=self.env, timeout=60)
+        assert proc.returncode == 0, f"{argv}: {proc.stderr}"
+        self.log.append(f"{time.strftime('%H:%M:%S')} {' '.join(argv)}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def _rollout_mid_step(r: Run, stage: str) -> bool:
+    beat = r.heartbeat("rollout")
+    return beat.get("stage") == stage and "step" in beat.get("doing", "") and "committed" not in beat["doing"]
+
+
+def test_a_launched_run_survives_requeues_kills_and_a_node_daemon_crash(slurm_cluster, tiny_model_dir, tmp_path,
+                                                                         sbatch_run):
+    env = {**slurm_cluster.env, "OMP_NUM_THREADS": "1"}
+    config = ci_config(tmp_path, "all-stages", tiny_model_dir)
+    cfg = yaml.safe_load(config.read_text())
+    cfg["rollout"]["scheduler"]["journal_every_s"] = 1   # so a kill -9 mid-step leaves a journal to keep
+    config.write_text(yaml.safe_dump(cfg))
+    info = json.loads(rstar("launch", str(config), "--json", env=env).stdout.splitlines()[-1])
+    r = Run(tmp_path / "runs" / "all-stages", env, info["jobs"]["run"])
+    try:
+        # 1. the time limit during SFT
+        r.wait_for("sft step 4", lambda: r.stage("sft")["step"] >= 4)
+        r.slurm("scancel", "--batch", "--signal=USR2", r.job)
+        r.wait_for("requeue 1", lambda: r.restarts() >= 1)
+        # 2. kill -9 of the trainer in an RL stage
+        r.wait_for("trainer in rl-short", lambda: r.heartbeat("trainer").get("stage") == "rl-short")
+        pid = r.heartbeat("trainer")["pid"]
+        os.kill(pid, signal.SIGKILL)
+        r.log.append(f"kill -9 trainer {pid}")
+        r.wait_for("a new trainer", lambda: r.heartbeat("trainer").get("pid") not in (None, pid))
+        # 3. kill -9 of the rollout's rank 0 mid-step
+        r.wait_for("rollout mid-step in rl-long", lambda: _rollout_mid_step(r, "rl-long"))
+        pid = r.heartbeat("rollout")["pid"]
+        os.kill(pid, signal.SIGKILL)
+        r.log.append(f"kill -9 rollout rank 0 {pid}")
+        r.wait_for("a new rollout", lambda: r.heartbeat("rollout").get("pid") not in (None, pid) and _alive(
+            r.heartbeat("rollout")["pid"]))
+        # 4. scontrol requeue during a rollout step
+        r.wait_for("rollout mid-step", lambda: _rollout_mid_step(r, r.heartbeat("rollout").get("stage")))
+        r.slurm("scontrol", "requeue", r.job)
+        r.wait_for("requeue 2", lambda: r.restarts() >= 2)
+        # 5. preemption's TERM during the hard subset (or whatever the rollout works on by then)
+        r.wait_for("rollout working after the requeue", lambda: _rollout_mid_step(r, r.heartbeat("rollout").get(
+            "stage")) and r.heartbeat("rollout").get("slurm_job_id") == r.job and r.restarts() == 2)
+        r.slurm("scancel", "--full", "--signal=TERM", r.job)
+        r.wait_for("requeue 3", lambda: r.restarts() >= 3, timeout_s=300)
+        # 6. the sandbox node's slurmd dies while the run goes on, and comes back
+        r.wait_for("rollout running again", lambda: r.status()["stages"][-1]["state"] != "done" and any(
+            j["state"] == "RUNNING" for j in r.status()["jobs"]))
+        slurm_cluster.kill_node("cpu1")
+        r.log.append("kill -9 slurmd cpu1")
+        time.sleep(10)
+        slurm_cluster.start_node("cpu1")
+        r.log.append("slurmd cpu1 back")
+        r.wait_for("the run done", lambda: r.status()["done"], timeout_s=1200)
+    finally:
+        print("\n".join(r.log))
+    st = r.status()
+    assert st["done"], (st, r.log, _tail(r.run))
+    facts = check_finished(r.run, env)
+    assert facts["uids"] == run_facts(sbatch_run[0])["uids"], "the interrupted run drew other prompts"
+    for stage, (step, cursor, consumers) in facts["trainer"].items():
+        kind = KINDS[[s["name"] for s in cfg["stages"]].index(stage)]
+        if kind == "rl":   # the trainer read each step's trajectories once, to the end
+            assert consumers.get("trainer") == step, (stage, consumers)
+    kept = [json.loads(line)["kept_from_journal"] for line in (r.run / "metrics" / "rollout.jsonl").open()]
+    assert sum(kept) > 0, "no rollout step kept its journal across a kill"
+
+
+def test_restart_bound_stops_the_job_with_a_clear_message(slurm_cluster, tiny_model_dir, tmp_path):
+    env = {**slurm_cluster.env, "OMP_NUM_THREADS": "1"}
+    config = ci_config(tmp_path, "bounded", tiny_model_dir, max_restarts=0)
+    cfg = yaml.safe_load(config.read_text())
+    cfg["stages"] = [{"name": "sft", "kind": "sft", "num_steps": 200, "prompts_per_step": 8, "data": "demo"}]
+    config.write_text(yaml.safe_dump(cfg))
+    info = json.loads(rstar("launch", str(config), "--json", env=env).stdout.splitlines()[-1])
+    r = Run(tmp_path / "runs" / "bounded", env, info["jobs"]["run"])
+    r.wait_for("the trainer training", lambda: r.stage("sft")["state"] == "running", timeout_s=300)
+    r.slurm("scontrol", "requeue", r.job)
+    r.wait_for("the job over", lambda: all(j["state"] in ("FAILED", "COMPLETED") for j in r.status()["jobs"])
+               and r.restarts() >= 1, timeout_s=300)
+    out = "".join(p.read_text() for p in (r.run / "logs").glob("run-*.out"))
+    assert "requeued 1 times, more than launch.max_restarts=0: not starting again" in out, out[-2000:]
+    st = r.status()
+    assert not st["done"] and any("resumes it" in p for p in st["problems"]), st["problems"]
