@@ -29,6 +29,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "sandbox": ("sandbox", "Run or call the bubblewrap Python sandbox service."),
     "traj": ("traj", "List, show and export trajectory shards of a run."),
     "run": ("run", "Inspect a run directory: stage state and role announcements."),
+    "report": ("report", "Render a run's report (md, html, PNG plots; runs compared); TensorBoard: RUN/tb."),
 }
 
 
