@@ -74,7 +74,8 @@ def time_plot(runs: list[RunData], path: Path) -> str | None:
     fig, axes = plt.subplots(len(timed), 1, figsize=(7.5, 3.2 * len(timed)), sharex=True, squeeze=False)
     for ax, (i, run) in zip(axes[:, 0], timed):
         xs = sorted({x for name, _ in TIME_PARTS for x, _ in run.series.get(name, [])})
-        stacks = [[dict(run.series.get(name, [])).get(x, 0.0) for x in xs] for name, _ in TIME_PARTS]
+        parts = [dict(run.series.get(name, [])) for name, _ in TIME_PARTS]
+        stacks = [[part.get(x, 0.0) for x in xs] for part in parts]
         ax.stackplot(xs, stacks, labels=[legend for _, legend in TIME_PARTS], step="mid", alpha=0.85)
         ax.set(title=f"{run.label}: step time", ylabel="seconds")
         ax.grid(alpha=0.3)
