@@ -22,15 +22,16 @@ import math
 import os
 import re
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from rstar_hpc.exchange.rundir import RunPaths
 
 log = logging.getLogger("rstar_hpc.metrics")
 TB_ENV = "RSTAR_HPC_TENSORBOARD"
 INDEX_KEYS = ("stage", "step", "time")   # what places a record; not a scalar of its own
-_SINKS: dict[tuple[Path, str], "MetricsSink"] = {}
+_SINKS: dict[tuple[Path, str], MetricsSink] = {}
 
 
 def tb_tag(key: str) -> str:
@@ -86,7 +87,7 @@ class MetricsSink:
 
     def _writer(self, stage: str):
         if stage not in self._writers:
-            from torch.utils.tensorboard import SummaryWriter   # lazy: torch and tensorboard are heavy imports
+            from torch.utils.tensorboard import SummaryWriter  # lazy: torch and tensorboard are heavy imports
 
             folder = self.paths.tb_dir(stage)
             folder.mkdir(parents=True, exist_ok=True)

@@ -19,8 +19,8 @@ LINE_PLOTS = [
     ("reward.png", "Mean reward", [("mean_reward", "")], "mean reward", "Mean reward per RL step"),
     ("positive_tool_error.png", "Tool-error ratio of positive trajectories",
      [("pos_tool_error_kept", "kept positives"), ("pos_tool_error_all", "all positives")], "mean p_err",
-     "Tool-error ratio (mean p_err) of the positive trajectories kept for training (solid: after RoC's selection) "
-     "and of all positives (dashed); plain GRPO keeps all, so its two curves coincide"),
+     ("Tool-error ratio (mean p_err) of the positive trajectories kept for training (solid: after RoC's selection) "
+     "and of all positives (dashed); plain GRPO keeps all, so its two curves coincide")),
     ("response_length.png", "Response length", [("response_length", "")], "tokens (mean)",
      "Mean response length per RL step (tokens)"),
     ("tool_calls.png", "Tool calls per trajectory", [("tool_calls", "")], "calls", "Tool calls per trajectory"),
@@ -72,14 +72,14 @@ def build_report(run: RunPaths, *, label: str | None = None, compare: list[tuple
 
 
 def _draw(runs: list[RunData], out: Path, notes: list[str]) -> list[tuple[str, str]]:
-    from rstar_hpc.report import plots   # matplotlib: only when a report is drawn
+    from rstar_hpc.report import plots  # matplotlib: only when a report is drawn
 
     jobs = [(f, cap, lambda p, s=series, t=title, y=ylabel: plots.line_plot(runs, s, t, y, p))
             for f, title, series, ylabel, cap in LINE_PLOTS]
     jobs.insert(1, ("pass1.png", "pass@1 ± standard error at each eval stage",
                     lambda p: plots.pass1_plot(runs, p)))
-    jobs.append(("step_time.png", "Step time breakdown (rollout: generation, tool calls, reward; trainer: "
-                 "training, policy publish, checkpoint)", lambda p: plots.time_plot(runs, p)))
+    jobs.append(("step_time.png", ("Step time breakdown (rollout: generation, tool calls, reward; trainer: "
+                 "training, policy publish, checkpoint)"), lambda p: plots.time_plot(runs, p)))
     figures = []
     for name, caption, draw in jobs:
         path = out / name

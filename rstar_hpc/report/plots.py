@@ -8,11 +8,11 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")   # before pyplot: headless, whatever MPLBACKEND says
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
 
-from rstar_hpc.report.rundata import RunData  # noqa: E402
-from rstar_hpc.report.series import TIME_PARTS  # noqa: E402
+from rstar_hpc.report.rundata import RunData
+from rstar_hpc.report.series import TIME_PARTS
 
 STYLES = ["-", "--", ":", "-."]
 MAX_BENCHMARKS = 6
@@ -51,7 +51,7 @@ def line_plot(runs: list[RunData], series: list[tuple[str, str]], title: str, yl
     fig, ax = plt.subplots(figsize=(7.5, 4))
     for i, run, name, suffix in drawn:
         x, y = (np.array(v, dtype=float) for v in zip(*run.series[name]))
-        style = dict(color=f"C{i % 10}", linestyle=STYLES[[n for n, _ in series].index(name) % len(STYLES)])
+        style = {"color": f"C{i % 10}", "linestyle": STYLES[[n for n, _ in series].index(name) % len(STYLES)]}
         label = f"{run.label} {suffix}".strip()
         if len(y) >= SMOOTH_FROM:
             ax.plot(x, y, alpha=0.25, linewidth=0.8, **style)
