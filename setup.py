@@ -27,6 +27,8 @@ install_requires = [
     "tokenizers>=0.21",
     "safetensors>=0.4",
     "megatron-core==0.16.1",     # the trainer (gloo on CPU, NCCL + TE on GPU)
+    "matplotlib>=3.8",           # `rstar-hpc report`'s PNG plots (Agg backend, no display)
+    "tensorboard>=2.16",         # every role's metrics as TensorBoard event files (RUN/tb/)
 ]
 
 extras_require = {

@@ -30,6 +30,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "sandbox": ("sandbox", "Run or call the bubblewrap Python sandbox service."),
     "traj": ("traj", "List, show and export trajectory shards of a run."),
     "run": ("run", "Follow a run: status (stages, steps, ETA, jobs, health), logs, cancel."),
+    "report": ("report", "Render a run's report (md, html, PNG plots; runs compared); TensorBoard: RUN/tb."),
 }
 
 

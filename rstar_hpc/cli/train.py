@@ -66,12 +66,13 @@ def command(config: str, overrides: tuple[str, ...], stage_name: str | None, fol
             code = run(cfg, stage.name, on_step=on_step)
         finally:
             bar.close()
+        ran = stage.name   # for the requeue note below: `stage` is None after the loop
         stage = _pick_stage(cfg, None, none_left_ok=True) if follow and code == 0 else None
     if code == EXIT_REQUEUE:
         # exit 0 on every rank: under `srun --kill-on-bad-exit` one rank's non-zero exit kills the others; the
         # sbatch script knows it sent USR2 and requeues
         if rank == 0:
-            click.echo(f"stage {stage.name}: saved on USR2 before the end; run the same command again to continue",
+            click.echo(f"stage {ran}: saved on USR2 before the end; run the same command again to continue",
                        err=True)
         code = 0
     sys.exit(code)

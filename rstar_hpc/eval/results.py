@@ -20,6 +20,7 @@ from rstar_hpc.exchange.atomic import atomic_write_json, atomic_write_text
 from rstar_hpc.exchange.columns import from_table
 from rstar_hpc.exchange.reader import StepReader
 from rstar_hpc.exchange.rundir import RunPaths
+from rstar_hpc.metrics_log import metrics_sink
 
 
 def trajectory_row(t) -> dict:
@@ -64,12 +65,12 @@ def write_eval_results(cfg, paths: RunPaths, stage, num_steps: int) -> dict:
     folder.mkdir(parents=True, exist_ok=True)
     atomic_write_json(folder / "results.json", results)
     atomic_write_text(folder / "results.md", markdown(results))
-    with open(paths.metrics("eval"), "a") as f:
-        for name, m in results["benchmarks"].items():
-            f.write(json.dumps({"stage": stage.name, "benchmark": name, "policy_version": results["policy"]["version"],
-                                "policy_stage": need.stage, "trainer_step": results["policy"]["trainer_step"],
-                                "label": results["policy"]["label"], **{k: v for k, v in m.items()
-                                                                         if not isinstance(v, dict)}}) + "\n")
+    sink = metrics_sink(paths, "eval")   # metrics/eval.jsonl, and tb/<stage>/ at the policy's trainer step
+    for name, m in results["benchmarks"].items():
+        sink.write({"stage": stage.name, "benchmark": name, "policy_version": results["policy"]["version"],
+                    "policy_stage": need.stage, "trainer_step": results["policy"]["trainer_step"],
+                    "label": results["policy"]["label"], **{k: v for k, v in m.items() if not isinstance(v, dict)}},
+                   step=results["policy"]["trainer_step"] or 0, group=name)
     summary = "; ".join(f"{name} pass@1 {m['pass1']:.3f} ± {m['pass1_stderr']:.3f}"
                         for name, m in results["benchmarks"].items())
     return {**results, "summary": summary}

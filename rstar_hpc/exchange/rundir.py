@@ -21,6 +21,8 @@
       generate/<job id>/{samples.jsonl,summary.json}  output of `rstar-hpc generate` (the demo's job)
       logs/                                        Slurm and role logs
       metrics/<role>.jsonl                         one JSON object per step and role
+      tb/<stage>/events.out.tfevents.*             TensorBoard scalars of the same records (rstar_hpc.metrics_log)
+      report/report.{md,html}, report/*.png        `rstar-hpc report RUN` (rstar_hpc.report)
 
 Every file other roles read is published atomically (tmp in the same directory, fsync, rename; atomic.py).
 On Lustre, `create()` stripes `ckpt/` progressively (1 OST for the first 64 MiB, 4 beyond, 4 MiB stripes:
@@ -169,6 +171,23 @@ class RunPaths:
 
     def metrics(self, role: str) -> Path:
         return self.dir / "metrics" / f"{_check('role', role)}.jsonl"
+
+    @property
+    def tb_root(self) -> Path:
+        """`tensorboard --logdir` this: one subdirectory (a TensorBoard run) per stage."""
+        return self.dir / "tb"
+
+    def tb_dir(self, stage: str) -> Path:
+        return self.tb_root / _check("stage", stage)
+
+    def eval_stages(self) -> list[str]:
+        """Stages with an eval/<stage>/ directory (results.json written or not)."""
+        return _listdir(self.dir / "eval")
+
+    @property
+    def report_dir(self) -> Path:
+        """Where `rstar-hpc report` writes by default."""
+        return self.dir / "report"
 
     # -- creation -----------------------------------------------------------------------------------------------
     def create(self, stripe: bool = True) -> list[str]:

@@ -36,7 +36,6 @@ The messages are mpi.py's; the engine ranks' side is engine_rank.py.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import time
 from collections import deque
@@ -46,6 +45,7 @@ from rstar_hpc.config.rollout import SchedulerConfig
 from rstar_hpc.exchange.rundir import RunPaths
 from rstar_hpc.exchange.schema import Trajectory
 from rstar_hpc.exchange.writer import ShardWriter
+from rstar_hpc.metrics_log import metrics_sink
 from rstar_hpc.rollout.mpi import TAG_BEAT, TAG_DEAD, TAG_DONE, TAG_HELLO, TAG_RESULT, TAG_START, TAG_STOP, TAG_WORK
 from rstar_hpc.rollout.policy import make_policy
 from rstar_hpc.rollout.journal import Journal
@@ -328,15 +328,20 @@ class StepScheduler:
             "tool_wait_s": round(sum(t.timings.tool_s for t in trajs), 3),
             "generate_s": round(sum(t.timings.generate_s for t in trajs), 3),
             "mean_reward": sum(t.reward for t in trajs) / max(1, len(trajs)),
+            # tool use of the step's trajectories (the report's tool-calls plot; errors as rstar_hpc.eval counts them)
+            "tool_calls_per_trajectory": sum(len(t.tool_calls) for t in trajs) / max(1, len(trajs)),
+            "tool_error_ratio": _error_ratio(trajs),
             "finish_reasons": {r: sum(t.finish_reason == r for t in trajs) for r in {t.finish_reason for t in trajs}},
             "engine_stats": {str(k): v for k, v in engine_stats.items()},
         }
-        path = self.paths.metrics("rollout")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a") as f:
-            f.write(json.dumps(summary) + "\n")
+        metrics_sink(self.paths, "rollout").write(summary)   # metrics/rollout.jsonl and tb/<stage>/
         log.info("step %d of stage %s: %d trajectories in %.1f s (generation %.1f s, all admitted by %.1f s, tail "
                  "%.1f s; tool wait %.1f s summed over trajectories; reward %.2f s on rank 0; mean reward %.3f)",
                  self.step, self.stage, len(trajs), summary["wall_s"], generation_s, summary["last_admit_s"],
                  summary["tail_s"], summary["tool_wait_s"], self.reward_s, summary["mean_reward"])
         return summary
+
+
+def _error_ratio(trajs: list[Trajectory]) -> float | None:
+    calls = sum(len(t.tool_calls) for t in trajs)
+    return sum(c.is_error for t in trajs for c in t.tool_calls) / calls if calls else None

@@ -7,13 +7,13 @@ Where a stage starts: its own latest checkpoint (a requeued or restarted job); e
 nearest earlier sft/rl stage (weights, plus AdamW moments unless the stage says `reset_optimizer`, the paper's
 stage 3; this stage's lr and schedule start afresh); else the Hugging Face model of `model`.
 What it writes: ckpt/<stage>/ (checkpoints), policy/ (a version after each RL step and at the end of SFT),
-metrics/trainer.jsonl (one JSON object per step), stages/<stage>/state.json (RUNNING, DONE or FAILED).
+metrics/trainer.jsonl (one JSON object per step; tb/<stage>/ the same as TensorBoard scalars),
+stages/<stage>/state.json (RUNNING, DONE or FAILED).
 Returns 0 when the stage is done, EXIT_REQUEUE after saving on USR2 (Slurm's pre-timeout signal; the CLI exits 0
 then, and sbatch/trainer.sbatch requeues the job); raises on failure, after marking the stage FAILED.
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -27,6 +27,7 @@ import torch
 from rstar_hpc.config import RunConfig, StageConfig
 from rstar_hpc.exchange.rundir import RunPaths
 from rstar_hpc.exchange.state import read_stage_state, write_heartbeat, write_stage_state
+from rstar_hpc.metrics_log import metrics_sink
 from rstar_hpc.trainer.checkpoint import SaveOnSignal, TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
 from rstar_hpc.trainer.hf_convert import load_hf_checkpoint
 from rstar_hpc.trainer.model import Qwen3Arch, destroy_distributed, init_distributed
@@ -55,7 +56,7 @@ def run(cfg: RunConfig, stage_name: str, *, on_step: Callable[[int, dict], None]
     try:
         if rank0:
             _prepare_run(cfg)
-            metrics_out = open(paths.metrics("trainer"), "a")  # noqa: SIM115  (open for the whole loop)
+            metrics_out = metrics_sink(paths, "trainer")  # metrics/trainer.jsonl and tb/<stage>/
         torch.distributed.barrier()  # the run directory and the model exist before anyone reads them
         if read_stage_state(paths, stage.name).status == "DONE":
             log.info("stage %s is DONE already; nothing to train (rerun it under a new stage name)", stage.name)
@@ -79,7 +80,8 @@ def run(cfg: RunConfig, stage_name: str, *, on_step: Callable[[int, dict], None]
                 batch = data.next(stop_requested=lambda: signal_save.requested)
             if batch is None:  # USR2 while waiting for trajectories: the state is at a step boundary
                 return _save_and_requeue(state, data, paths, stage, rank0, tcfg.checkpoint.keep_last)
-            metrics = data.train(model, optimizer, scheduler, batch)
+            with timer("train"):
+                metrics = data.train(model, optimizer, scheduler, batch)
             state.step += 1
             state.data_state = data.state_dict()
             stop = signal_save.should_save()
@@ -110,8 +112,6 @@ def run(cfg: RunConfig, stage_name: str, *, on_step: Callable[[int, dict], None]
         raise
     finally:
         signal_save.close()
-        if metrics_out is not None:
-            metrics_out.close()
         destroy_distributed()
 
 
@@ -240,8 +240,7 @@ def _log_step(out, stage: StageConfig, step: int, metrics: dict, backend: str, m
     if mfu is not None:
         metrics["perf/mfu"] = mfu
     clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
-    out.write(json.dumps({"stage": stage.name, "step": step, "time": time.time(), **clean}) + "\n")
-    out.flush()
+    out.write({"stage": stage.name, "step": step, "time": time.time(), **clean})
     extra = (f" | reward {metrics['reward/mean']:.3f} | kept {metrics['roc/num_kept']:.0f}"
              f"/{metrics['roc/num_trajectories']:.0f}" if stage.kind == "rl" else "")
     log.info("%s step %*d/%d | loss %8.4f | grad_norm %7.3f | lr %.2e | tok/s %8.0f%s | step %.2fs", stage.name,
