@@ -23,10 +23,7 @@ def _load(run: str):
     from rstar_hpc.config import load_config
 
     paths = _paths(run)
-    if not paths.config.is_file():
-        raise click.ClickException(f"{paths.dir} has no config.yaml: it is not a run directory (or the run never "
-                                   f"started); `rstar-hpc launch CONFIG` makes one")
-    return load_config(str(paths.config)), paths
+    return (load_config(str(paths.config)) if paths.config.is_file() else None), paths
 
 
 @command.command("status")
@@ -35,13 +32,21 @@ def _load(run: str):
 @click.option("--watch", is_flag=True, help="Redraw every --interval seconds until interrupted (or the run is done).")
 @click.option("--interval", type=float, default=10.0, show_default=True, help="Seconds between redraws (--watch).")
 @click.option("--no-slurm", is_flag=True, help="Do not ask Slurm about the run's jobs (run directory only).")
-def status(run: str, as_json: bool, watch: bool, interval: float, no_slurm: bool) -> None:
+@click.option("--files", is_flag=True, help="The run directory's own view: data cursors, checkpoints, trajectory "
+              "steps, consumers, announcements (also what a run without config.yaml shows).")
+def status(run: str, as_json: bool, watch: bool, interval: float, no_slurm: bool, files: bool) -> None:
     """Per stage: state, steps done/total, step time breakdown (generation, tool calls, reward, training,
     checkpoint), ETA, last reward and pass@1; each role's job and last heartbeat; and what looks wrong, in words."""
     from rstar_hpc.launch.status import run_status
     from rstar_hpc.launch.submit import slurm_env
 
     cfg, paths = _load(run)
+    if cfg is None or files:
+        if as_json:
+            raise click.ClickException(f"{paths.dir} has no config.yaml: --json needs a run that `rstar-hpc launch` "
+                                       f"or a role started")
+        _directory_view(paths)
+        return
     env = None if no_slurm else slurm_env()
     while True:
         st = run_status(cfg, paths, env, with_slurm=not no_slurm)
@@ -93,6 +98,68 @@ def _render(st: dict) -> None:
     console.print(roles)
     for p in st["problems"]:
         console.print(f"[red]problem:[/] {p}")
+
+
+def _directory_view(paths, stale_after_s: float = 120.0) -> None:
+    """What the run directory alone says (no config needed): stage states, cursors, checkpoints, trajectory steps,
+    consumers, and each role's announcements."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from rstar_hpc.exchange import rendezvous
+    from rstar_hpc.exchange.reader import StepReader, consumer_cursors
+    from rstar_hpc.exchange.state import read_stage_state
+
+    console = Console(width=140)
+    now = time.time()
+    console.print(f"[bold]run[/] {paths.name}  ({paths.dir})")
+
+    stages = sorted(set(paths.stages()) | set(paths.traj_stages()))
+    table = Table("stage", "status", "step", "data cursor", "policy", "job", "updated", "latest ckpt",
+                  "traj steps (committed)", "consumers (next step)", "message", title="stages")
+    for stage in stages:
+        s = read_stage_state(paths, stage)
+        latest = paths.checkpoints(stage).latest()
+        reader = StepReader(paths, stage)
+        steps = paths.traj_steps(stage)
+        committed = [st for st in steps if reader.commits(st)]
+        traj = f"{committed[0]}..{committed[-1]} ({len(committed)})" if committed else "-"
+        cursors = ", ".join(f"{k}={v}" for k, v in consumer_cursors(paths, stage).items()) or "-"
+        updated = _age(now - s.updated_at) if paths.stage_state(stage).exists() else "never"
+        color = {"DONE": "green", "RUNNING": "cyan", "FAILED": "red"}.get(s.status, "")
+        table.add_row(stage, f"[{color}]{s.status}[/]" if color else s.status, str(s.step), str(s.data_cursor),
+                      str(s.policy_version), s.slurm_job_id or "-", updated,
+                      latest[1].name if latest else "-", traj, cursors, s.message)
+    if stages:
+        console.print(table)
+    else:
+        console.print("no stage has started yet")
+    policy = paths.policies().latest()
+    console.print(f"published policy: {policy[1].name if policy else 'none'}")
+
+    roles = rendezvous.read_roles(paths.dir)
+    table = Table("role", "name", "address", "pid", "job", "started", "updated", "extra", title="announcements")
+    for role, records in roles.items():
+        for r in records:
+            age = now - r["updated_at"]
+            updated = _age(age) + (" [red](stale)[/]" if age > stale_after_s else "")
+            extra = {k: v for k, v in r.items() if k not in rendezvous.REQUIRED_KEYS}
+            table.add_row(role, r["name"], f"{r['host']}:{r['port']}", str(r["pid"]), r["slurm_job_id"] or "-",
+                          _age(now - r["started_at"]), updated, ", ".join(f"{k}={v}" for k, v in extra.items()))
+    if table.row_count:
+        console.print(table)
+    else:
+        console.print("no role has announced itself")
+
+
+
+def _age(seconds: float) -> str:
+    seconds = max(seconds, 0)
+    if seconds < 120:
+        return f"{seconds:.0f}s ago"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}m ago"
+    return f"{seconds / 3600:.1f}h ago"
 
 
 @command.command("logs")

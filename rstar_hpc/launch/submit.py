@@ -20,6 +20,7 @@ from pathlib import Path
 from rstar_hpc.exchange.rundir import RunPaths
 from rstar_hpc.launch.hetjob import render
 from rstar_hpc.launch.record import add_launch
+from rstar_hpc.launch.roles import run_done
 from rstar_hpc.launch.status import ACTIVE, job_rows, progress_line, run_status
 
 LAUNCHERS = ("sbatch", "submitit")
@@ -85,6 +86,11 @@ def launch_run(cfg, launcher: str | None = None, *, wait: bool = False, dry_run:
         raise LaunchError(f"run {paths.name} already has jobs in Slurm ({', '.join(sorted({j['job_id'] + ' ' + j['state'] for j in active}))}); "
                           f"follow it with `rstar-hpc run status {paths.dir}`, or `rstar-hpc run cancel {paths.dir}` "
                           f"first to launch it again")
+    if paths.config.is_file() and run_done(cfg, paths):
+        echo(f"run {paths.name}: every stage is done already ({paths.dir}); nothing to submit. A new run needs a new "
+             f"run.name (or run.root)")
+        info["jobs"] = {}
+        return info
     preflight(cfg)
     prepare_run_dir(cfg)
     if launcher == "sbatch":

@@ -74,6 +74,6 @@ def test_a_hard_subset_not_built_yet_says_which_stage_builds_it(tmp_path):
 def test_rollout_cli_refuses_bad_data_before_starting_ranks(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"question": "x"}\n')
     r = subprocess.run([sys.executable, "-m", "rstar_hpc", "rollout", "--step", "0", f"run.root={tmp_path}",
-                        f"stages.rl.data={tmp_path / 'bad.jsonl'}"], capture_output=True, text=True, timeout=120)
+                        f"stages.rl-short.data={tmp_path / 'bad.jsonl'}"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 3, r.stderr[-2000:]
     assert "bad.jsonl row 1: no answer" in r.stderr and "Traceback" not in r.stderr
