@@ -53,6 +53,7 @@ class Session:
     last_used: float = 0.0
     pss: int = 0
     why_gone: str | None = None   # why the live state went away (evicted: idle, memory, ...)
+    released: bool = False        # its owner is done with it: forget it once its queued cells have run
 
 
 @dataclasses.dataclass
@@ -165,6 +166,22 @@ class Pool:
 
     async def run(self, call: dict) -> dict:
         return await self.submit(call)
+
+    def release(self, sid: str) -> bool:
+        """The caller is done with session `sid` (its trajectory ended): free its process and forget its history
+        now, or after its queued cells if some are still pending. False: this service does not know it."""
+        sess = self.sessions.get(sid)
+        if sess is None:
+            return False
+        sess.released = True
+        if sess.pending == 0:
+            self._forget(sess)
+        return True
+
+    def _forget(self, sess: Session) -> None:
+        if sess.slot is not None:
+            self._evict(sess, "released")
+        self.sessions.pop(sess.sid, None)
 
     def _place(self, sess: Session) -> None:
         slot = min(self.math_slots, key=lambda s: (len(s.sessions), len(s.pinned), s.busy))
@@ -363,6 +380,8 @@ class Pool:
                 sess.history.append((call["code"], call["stdin"], call["timeout_s"]))
                 sess.history_bytes += size
         info["cells"] = sess.cells
+        if sess.released and sess.pending == 0:
+            self._forget(sess)
 
     # ------------------------------------------------------------ eviction and health
     async def _housekeeping(self) -> None:
