@@ -29,6 +29,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "sandbox": ("sandbox", "Run or call the bubblewrap Python sandbox service."),
     "traj": ("traj", "List, show and export trajectory shards of a run."),
     "run": ("run", "Inspect a run directory: stage state and role announcements."),
+    "eval": ("eval", "Evaluate a policy on benchmark files the paper's way (avg@k pass@1, pass@k, maj@k, ...)."),
 }
 
 

@@ -68,7 +68,8 @@ def command(config, steps, stage, engines, sandbox, mpirun, progress, overrides)
                  *(["--stage", stage] if stage else []), *(a for s in sandbox for a in ("--sandbox", s)),
                  "--progress", *overrides]
     cmd += [sys.executable, "-m", "rstar_hpc", "rollout", *rank_args]
-    rc = subprocess.call(cmd)
+    from rstar_hpc.rollout.progress import TTY_ENV
+    rc = subprocess.call(cmd, env={**os.environ, TTY_ENV: "1" if sys.stderr.isatty() else "0"})
     if rc:
         raise SystemExit(rc)
 

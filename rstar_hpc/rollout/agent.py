@@ -29,7 +29,8 @@ from typing import Protocol
 from rstar_hpc.config.rollout import AgentConfig
 from rstar_hpc.exchange.schema import Timings, ToolCall, Turn
 from rstar_hpc.exchange.tool_status import INFRA_TOOL_STATUSES, TOOL_STATUSES
-from rstar_hpc.models.chat_format import IM_END, TOOL_NAME, render_prompt, render_tool_responses
+from rstar_hpc.models.chat_format import (IM_END, SESSION_TOOL_SCHEMA, TOOL_NAME, render_prompt,
+                                          render_tool_responses)
 from sandbox.results import render_rstar2, truncate_middle
 
 log = logging.getLogger("rstar_hpc.rollout")
@@ -152,9 +153,10 @@ def _failure_text(message: str) -> str:
     return f"Tool call failure\nreason: {message}"
 
 
-def encode_prompt(tokenizer: Tokenizer, question: str, max_prompt_length: int) -> tuple[list[int], str]:
+def encode_prompt(tokenizer: Tokenizer, question: str, max_prompt_length: int,
+                  tool_state: str = "stateless") -> tuple[list[int], str]:
     """The rStar2 prompt's ids; PromptTooLong past the limit (the tool schema counts, as in the reference)."""
-    text = render_prompt(question)
+    text = render_prompt(question, tools=[SESSION_TOOL_SCHEMA] if tool_state == "session" else None)
     ids = tokenizer.encode(text, add_special_tokens=False)
     if len(ids) > max_prompt_length:
         raise PromptTooLong(f"prompt has {len(ids)} tokens (system prompt with the tool schema included), over "
@@ -179,7 +181,7 @@ class AgentLoop:
         self.stop_token_id = ids[0] if stop_token_id is None else stop_token_id
 
     def encode_prompt(self, question: str) -> tuple[list[int], str]:
-        return encode_prompt(self.tok, question, self.cfg.max_prompt_length)
+        return encode_prompt(self.tok, question, self.cfg.max_prompt_length, self.cfg.tool_state)
 
     async def run(self, prompt_ids: Sequence[int], request_id: str, prompt_text: str = "", *,
                   seed: int | None = None, progress: Callable[[int], None] | None = None) -> AgentResult:

@@ -65,6 +65,9 @@ def test_turn_one_variable_is_visible_in_turn_three_only_with_session(tok, tool_
 
     res, snap, states = asyncio.run(_with_service(body))
     assert res.finish_reason == "stop" and len(res.tool_calls) == 3, res
+    # the tool's description in the system prompt tells the model which it gets
+    assert ("persist between your calls" in res.prompt_text) == (tool_state == "session")
+    assert ("fresh interpreter" in res.prompt_text) == (tool_state == "stateless")
     third = res.tool_calls[2]
     if tool_state == "session":
         assert third.status == "ok" and "stdout: 42" in third.output, third
