@@ -126,3 +126,16 @@ def test_the_session_is_released_on_every_exit_path(tok, mode):
     want = {"truncated": "length", "error": "RuntimeError"}.get(mode, "CancelledError")
     assert outcome == want
     assert snap["sessions_known"] == 0 and snap["sessions_live"] == 0, snap
+
+
+def test_closing_the_client_releases_sessions_nobody_released(tok):
+    """An engine rank that stops with trajectories cancelled en masse closes its client: their sessions go too."""
+    async def body(svc, client):
+        await client.run("y = 2", session="orphan-1")
+        await client.run("z = 3", session="orphan-2")
+        assert svc.pool.snapshot()["sessions_known"] == 2
+        await client.close()
+        return await _sessions_gone(svc)
+
+    snap = asyncio.run(_with_service(body))
+    assert snap["sessions_known"] == 0 and snap["sessions_live"] == 0, snap
