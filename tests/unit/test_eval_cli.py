@@ -119,3 +119,22 @@ def test_a_run_directory_holds_one_evaluation(tmp_path):
     with pytest.raises(ConfigError, match=r"another evaluation \(its eval differ"):
         c.check_resumable(cfg(4), RunPaths(out))
     shutil.rmtree(out)
+
+
+def test_sbatch_and_submitit_go_through_launch_run(tmp_path, capsys, monkeypatch):
+    import sys
+    import types
+
+    calls = []
+    fake = types.ModuleType("rstar_hpc.launch.submit")
+    fake.launch_run = lambda cfg, launcher, wait: calls.append((cfg, launcher, wait)) or {"state": "COMPLETED"}
+    monkeypatch.setitem(sys.modules, "rstar_hpc.launch.submit", fake)
+    hf = _hf(tmp_path / "hf")
+    a = _bench(tmp_path / "a.jsonl", [{"question": "1+1?", "answer": "2"}])
+    out = tmp_path / "runs" / "ev"
+    code, err = _exit(["eval", "--policy", str(hf), "--data", str(a), "--out", str(out), "--launcher", "submitit",
+                       "--k", "3"], capsys)
+    [(cfg, launcher, wait)] = calls
+    assert launcher == "submitit" and wait is True and cfg.eval.k == 3 and cfg.run.dir == out
+    assert (out / "config.yaml").is_file()   # the run directory the jobs read
+    assert code != 0 and "not finished" in err   # the fake wrote no results
