@@ -21,6 +21,8 @@ Sessions (what the caller sees in `result["session"]`):
                     the cell ran on fresh globals.
   "rolled_back": true   this cell did not finish (timeout, crash, os._exit, ...): the session keeps the
                     state from before it, and the cell is not part of the replay history.
+A session ends when its caller releases it (`release(sid)`, the service's op "release": its process and history
+go, after any cells already queued) or, never released (a killed caller), once idle for 4 x session_idle_s.
 """
 from __future__ import annotations
 
@@ -182,6 +184,7 @@ class Pool:
         if sess.slot is not None:
             self._evict(sess, "released")
         self.sessions.pop(sess.sid, None)
+        self.stats.released += 1
 
     def _place(self, sess: Session) -> None:
         slot = min(self.math_slots, key=lambda s: (len(s.sessions), len(s.pinned), s.busy))
@@ -202,7 +205,8 @@ class Pool:
             slot.wake.set()
         sess.slot, sess.live, sess.pss = None, False, 0
         sess.why_gone = f"evicted ({why})"
-        self.stats.evictions[why] += 1
+        if why != "released":   # evictions are pressure (idle, memory, capacity); a release is the normal end
+            self.stats.evictions[why] += 1
 
     def _lose_slot_sessions(self, slot: _Slot, why: str) -> None:
         for sid in list(slot.sessions):
@@ -427,7 +431,7 @@ class Pool:
             "p99_ms": None if p99 is None else round(p99 * 1000, 3),
             "restarts": dict(st.restarts), "evictions": dict(st.evictions),
             "sessions_live": sum(s.live for s in self.sessions.values()), "sessions_known": len(self.sessions),
-            "session_states": dict(st.sessions), "session_memory_mb": round(
+            "session_states": dict(st.sessions), "sessions_released": st.released, "session_memory_mb": round(
                 sum(s.pss for s in self.sessions.values()) / 2**20, 1),
             "uptime_s": round(time.time() - self.started, 1),
         }

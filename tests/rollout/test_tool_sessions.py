@@ -76,6 +76,7 @@ def test_turn_one_variable_is_visible_in_turn_three_only_with_session(tok, tool_
         assert third.status == "error" and "NameError" in third.output, third
         assert not states, states   # no call ever named a session
     assert snap["sessions_known"] == 0 and snap["sessions_live"] == 0, snap   # released at the answer
+    assert snap["sessions_released"] == (1 if tool_state == "session" else 0) and not snap["evictions"], snap
 
 
 class _Failing(ScriptedEngine):
