@@ -13,6 +13,10 @@ rank (engine.py) and `sandbox.client.SandboxClient` in production, scripted doub
 Token accounting follows the released code: the response budget counts model AND tool tokens; each turn may
 generate at most what is left of it; a tool response that would reach the budget is not appended (the
 trajectory ends with the model's last token, where the reward lands: finish_reason "tool_overflow").
+
+Tool state (`rollout.agent.tool_state`): `stateless`, the paper's, runs every call in a fresh interpreter; `session`
+opens one sandbox session per trajectory attempt and releases it in a `finally`, so every way out (answer, limits,
+an engine error, cancellation) frees it; a killed process's sessions expire on the service.
 """
 from __future__ import annotations
 
