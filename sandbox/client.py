@@ -17,7 +17,8 @@ live TCP connection) counts as failed, like a dead one, once a call sent to it o
 time limit (`timeout_s`, or the service's announced default) plus `reply_margin_s`, counted from the later of
 its send and the service's last reply (a busy service answering its queue is not frozen).
 A session whose service died continues elsewhere with fresh state, flagged by that service as state "lost"
-(the client sends each cell's `session_seq`).
+(the client sends each cell's `session_seq`). `await sb.release("traj-17")` ends a session: its service frees
+the process and history (after any cell already sent), and cells still queued here are dropped unsent.
 """
 from __future__ import annotations
 
@@ -132,6 +133,36 @@ class SandboxClient:
     async def run_many(self, calls: list[dict]) -> list[dict]:
         return list(await asyncio.gather(*(self.submit(c) for c in calls)))
 
+    async def release(self, *sessions: str, timeout_s: float = 10.0) -> int:
+        """End these sessions (their trajectories are over); returns how many a service knew. Never raises:
+        a session it could not reach about is freed there anyway once idle (`session_idle_s`)."""
+        by_node: dict[str, list[str]] = collections.defaultdict(list)
+        for sid in sessions:
+            self._seq.pop(sid, None)
+            key = self._pinned.pop(sid, None)
+            if key is not None and key in self.nodes:
+                by_node[key].append(sid)
+        released = 0
+        for key, sids in by_node.items():
+            node = self.nodes[key]
+            drop = set(sids)
+            for p in [p for p in node.queue if p.call.get("session") in drop]:
+                node.queue.remove(p)   # never sent, so it never ran: ordering after the release cannot matter
+                node.outstanding -= 1
+                if not p.fut.done():
+                    p.fut.set_result(make_result(p.call.get("id"), "unavailable", "session released"))
+            rid = next(self._rid)
+            try:
+                await self._ensure_connected(node)
+                fut = node.control[rid] = asyncio.get_running_loop().create_future()
+                node.writer.write(encode({"op": "release", "rid": rid, "sessions": sids}))
+                released += int((await asyncio.wait_for(fut, timeout_s)).get("released") or 0)
+            except (OSError, ConnectionError, asyncio.TimeoutError) as e:
+                log.warning("sandbox client: could not release %d session(s) on %s: %r", len(sids), key, e)
+            finally:
+                node.control.pop(rid, None)
+        return released
+
     async def stats(self) -> dict[str, dict]:
         """The stats record of every reachable service, by address."""
         self._maybe_refresh(force=True)
@@ -148,6 +179,8 @@ class SandboxClient:
         return out
 
     async def close(self) -> None:
+        if self._pinned and not self._closed:   # sessions their owners never released (cancelled en masse)
+            await self.release(*list(self._pinned), timeout_s=2.0)
         self._closed = True
         if self._watchdog is not None:
             self._watchdog.cancel()

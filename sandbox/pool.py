@@ -21,6 +21,8 @@ Sessions (what the caller sees in `result["session"]`):
                     the cell ran on fresh globals.
   "rolled_back": true   this cell did not finish (timeout, crash, os._exit, ...): the session keeps the
                     state from before it, and the cell is not part of the replay history.
+A session ends when its caller releases it (`release(sid)`, the service's op "release": its process and history
+go, after any cells already queued) or, never released (a killed caller), once idle for 4 x session_idle_s.
 """
 from __future__ import annotations
 
@@ -53,6 +55,7 @@ class Session:
     last_used: float = 0.0
     pss: int = 0
     why_gone: str | None = None   # why the live state went away (evicted: idle, memory, ...)
+    released: bool = False        # its owner is done with it: forget it once its queued cells have run
 
 
 @dataclasses.dataclass
@@ -166,6 +169,23 @@ class Pool:
     async def run(self, call: dict) -> dict:
         return await self.submit(call)
 
+    def release(self, sid: str) -> bool:
+        """The caller is done with session `sid` (its trajectory ended): free its process and forget its history
+        now, or after its queued cells if some are still pending. False: this service does not know it."""
+        sess = self.sessions.get(sid)
+        if sess is None:
+            return False
+        sess.released = True
+        if sess.pending == 0:
+            self._forget(sess)
+        return True
+
+    def _forget(self, sess: Session) -> None:
+        if sess.slot is not None:
+            self._evict(sess, "released")
+        self.sessions.pop(sess.sid, None)
+        self.stats.released += 1
+
     def _place(self, sess: Session) -> None:
         slot = min(self.math_slots, key=lambda s: (len(s.sessions), len(s.pinned), s.busy))
         if len(slot.sessions) >= self.limits.max_sessions_per_worker:
@@ -185,7 +205,8 @@ class Pool:
             slot.wake.set()
         sess.slot, sess.live, sess.pss = None, False, 0
         sess.why_gone = f"evicted ({why})"
-        self.stats.evictions[why] += 1
+        if why != "released":   # evictions are pressure (idle, memory, capacity); a release is the normal end
+            self.stats.evictions[why] += 1
 
     def _lose_slot_sessions(self, slot: _Slot, why: str) -> None:
         for sid in list(slot.sessions):
@@ -363,6 +384,8 @@ class Pool:
                 sess.history.append((call["code"], call["stdin"], call["timeout_s"]))
                 sess.history_bytes += size
         info["cells"] = sess.cells
+        if sess.released and sess.pending == 0:
+            self._forget(sess)
 
     # ------------------------------------------------------------ eviction and health
     async def _housekeeping(self) -> None:
@@ -408,7 +431,7 @@ class Pool:
             "p99_ms": None if p99 is None else round(p99 * 1000, 3),
             "restarts": dict(st.restarts), "evictions": dict(st.evictions),
             "sessions_live": sum(s.live for s in self.sessions.values()), "sessions_known": len(self.sessions),
-            "session_states": dict(st.sessions), "session_memory_mb": round(
+            "session_states": dict(st.sessions), "sessions_released": st.released, "session_memory_mb": round(
                 sum(s.pss for s in self.sessions.values()) / 2**20, 1),
             "uptime_s": round(time.time() - self.started, 1),
         }

@@ -3,9 +3,11 @@
 A frame is a 4-byte big-endian length and that many bytes of UTF-8 JSON. Client -> service:
     {"op": "exec", "rid": 7, "calls": [call, ...]}    at most MAX_BATCH calls
     {"op": "stats", "rid": 8}  |  {"op": "ping", "rid": 9}
+    {"op": "release", "rid": 10, "sessions": [id, ...]}   the caller is done with these sessions: free them
 Service -> client, one frame per finished call, in completion order:
     {"rid": 7, "i": 0, "result": {...}}
-and {"rid": 8, "stats": {...}} / {"rid": 9, "ok": true}; {"rid": r, "error": "..."} for a bad frame.
+and {"rid": 8, "stats": {...}} / {"rid": 9, "ok": true} / {"rid": 10, "released": n} (sessions it knew);
+{"rid": r, "error": "..."} for a bad frame.
 A call: {"id": any JSON, "code": str, "stdin": str = "", "session": str | null = null,
          "timeout_s": number = service default, "session_seq": int = 0 (this cell's index in its session,
          so a service that never saw the session can tell that earlier state is missing)}.

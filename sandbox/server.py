@@ -186,8 +186,10 @@ class Service:
                     send({"rid": rid, "stats": self.stats()})
                 elif op == "ping":
                     send({"rid": rid, "ok": True, "name": self.name})
+                elif op == "release":
+                    send(self._release(rid, frame.get("sessions")))
                 else:
-                    send({"rid": rid, "error": f"unknown op {op!r}; ops are exec, stats, ping"})
+                    send({"rid": rid, "error": f"unknown op {op!r}; ops are exec, release, stats, ping"})
                 await writer.drain()
         except (ConnectionError, asyncio.IncompleteReadError):
             pass
@@ -196,6 +198,11 @@ class Service:
             self.connections -= 1
             self._writers.discard(writer)
             writer.close()
+
+    def _release(self, rid: object, sessions: object) -> dict:
+        if not isinstance(sessions, list) or not all(isinstance(s, str) for s in sessions):
+            return {"rid": rid, "error": "'sessions' must be a list of session ids"}
+        return {"rid": rid, "released": sum(self.pool.release(s) for s in sessions)}
 
     def _exec(self, rid: object, calls: object, send) -> None:
         if not isinstance(calls, list) or not 0 < len(calls) <= MAX_BATCH:

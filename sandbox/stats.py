@@ -17,6 +17,7 @@ class Stats:
         self.restarts = collections.Counter()
         self.evictions = collections.Counter()
         self.sessions = collections.Counter()   # by state reported
+        self.released = 0                        # sessions their callers ended (op "release")
 
     def record(self, result: dict, latency_s: float) -> None:
         self.calls += 1

@@ -31,6 +31,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "traj": ("traj", "List, show and export trajectory shards of a run."),
     "run": ("run", "Follow a run: status (stages, steps, ETA, jobs, health), logs, cancel."),
     "report": ("report", "Render a run's report (md, html, PNG plots; runs compared); TensorBoard: RUN/tb."),
+    "eval": ("eval", "Evaluate a policy on benchmark files the paper's way (avg@k pass@1, pass@k, maj@k, ...)."),
 }
 
 

@@ -68,9 +68,28 @@ def command(config, steps, stage, engines, sandbox, mpirun, progress, overrides)
                  *(["--stage", stage] if stage else []), *(a for s in sandbox for a in ("--sandbox", s)),
                  "--progress", *overrides]
     cmd += [sys.executable, "-m", "rstar_hpc", "rollout", *rank_args]
-    rc = subprocess.call(cmd)
+    from rstar_hpc.rollout.progress import TTY_ENV
+    rc = _run_mpirun(cmd, {**os.environ, TTY_ENV: "1" if sys.stderr.isatty() else "0"})
     if rc:
         raise SystemExit(rc)
+
+
+def _run_mpirun(cmd: list[str], env: dict) -> int:
+    """mpirun, with a stop (USR2, TERM) sent to this launcher passed on as USR2, which mpirun forwards to the ranks:
+    rank 0 journals the step's finished trajectories and ends the job (TERM would make mpirun kill the ranks)."""
+    import signal
+
+    proc = subprocess.Popen(cmd, env=env)
+
+    def forward(signum, frame):
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGUSR2)
+    old = {sig: signal.signal(sig, forward) for sig in (signal.SIGUSR2, signal.SIGTERM)}
+    try:
+        return proc.wait()
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
 
 
 def check_rollout_data(cfg, stage: str | None) -> None:

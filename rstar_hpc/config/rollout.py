@@ -45,6 +45,13 @@ class AgentConfig(Section):
     """Wall-clock limit of one tool call; null: the sandbox service's own limit."""
     max_tool_wait_s: float = Field(300.0, gt=0)
     """A tool call with no result after this long (sandbox unreachable) comes back as a failure."""
+    tool_state: Literal["stateless", "session"] = "stateless"
+    """`stateless` (the paper's behaviour, the default): every tool call runs in a fresh interpreter; rStar2-Agent's
+    `python_code_with_standard_io` tool keeps nothing between calls (its replaying `jupyter_code` tool exists but no
+    released script uses it; reference §2.1). `session`: a trajectory's calls share one sandbox session, so a
+    variable defined in turn 1 is still there in turn 3; the session is released when the trajectory ends, however
+    it ends (answer, limits, error, cancellation), and a killed process's sessions expire on the service after
+    `sandbox.session_idle_s`."""
 
 
 class SchedulerConfig(Section):

@@ -3,11 +3,26 @@
 
 results.json:
     {"stage": str, "k": int,
-     "protocol": {"temperature", "top_p", "max_turns", "max_response_length"},
+     "protocol": {"temperature": float, "top_p": float, "max_turns": int, "max_response_length": int},
      "policy": {"version": int | null, "stage": str | null, "trainer_step": int | null,
-                "label": "base" | "sft" | "rl"},
-     "benchmarks": {name: rstar_hpc.eval.metrics.benchmark_metrics(...)}}
-The per-trajectory rows stay in traj/<stage>/step-*/ (`rstar-hpc traj show RUN --stage <stage>`).
+                "label": "base" | "sft" | "rl", "model": str},
+     "benchmarks": {name: {...}}}
+`policy`: what generated the trajectories. `label` "base" is the run's model itself (`rstar-hpc eval` puts the
+policy it evaluates there), whose directory `model` names; otherwise the policy version published by trainer stage
+`stage` at `trainer_step` (`model` then names the run's base model). Each benchmark (rstar_hpc.eval.metrics):
+    problems                  problems with trajectories
+    k                         samples per problem (a list if they differ: some prompts dropped as too long)
+    pass1, pass1_stderr       avg@k pass@1 and its standard error over problems
+    pass_at_k, maj_at_k       any sample correct; the majority answer correct
+    trajectories              problems x k
+    response_tokens_mean, response_tokens_median       model tokens per trajectory (tool outputs excluded)
+    tool_calls_per_trajectory, tool_error_ratio        errored calls / calls, over all trajectories
+    tool_error_ratio_positive                          ... over the correct ones only
+    format_violation_rate, clip_ratio, turns_mean      format violations, cut short (budget, turns), turns used
+    correct, incorrect        {trajectories, response_tokens_mean, response_tokens_median, tool_calls_per_trajectory,
+                               tool_error_ratio, format_violation_rate, clip_ratio, turns_mean} of each subset
+Ratios are in [0, 1]; a figure over no trajectories (no tool call, no correct sample) is null.
+The per-trajectory rows stay in traj/<stage>/step-*/ (`rstar-hpc traj show RUN --stage <stage> --step N`).
 """
 from __future__ import annotations
 
@@ -58,7 +73,7 @@ def write_eval_results(cfg, paths: RunPaths, stage, num_steps: int) -> dict:
                      "max_response_length": limits.max_response_length},
         "policy": {"version": max(versions) if need.stage is not None and versions else None, "stage": need.stage,
                    "trainer_step": need.trainer_step if need.stage is not None else None,
-                   "label": policy_label(cfg, need)},
+                   "label": policy_label(cfg, need), "model": str(cfg.model_dir())},
         "benchmarks": {name: benchmark_metrics(r) for name, r in sorted(rows.items())},
     }
     folder = paths.eval_dir(stage.name)

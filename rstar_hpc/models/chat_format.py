@@ -33,6 +33,11 @@ TOOL_SCHEMA = {
         },
     },
 }
+# rollout.agent.tool_state=session: the model is told the truth about its tool (state kept between calls)
+SESSION_TOOL_SCHEMA = {"type": "function", "function": {**TOOL_SCHEMA["function"], "description": (
+    "Execute Python code with standard input and capture its standard output. Variables, functions and imports "
+    "persist between your calls in this conversation; print what you need to see. On an error the exception text "
+    "is returned.")}}
 
 SYSTEM_PREAMBLE = (
     "A conversation between User and Assistant. The user asks a question, and the Assistant solves it. "

@@ -13,13 +13,19 @@ rank (engine.py) and `sandbox.client.SandboxClient` in production, scripted doub
 Token accounting follows the released code: the response budget counts model AND tool tokens; each turn may
 generate at most what is left of it; a tool response that would reach the budget is not appended (the
 trajectory ends with the model's last token, where the reward lands: finish_reason "tool_overflow").
+
+Tool state (`rollout.agent.tool_state`): `stateless`, the paper's, runs every call in a fresh interpreter; `session`
+opens one sandbox session per trajectory attempt and releases it in a `finally`, so every way out (answer, limits,
+an engine error, cancellation) frees it; a killed process's sessions expire on the service.
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -27,9 +33,11 @@ from typing import Protocol
 from rstar_hpc.config.rollout import AgentConfig
 from rstar_hpc.exchange.schema import Timings, ToolCall, Turn
 from rstar_hpc.exchange.tool_status import INFRA_TOOL_STATUSES, TOOL_STATUSES
-from rstar_hpc.models.chat_format import IM_END, TOOL_NAME, render_prompt, render_tool_responses
+from rstar_hpc.models.chat_format import (IM_END, SESSION_TOOL_SCHEMA, TOOL_NAME, render_prompt,
+                                          render_tool_responses)
 from sandbox.results import render_rstar2, truncate_middle
 
+log = logging.getLogger("rstar_hpc.rollout")
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
 
@@ -51,6 +59,9 @@ class Engine(Protocol):
 class ToolRunner(Protocol):
     async def run(self, code: str, stdin: str = "", session: str | None = None,
                   timeout_s: float | None = None) -> dict: ...
+
+    async def release(self, *sessions: str) -> int:
+        """Only called with `tool_state: session`: the trajectory that owned these sessions is over."""
 
 
 class Tokenizer(Protocol):
@@ -146,9 +157,10 @@ def _failure_text(message: str) -> str:
     return f"Tool call failure\nreason: {message}"
 
 
-def encode_prompt(tokenizer: Tokenizer, question: str, max_prompt_length: int) -> tuple[list[int], str]:
+def encode_prompt(tokenizer: Tokenizer, question: str, max_prompt_length: int,
+                  tool_state: str = "stateless") -> tuple[list[int], str]:
     """The rStar2 prompt's ids; PromptTooLong past the limit (the tool schema counts, as in the reference)."""
-    text = render_prompt(question)
+    text = render_prompt(question, tools=[SESSION_TOOL_SCHEMA] if tool_state == "session" else None)
     ids = tokenizer.encode(text, add_special_tokens=False)
     if len(ids) > max_prompt_length:
         raise PromptTooLong(f"prompt has {len(ids)} tokens (system prompt with the tool schema included), over "
@@ -173,7 +185,7 @@ class AgentLoop:
         self.stop_token_id = ids[0] if stop_token_id is None else stop_token_id
 
     def encode_prompt(self, question: str) -> tuple[list[int], str]:
-        return encode_prompt(self.tok, question, self.cfg.max_prompt_length)
+        return encode_prompt(self.tok, question, self.cfg.max_prompt_length, self.cfg.tool_state)
 
     async def run(self, prompt_ids: Sequence[int], request_id: str, prompt_text: str = "", *,
                   seed: int | None = None, progress: Callable[[int], None] | None = None) -> AgentResult:
@@ -181,6 +193,24 @@ class AgentLoop:
         `progress` hears the context length after every turn (the scheduler books KV from it)."""
         t_start = time.perf_counter()
         res = AgentResult(prompt_ids=list(prompt_ids), prompt_text=prompt_text)
+        # unique per attempt: a rerun of a killed step must not find the state its first attempt left behind
+        session = f"{request_id}-{uuid.uuid4().hex[:12]}" if self.cfg.tool_state == "session" else None
+        try:
+            await self._turns(res, prompt_ids, request_id, seed, progress, session)
+        finally:   # every exit: answer, limits, an engine error, cancellation
+            if session is not None:
+                await self._release(session)
+        res.timings.total_s = time.perf_counter() - t_start
+        return res
+
+    async def _release(self, session: str) -> None:
+        try:
+            await asyncio.wait_for(self.tools.release(session), 10.0)
+        except Exception as e:   # never mask the trajectory's own outcome; the service expires idle sessions
+            log.warning("could not release tool session %s: %r", session, e)
+
+    async def _turns(self, res: AgentResult, prompt_ids: Sequence[int], request_id: str, seed: int | None,
+                     progress: Callable[[int], None] | None, session: str | None) -> None:
         budget = self.max_response_length
         context = list(prompt_ids)
         while True:
@@ -211,7 +241,7 @@ class AgentLoop:
                 res.finish_reason = "max_turns"
                 break
             t0 = time.perf_counter()
-            outcomes = await self._execute(calls, request_id, turn_index)
+            outcomes = await self._execute(calls, turn_index, session)
             records = [r for r, _ in outcomes]
             res.infra_failures += sum(infra for _, infra in outcomes)
             res.timings.tool_s += time.perf_counter() - t0
@@ -226,8 +256,6 @@ class AgentLoop:
             context = list(prompt_ids) + res.response_ids
             if progress is not None:
                 progress(len(context))
-        res.timings.total_s = time.perf_counter() - t_start
-        return res
 
     @staticmethod
     def _append(res: AgentResult, role: str, ids: list[int], text: str, *, mask: int, logprobs: list[float]) -> None:
@@ -237,18 +265,18 @@ class AgentLoop:
         res.logprobs.extend(logprobs)
         res.turns.append(Turn(role=role, start=start, end=start + len(ids), text=text))
 
-    async def _execute(self, calls: list[ParsedCall], request_id: str, turn: int) -> list[tuple[ToolCall, bool]]:
+    async def _execute(self, calls: list[ParsedCall], turn: int, session: str | None) -> list[tuple[ToolCall, bool]]:
         """Each call's record, and whether it failed for the sandbox's reasons rather than the code's."""
         limit = self.cfg.max_parallel_calls
-        return list(await asyncio.gather(*(
-            self._one(c, turn) if i < limit else self._skipped(c, turn, limit) for i, c in enumerate(calls))))
+        return list(await asyncio.gather(*(   # a session's cells run in the order they are submitted here
+            self._one(c, turn, session) if i < limit else self._skipped(c, turn, limit) for i, c in enumerate(calls))))
 
     async def _skipped(self, call: ParsedCall, turn: int, limit: int) -> tuple[ToolCall, bool]:
         out = _failure_text(f"not executed: at most {limit} tool call(s) per turn")
         return ToolCall(turn=turn, name=call.name, arguments=call.raw, status="invalid_request", wall_time_s=0.0,
                         output=out), False
 
-    async def _one(self, call: ParsedCall, turn: int) -> tuple[ToolCall, bool]:
+    async def _one(self, call: ParsedCall, turn: int, session: str | None = None) -> tuple[ToolCall, bool]:
         max_chars = self.cfg.tool_output_max_chars
         if call.error is not None:
             text = call.error
@@ -256,7 +284,7 @@ class AgentLoop:
                             wall_time_s=0.0, output=truncate_middle(text, max_chars), output_chars=len(text)), False
         args = json.dumps({"code": call.code, "input": call.stdin})
         try:
-            result = await asyncio.wait_for(self.tools.run(call.code, stdin=call.stdin,
+            result = await asyncio.wait_for(self.tools.run(call.code, stdin=call.stdin, session=session,
                                                            timeout_s=self.cfg.tool_timeout_s),
                                             self.cfg.max_tool_wait_s)
         except (asyncio.TimeoutError, ConnectionError, OSError) as e:

@@ -25,7 +25,7 @@ def run(cfg, stage: str | None = None, steps: Sequence[int] | None = None, *, sa
     """This rank's part of the rollout: with no `stage`, every rollout stage of the run in order (what is not done
     yet: the stage driver's walk, rstar_hpc.pipeline), else `steps` of `stage` (default: its uncommitted ones).
     Ends the process (os._exit) with the job's outcome. `sandbox`: HOST:PORT of sandbox services (default: the run
-    directory's announcements); `progress`: a bar on rank 0."""
+    directory's announcements); `progress`: a bar on rank 0 when a terminal shows it (else progress log lines)."""
     from rstar_hpc.config import prepare_run_dir
     from rstar_hpc.exchange.rundir import RunPaths
     from rstar_hpc.models.resolve import resolve_model
@@ -113,6 +113,7 @@ def _scheduler(cfg, paths, stage, steps, progress, model_dir) -> tuple[int, str]
 def _scheduler_steps(cfg, paths, stage, steps, progress, tok, comm, MPI) -> tuple[int, str]:
     from rstar_hpc import pipeline
     from rstar_hpc.exchange.state import write_heartbeat
+    from rstar_hpc.rollout.progress import TTY_ENV, StageProgress, stage_problem_counts
     from rstar_hpc.rollout.scheduler import StepScheduler
     from rstar_hpc.rollout.step import Scorer
     from rstar_hpc.rollout.tasks import finish_stage, stage_steps
@@ -124,24 +125,22 @@ def _scheduler_steps(cfg, paths, stage, steps, progress, tok, comm, MPI) -> tupl
         if stage is None and pipeline.rollout_done(cfg, paths, name):
             continue
         write_heartbeat(paths, "rollout", f"stage {name}: reading its prompts", stage=name)
+        # a bar where someone watches (the local launcher says whether its stderr is a terminal), else log lines
+        bar = StageProgress(name, *stage_problem_counts(cfg, paths, name),
+                            tty=progress and (sys.stderr.isatty() or os.environ.get(TTY_ENV) == "1"))
         for task in stage_steps(cfg, paths, name, tok, steps=steps):
-            bar = None
-            if progress:
-                from tqdm import tqdm
-                bar = tqdm(total=len(task.items), desc=f"rollout {name} step {task.step}", unit="traj",
-                           file=sys.stderr)
+            bar.start_step(task.items)
             write_heartbeat(paths, "rollout", f"step {task.step} of stage {name}: starting", stage=name,
                             step=task.step)
             summary = StepScheduler(
                 comm, MPI, cfg.rollout.scheduler, paths, name, task.step, task.items, limits=task.limits,
-                need=task.need, score=score, dropped=task.dropped, progress=bar.update if bar else None,
+                need=task.need, score=score, dropped=task.dropped, progress=bar,
                 dead_ranks=dead, beat=lambda text: write_heartbeat(paths, "rollout", text, stage=name),
                 stop=lambda: _STOP[0] if _STOP else None).run()
-            if bar:
-                bar.close()
             print(json.dumps(summary), flush=True)
             write_heartbeat(paths, "rollout", f"step {task.step} of stage {name}: committed", stage=name,
                             step=task.step)
+        bar.close()
         if steps is None:
             out = finish_stage(cfg, paths, name)
             if out is not None:

@@ -61,11 +61,11 @@ class StopRequested(Exception):
 
 class StepScheduler:
     """Rank 0's side of one step. `dead_ranks` carries the engine ranks lost in earlier steps of the job (updated
-    in place); `progress(n)` hears every finished trajectory."""
+    in place); `progress(keys, tokens)` hears every finished trajectory's key and model tokens (rollout/progress.py)."""
 
     def __init__(self, comm, MPI, sc: SchedulerConfig, paths: RunPaths, stage: str, step: int,
                  items: Sequence[WorkItem], *, limits: StageLimits, need, score: Scorer, dropped: Sequence[str] = (),
-                 progress: Callable[[int], object] | None = None, dead_ranks: set[int] | None = None,
+                 progress: Callable[..., object] | None = None, dead_ranks: set[int] | None = None,
                  beat: Callable[[str], object] | None = None, stop: Callable[[], str | None] = lambda: None):
         self.comm, self.MPI, self.sc, self.paths, self.stage, self.step = comm, MPI, sc, paths, stage, step
         self.items, self.limits, self.need = list(items), limits, need
@@ -141,7 +141,7 @@ class StepScheduler:
             log.info("step %d of stage %s: %d of %d trajectories kept from an interrupted attempt", self.step,
                      self.stage, len(self.results), len(self.items))
             if self.progress is not None:
-                self.progress(len(self.results))
+                self.progress(list(self.results))
 
     def skip(self, engines: list[int]) -> dict:
         log.info("step %d of stage %s already committed: nothing to do", self.step, self.stage)
@@ -259,7 +259,7 @@ class StepScheduler:
         self.results[key] = self.score(self.stage, self.step, self.by_key[key], msg, self.queued_at[key])
         self.reward_s += time.perf_counter() - t0
         if self.progress is not None:
-            self.progress(1)
+            self.progress([key], sum(self.results[key].loss_mask))
 
     def keep_alive(self) -> None:
         """Heartbeat the engines (they leave when rank 0 goes silent), and drop the ones gone silent."""

@@ -1,0 +1,149 @@
+"""What `rstar-hpc eval` runs: the policy resolved to a Hugging Face directory, the benchmark files checked, and a
+run config with one `eval` stage (written as OUT/config.yaml, OUT being the run directory)."""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from rstar_hpc.config import ConfigError, RunConfig, build_config, load_config
+from rstar_hpc.datasets import ANSWER_KEYS, DatasetError, load_prompt_file
+from rstar_hpc.exchange.checkpoints import MARKER
+from rstar_hpc.exchange.rundir import RunPaths, default_run_root
+
+STAGE = "eval"
+POLICY_FORMS = ("a run directory (its newest published policy, policy/latest), a trainer checkpoint directory "
+                "(<run>/ckpt/<stage>/step-N: the policy published at that step), or a Hugging Face model directory "
+                "(config.json + *.safetensors + tokenizer files)")
+
+
+class PolicyNotFound(ConfigError):
+    """--policy names nothing evaluable."""
+
+
+@dataclass(frozen=True)
+class Policy:
+    hf_dir: Path
+    what: str
+    """How it was found, for the user ("run R, policy v-7 (stage rl, trainer step 40)")."""
+
+
+def is_hf_dir(path: Path) -> bool:
+    return (path / "config.json").is_file() and (any(path.glob("*.safetensors")) or any(path.glob("*.bin"))) \
+        and ((path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file())
+
+
+def _describe(version: int, marker: dict) -> str:
+    return f"policy v-{version} (stage {marker.get('stage') or '-'}, trainer step {marker.get('trainer_step', '-')})"
+
+
+def resolve_policy(spec: str) -> Policy:
+    """RUN | CKPT | HF_DIR -> the Hugging Face directory vLLM loads."""
+    path = Path(spec).expanduser().absolute()
+    if not path.is_dir():
+        raise PolicyNotFound(f"--policy {spec}: no such directory; expected {POLICY_FORMS}")
+    if is_hf_dir(path):
+        return Policy(path, f"Hugging Face model {path}")
+    if (path / "policy").is_dir() or (path / "config.yaml").is_file() and (path / "stages").is_dir():
+        dirs = RunPaths(path).policies()
+        latest = dirs.latest()
+        if latest is None:
+            raise PolicyNotFound(f"--policy {spec}: run directory without a published policy ({path}/policy holds "
+                                 f"no complete v-* directory yet); evaluate it once its trainer has published one, "
+                                 f"or pass a Hugging Face model directory")
+        return Policy(latest[1], f"run {path}, {_describe(latest[0], dirs.marker(latest[0]))}")
+    m = re.fullmatch(r"step-(\d+)", path.name)
+    if m and path.parent.parent.name == "ckpt":
+        return _checkpoint_policy(spec, path, path.parent.name, int(m.group(1)))
+    if (path / "latest").is_file() and path.parent.name == "ckpt":   # ckpt/<stage>/: its latest checkpoint
+        m = re.fullmatch(r"step-(\d+)", (path / "latest").read_text().strip())
+        if m and (path / m.group(0) / MARKER).is_file():
+            return _checkpoint_policy(spec, path / m.group(0), path.name, int(m.group(1)))
+    raise PolicyNotFound(f"--policy {spec}: {path} is none of what --policy takes: {POLICY_FORMS}")
+
+
+def _checkpoint_policy(spec: str, ckpt: Path, stage: str, step: int) -> Policy:
+    """A trainer checkpoint holds Megatron shards vLLM cannot load; the policy published at the same trainer step
+    holds the same weights as a Hugging Face directory."""
+    run = ckpt.parents[2]
+    dirs = RunPaths(run).policies()
+    found = []
+    for v in reversed(dirs.complete_steps()):
+        marker = dirs.marker(v)
+        found.append(f"v-{v} ({marker.get('stage')}, step {marker.get('trainer_step')})")
+        if marker.get("stage") == stage and marker.get("trainer_step") == step:
+            return Policy(dirs.path(v), f"checkpoint {ckpt} -> {_describe(v, marker)}")
+    raise PolicyNotFound(f"--policy {spec}: no published policy of stage {stage!r} at trainer step {step} in {run}/policy "
+                         f"(kept: {', '.join(found) or 'none'}); a checkpoint's Megatron shards are not loadable by "
+                         f"vLLM: evaluate a kept version (--policy {run}/policy/v-N) or the run directory")
+
+
+def parse_benchmarks(items: tuple[str, ...] | list[str], seed: int = 0) -> dict[str, str]:
+    """--data FILE | NAME=FILE -> {name: absolute path}; every file read now, so a bad one fails before any engine
+    starts: missing, unreadable, or a problem without an answer (a benchmark is scored against its answers)."""
+    out: dict[str, str] = {}
+    for item in items:
+        name, sep, file = item.partition("=")
+        if not sep:
+            name, file = Path(item).stem, item
+        if not re.fullmatch(r"[A-Za-z0-9._-]+", name or ""):
+            raise DatasetError(f"--data {item}: benchmark name {name!r} must be letters, digits, '.', '_' or '-' "
+                               f"(name it with --data NAME=FILE)")
+        if name in out:
+            raise DatasetError(f"--data {item}: two benchmarks named {name!r}; name them with --data NAME=FILE")
+        path = str(Path(file).expanduser().absolute())
+        try:
+            load_prompt_file(path, seed)
+        except DatasetError as e:
+            if "no answer" not in str(e):
+                raise
+            raise DatasetError(f"benchmark {name!r} ({path}) has a problem without an answer: {e}. A benchmark is "
+                               f"scored against its answers: give every row one of the fields "
+                               f"{', '.join(ANSWER_KEYS)}") from None
+        out[name] = path
+    if not out:
+        raise DatasetError("no benchmark: pass --data FILE (JSONL or Parquet with question + answer)")
+    return out
+
+
+def default_out(policy: Policy, benchmarks: dict[str, str]) -> Path:
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", f"eval-{policy.hf_dir.name}-{'-'.join(benchmarks)}")[:120]
+    return default_run_root().absolute() / name
+
+
+def compose(config: str, overrides: list[str], policy: Policy, benchmarks: dict[str, str], out: Path, *,
+            protocol: dict, prompts_per_step: int) -> RunConfig:
+    """The run config of the evaluation: CONFIG + OVERRIDES for the machinery (engines, sandbox, launch), the policy
+    as the model, one eval stage over the benchmarks; `protocol` (k, temperature, ...) overrides the eval section."""
+    tree = load_config(config, overrides).model_dump(mode="json")
+    tree["run"].update(name=out.name, root=str(out.parent))
+    tree["model"] = {"path": str(policy.hf_dir)}
+    tree["eval"].update({k: v for k, v in protocol.items() if v is not None})
+    tree["stages"] = [{"name": STAGE, "kind": "eval", "benchmarks": benchmarks, "prompts_per_step": prompts_per_step}]
+    # room for the prompt and the whole response budget, as far as the model's positions allow (vLLM refuses more)
+    engine, need = tree["rollout"]["engine"], tree["rollout"]["agent"]["max_prompt_length"] + \
+        tree["eval"]["max_response_length"]
+    engine["max_model_len"] = max(engine["max_model_len"], min(need, _max_positions(policy.hf_dir)))
+    return build_config(tree, source=f"rstar-hpc eval (--config {config})")
+
+
+def _max_positions(hf_dir: Path) -> int:
+    try:
+        return int(json.loads((hf_dir / "config.json").read_text()).get("max_position_embeddings") or 1 << 30)
+    except (OSError, ValueError):
+        return 1 << 30
+
+
+def check_resumable(cfg: RunConfig, paths: RunPaths) -> None:
+    """OUT may hold an earlier attempt of the SAME evaluation (a rerun resumes it), never another one: committed
+    trajectories of another policy, protocol or benchmark set would be mixed into the results."""
+    if not paths.config.is_file():
+        return
+    old = load_config(paths.config)
+    keys = ("model", "eval", "stages")
+    before, now = (old.model_dump(mode="json", include=set(keys)), cfg.model_dump(mode="json", include=set(keys)))
+    if before != now:
+        diff = [k for k in keys if before[k] != now[k]]
+        raise ConfigError(f"{paths.dir} holds another evaluation (its {', '.join(diff)} differ from this command's); "
+                          f"pass another --out, or delete {paths.dir} to start over")
