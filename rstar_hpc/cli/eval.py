@@ -67,10 +67,15 @@ def command(policy, data, k, temperature, top_p, max_turns, max_tokens, launcher
     elif launcher == "local":
         rc = _local(cfg, paths, engines, mpirun)
     else:
-        from rstar_hpc.launch.submit import launch_run   # another role's module: imported only when used
-        outcome = launch_run(cfg, launcher, wait=True)
-        click.echo(f"rstar-hpc eval: {launcher} run ended: {outcome}", err=True)
-        rc = 0
+        from rstar_hpc.launch.submit import LaunchError, launch_run   # imported only when used
+        try:
+            outcome = launch_run(cfg, launcher, wait=True, echo=lambda line: click.echo(line, err=True))
+        except LaunchError as e:
+            raise click.ClickException(str(e)) from None
+        status = outcome.get("status") or {}
+        rc = 0 if status.get("done", True) else 1
+        for problem in status.get("problems", []):
+            click.echo(f"rstar-hpc eval: {problem}", err=True)
     _report(paths, rc)
 
 

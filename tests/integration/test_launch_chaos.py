@@ -4,8 +4,8 @@ One run of the all-stage tiny config through sbatch meets, in order:
   1. the time limit (Slurm's B:USR2 to the batch step, as `--signal=B:USR2@lead` sends it) during SFT -> the
      trainer saves, the job requeues itself;
   2. `kill -9` of the trainer's process during an RL stage -> the supervisor starts the trainer again in the job;
-  3. `kill -9` of the rollout's rank 0 mid-step -> the step (all its ranks) goes, the rollout starts again and
-     keeps the trajectories its journal holds;
+  3. `kill -9` of the rollout's rank 0 mid-step, once the step's journal holds finished trajectories -> the step
+     (all its ranks) goes, the rollout starts again, keeps the journal's trajectories and redoes only the rest;
   4. `scontrol requeue` during a rollout step -> TERM, save, requeue;
   5. `scancel --full --signal=TERM` (what preemption's GraceTime sends) during the hard subset -> save, requeue;
   6. `kill -9` of the sandbox node's slurmd while the others keep running, then the daemon comes back.
@@ -48,13 +48,13 @@ class Run:
                              env=self.env, timeout=30).stdout
         return max((int(t.split("=")[1]) for t in out.split() if t.startswith("Restarts=")), default=0)
 
-    def wait_for(self, what: str, pred, timeout_s: float = 600) -> None:
+    def wait_for(self, what: str, pred, timeout_s: float = 600, poll_s: float = 0.5) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if pred():
                 self.log.append(f"{time.strftime('%H:%M:%S')} {what}")
                 return
-            time.sleep(0.5)
+            time.sleep(poll_s)
         raise AssertionError(f"timed out waiting for {what}; so far: {self.log}\n{_tail(self.run)}")
 
     def stage(self, name: str) -> dict:
@@ -74,6 +74,21 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _journal_mid_step(run: Path) -> bool:
+    """A rollout step whose journal holds finished trajectories and whose final commit is not written yet."""
+    from rstar_hpc.exchange.rundir import COMMIT_SUFFIX
+
+    for step_dir in (run / "traj").glob("*/step-*"):
+        if any(step_dir.glob(f"rollout-part-*{COMMIT_SUFFIX}")) and not (step_dir / f"rollout{COMMIT_SUFFIX}").exists():
+            return True
+    return False
+
+
+def _fresh(r: Run, role: str, since: float) -> bool:
+    """The role has said something since `since` (a heartbeat written by a job started after it)."""
+    return r.heartbeat(role).get("time", 0) > since
+
+
 def _rollout_mid_step(r: Run, stage: str) -> bool:
     beat = r.heartbeat("rollout")
     return beat.get("stage") == stage and "step" in beat.get("doing", "") and "committed" not in beat["doing"]
@@ -84,7 +99,7 @@ def test_a_launched_run_survives_requeues_kills_and_a_node_daemon_crash(slurm_cl
     env = {**slurm_cluster.env, "OMP_NUM_THREADS": "1"}
     config = ci_config(tmp_path, "all-stages", tiny_model_dir)
     cfg = yaml.safe_load(config.read_text())
-    cfg["rollout"]["scheduler"]["journal_every_s"] = 1   # so a kill -9 mid-step leaves a journal to keep
+    cfg["rollout"]["scheduler"]["journal_every_s"] = 0.3   # a step of seconds journals a few parts before it ends
     config.write_text(yaml.safe_dump(cfg))
     info = json.loads(rstar("launch", str(config), "--json", env=env).stdout.splitlines()[-1])
     r = Run(tmp_path / "runs" / "all-stages", env, info["jobs"]["run"])
@@ -99,8 +114,8 @@ def test_a_launched_run_survives_requeues_kills_and_a_node_daemon_crash(slurm_cl
         os.kill(pid, signal.SIGKILL)
         r.log.append(f"kill -9 trainer {pid}")
         r.wait_for("a new trainer", lambda: r.heartbeat("trainer").get("pid") not in (None, pid))
-        # 3. kill -9 of the rollout's rank 0 mid-step
-        r.wait_for("rollout mid-step in rl-long", lambda: _rollout_mid_step(r, "rl-long"))
+        # 3. kill -9 of the rollout's rank 0 mid-step, once its journal holds finished trajectories
+        r.wait_for("a rollout step with a journal part", lambda: _journal_mid_step(r.run), poll_s=0.05)
         pid = r.heartbeat("rollout")["pid"]
         os.kill(pid, signal.SIGKILL)
         r.log.append(f"kill -9 rollout rank 0 {pid}")
@@ -109,10 +124,11 @@ def test_a_launched_run_survives_requeues_kills_and_a_node_daemon_crash(slurm_cl
         # 4. scontrol requeue during a rollout step
         r.wait_for("rollout mid-step", lambda: _rollout_mid_step(r, r.heartbeat("rollout").get("stage")))
         r.slurm("scontrol", "requeue", r.job)
+        t_requeue = time.time()
         r.wait_for("requeue 2", lambda: r.restarts() >= 2)
-        # 5. preemption's TERM during the hard subset (or whatever the rollout works on by then)
-        r.wait_for("rollout working after the requeue", lambda: _rollout_mid_step(r, r.heartbeat("rollout").get(
-            "stage")) and r.heartbeat("rollout").get("slurm_job_id") == r.job and r.restarts() == 2)
+        # 5. preemption's TERM while the requeued job's rollout works
+        r.wait_for("rollout working after the requeue", lambda: _fresh(r, "rollout", t_requeue + 1) and
+                   _rollout_mid_step(r, r.heartbeat("rollout").get("stage")))
         r.slurm("scancel", "--full", "--signal=TERM", r.job)
         r.wait_for("requeue 3", lambda: r.restarts() >= 3, timeout_s=300)
         # 6. the sandbox node's slurmd dies while the run goes on, and comes back
