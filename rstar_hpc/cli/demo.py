@@ -1,4 +1,15 @@
-"""`rstar-hpc demo`: the README's main job on the embedded default config."""
+"""`rstar-hpc demo`: the rStar2 recipe in miniature on this machine, through `rstar-hpc launch` on the local Slurm
+cluster, with a report of what was learned.
+
+    1. SFT run       the config's stages up to its first rl stage (base eval, SFT cold start, SFT eval)
+    2. RL runs       the remaining stages (rl with growing length, hard subset, rl with the optimizer reset, eval),
+                     each starting from the SFT run's final policy, same seed and budget, one per mode:
+                     RoC (the paper's GRPO-RoC, weighted positive selection), GRPO (RoC off: the ablation),
+                     RoC-topk (the public code's lowest-penalty positive selection)
+    3. the report    `rstar-hpc report` of the RoC run with the others compared: RUN/report/report.{md,html} + PNGs
+The last stdout line is one JSON object of the figures (pass@1 of base, SFT and RL with standard errors, the
+tool-error ratio of the positives each mode trained on, wall time, the report's path).
+"""
 from __future__ import annotations
 
 import json
@@ -8,85 +19,141 @@ import time
 from pathlib import Path
 
 import click
+import yaml
 
 from rstar_hpc.cli.status import EXIT_FAILED
-from rstar_hpc.config.loader import DEFAULT_CONFIG
+
+DEMO_CONFIG = "demo"
+# label -> overrides of the RL runs
+MODES = {
+    "RoC": [],
+    "GRPO": ["algo.roc.do_down_sampling=false"],
+    "RoC-topk": ["algo.roc.positive_selection=topk"],
+}
 
 
-def _step(i: int, n: int, text: str) -> None:
-    click.echo(click.style(f"[{i}/{n}] {text}", bold=True))
+def _say(text: str) -> None:
+    click.echo(click.style(text, bold=True), err=True)
+
+
+def split_stages(cfg) -> tuple[list, list]:
+    """(the SFT run's stages, the RL runs' stages): everything before the first rl stage, and the rest."""
+    first_rl = next((i for i, s in enumerate(cfg.stages) if s.kind == "rl"), None)
+    if first_rl is None or not any(s.kind == "sft" for s in cfg.stages[:first_rl]):
+        raise click.UsageError("the demo needs a config with an sft stage and, after it, rl stages (configs/demo.yaml)")
+    return cfg.stages[:first_rl], cfg.stages[first_rl:]
+
+
+def derive(cfg, name: str, stages: list, overrides: list[str], folder: Path):
+    """`cfg` as run `name` with only `stages`, plus `overrides`: written beside the runs, then loaded (validated)."""
+    from rstar_hpc.config import load_config
+    from rstar_hpc.config.loader import dump_config
+
+    d = yaml.safe_load(dump_config(cfg))
+    d["run"]["name"] = name
+    d["stages"] = [s.model_dump(mode="json", exclude_none=True, exclude_defaults=True) | {"name": s.name, "kind": s.kind}
+                   for s in stages]
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(d, sort_keys=False))
+    return load_config(str(path), overrides)
+
+
+def _launch(cfg, env: dict, timeout_s: float) -> None:
+    from rstar_hpc.launch.submit import launch_run
+
+    info = launch_run(cfg, "sbatch", wait=True, env=env, timeout_s=timeout_s, poll_s=3.0,
+                      echo=lambda line: click.echo(f"      {line}", err=True))
+    status = info.get("status")
+    if status is not None and not status["done"]:
+        click.echo("run {} stopped before it was done:\n  {}".format(cfg.run.name, "\n  ".join(status["problems"])),
+                   err=True)
+        sys.exit(EXIT_FAILED)
 
 
 @click.command("demo")
-@click.argument("config", default=DEFAULT_CONFIG)
+@click.argument("config", default=DEMO_CONFIG)
 @click.argument("overrides", nargs=-1)
+@click.option("--modes", default=",".join(MODES), show_default=True,
+              help=f"RL runs to make from the SFT policy, comma-separated, of: {', '.join(MODES)}.")
 @click.option("--state-dir", type=click.Path(file_okay=False), default=None, help="Local cluster state directory.")
 @click.option("--keep-cluster", is_flag=True, help="Leave a cluster this demo started running afterwards.")
-@click.option("--timeout-s", default=900, show_default=True, help="Give up on the Slurm job after this long.")
-def command(config: str, overrides: tuple[str, ...], state_dir, keep_cluster: bool, timeout_s: int) -> None:
-    """Bring up the local Slurm cluster, run `doctor`, build the tiny model, and run a real Slurm job
-    (sbatch/generate.sbatch) that samples from it in vLLM; print what it generated and how fast.
+@click.option("--timeout-s", default=1800, show_default=True, help="Give up on a run after this long.")
+def command(config: str, overrides: tuple[str, ...], modes: str, state_dir, keep_cluster: bool, timeout_s: int) -> None:
+    """Train a tiny model with the rStar2 recipe through the local Slurm cluster and report what it learned.
 
-    A cluster that was already up is left up; one the demo started is stopped at the end (unless
-    --keep-cluster).
+    CONFIG (default: configs/demo.yaml) needs an sft stage before its rl stages; OVERRIDES are dotted key=value
+    pairs (e.g. run.seed=1). A cluster that was already up is left up; one the demo started is stopped at the end
+    (unless --keep-cluster).
     """
     from rstar_hpc.cluster import LocalCluster
-    from rstar_hpc.config import load_config, prepare_run_dir
-    from rstar_hpc.doctor import FAIL, run_checks
-    from rstar_hpc.launch import submit, wait_for_job
-    from rstar_hpc.models.resolve import resolve_model
+    from rstar_hpc.config import load_config
+    from rstar_hpc.exchange.rundir import RunPaths
 
-    cfg = load_config(config, overrides)     # a bad config fails here, before anything starts
-    n = 4
-    _step(1, n, "local Slurm cluster")
+    t0 = time.monotonic()
+    cfg = load_config(config, list(overrides))     # a bad config fails here, before anything starts
+    labels = [m.strip() for m in modes.split(",") if m.strip()]
+    unknown = [m for m in labels if m not in MODES]
+    if unknown or "RoC" not in labels:
+        raise click.BadParameter(f"modes must include RoC and be among {', '.join(MODES)}; got {modes!r}",
+                                 param_hint="--modes")
+    sft_stages, rl_stages = split_stages(cfg)
+    base = f"{cfg.run.name}-s{cfg.run.seed}"
+    configs = cfg.run.root_dir / f"{base}-configs"
+
+    _say("[1/4] local Slurm cluster")
     cluster = LocalCluster(state_dir)
     was_up = cluster.is_up()
     cluster.up()
-    click.echo(f"      {'already up' if was_up else 'started'}: nodes {', '.join(cluster.node_names)} "
-               f"(SLURM_CONF={cluster.conf})")
+    env = {**cluster.env, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    click.echo(f"      {'already up' if was_up else 'started'}: nodes {', '.join(cluster.node_names)}", err=True)
     try:
-        _step(2, n, "doctor")
-        os.environ["SLURM_CONF"] = str(cluster.conf)
-        checks = run_checks(cfg.run.root_dir)
-        for c in checks:
-            click.echo(f"      {c.status:>4}  {c.name:<8} {c.detail}" + (f"\n            fix: {c.fix}" if c.fix else ""))
-        if any(c.status == FAIL for c in checks):
-            click.echo("doctor found failures: fix them (see above) and run the demo again", err=True)
-            sys.exit(EXIT_FAILED)
-
-        _step(3, n, "tiny model")
-        t0 = time.perf_counter()
-        model_dir = resolve_model(cfg)
-        click.echo(f"      {model_dir} ({time.perf_counter() - t0:.1f} s)")
-
-        _step(4, n, "Slurm job: sample from the tiny model in vLLM (sbatch/generate.sbatch)")
-        paths = prepare_run_dir(cfg)
-        env = {**cluster.env, "RSTAR_HPC_RUN_ROOT": str(cfg.run.root_dir),
-               "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-               "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-        job_id = submit("generate", [config, *overrides], env=env,
-                        sbatch_args=[f"--output={paths.logs}/generate-%j.out", f"--chdir={Path.cwd()}"])
-        click.echo(f"      submitted job {job_id}; log {paths.logs}/generate-{job_id}.out")
-        t0 = time.perf_counter()
-        last = {}
-
-        def show(fields: dict) -> None:
-            state = (fields.get("JobState"), fields.get("NodeList"))
-            if state != last.get("s"):
-                last["s"] = state
-                click.echo(f"      {time.perf_counter() - t0:5.1f} s  {state[0]} on {state[1]}")
-
-        wait_for_job(job_id, timeout_s=timeout_s, env=env, on_poll=show)
-        out_dir = paths.generate_dir(job_id)
-        summary = json.loads((out_dir / "summary.json").read_text())
-        first = json.loads((out_dir / "samples.jsonl").read_text().splitlines()[0])
-        click.echo(f"      done in {time.perf_counter() - t0:.1f} s on node {summary['slurm_node']}: "
-                   f"{summary['num_samples']} samples, {summary['num_generated_tokens']} tokens, "
-                   f"{summary['tokens_per_s']} tokens/s (engine start {summary['engine_start_s']} s)")
-        click.echo(f"      first sample ({first['question']}, untrained model): {first['text'][:120]!r}")
-        click.echo(f"      logprobs of its first tokens: {[round(x, 2) for x in first['logprobs'][:5]]}")
-        click.echo(f"outputs: {out_dir}")
+        _say(f"[2/4] SFT run: {', '.join(s.name for s in sft_stages)}")
+        sft = derive(cfg, f"{base}-sft", sft_stages, [], configs)
+        _launch(sft, env, timeout_s)
+        latest = RunPaths(sft.run.dir).policies().latest()
+        if latest is None:
+            raise click.ClickException(f"the SFT run {sft.run.dir} published no policy")
+        runs = {}
+        for i, label in enumerate(labels):
+            _say(f"[3/4] RL run {i + 1}/{len(labels)} ({label}): {', '.join(s.name for s in rl_stages)}")
+            name = f"{base}-{label.lower()}"
+            rl = derive(cfg, name, rl_stages, [*MODES[label], f"model.path={latest[1]}"], configs)
+            _launch(rl, env, timeout_s)
+            runs[label] = RunPaths(rl.run.dir)
+        _say("[4/4] report")
+        summary = _report(RunPaths(sft.run.dir), runs, time.monotonic() - t0)
     finally:
         if not was_up and not keep_cluster:
             cluster.down()
-            click.echo("local cluster stopped (it was started by this demo; --keep-cluster keeps it)")
+            click.echo("local cluster stopped (it was started by this demo; --keep-cluster keeps it)", err=True)
+    click.echo(json.dumps(summary))
+
+
+def _report(sft, runs: dict, wall_s: float) -> dict:
+    from rstar_hpc.report.build import build_report
+
+    compare = [("SFT", sft)] + [(label, p) for label, p in runs.items() if label != "RoC"]
+    report = build_report(runs["RoC"], label="RoC", compare=compare)
+    head = report.headline
+    sft_head = head["compare"]["SFT"]
+    out = {"pass1_base": sft_head["pass1_base"], "pass1_base_stderr": sft_head["pass1_base_stderr"],
+           "pass1_sft": sft_head["pass1_sft"], "pass1_sft_stderr": sft_head["pass1_sft_stderr"],
+           "pass1_rl": head["pass1_rl"], "pass1_rl_stderr": head["pass1_rl_stderr"],
+           "roc_positive_tool_error_ratio": head["positive_tool_error_ratio"]}
+    for label in runs:
+        if label != "RoC":
+            key = label.lower().replace("-", "_")
+            out[f"pass1_{key}"] = head["compare"][label]["pass1_rl"]
+            out[f"{key}_positive_tool_error_ratio"] = head["compare"][label]["positive_tool_error_ratio"]
+    out.update(wall_s=round(wall_s, 1), report=str(report.markdown), html=str(report.html),
+               runs={"SFT": str(sft.dir), **{k: str(p.dir) for k, p in runs.items()}})
+    click.echo(f"      pass@1: base {_pm(out, 'base')}, SFT {_pm(out, 'sft')}, RL (GRPO-RoC) {_pm(out, 'rl')}", err=True)
+    click.echo(f"      report: {report.html}", err=True)
+    return out
+
+
+def _pm(out: dict, key: str) -> str:
+    p, e = out.get(f"pass1_{key}"), out.get(f"pass1_{key}_stderr")
+    return "-" if p is None else f"{p:.3f} ± {e:.3f}" if e is not None else f"{p:.3f}"

@@ -1,0 +1,41 @@
+"""`make demo`'s command, `rstar-hpc demo`, end to end on the local Slurm cluster with configs/demo.yaml shortened
+for CI (fewer steps and problems; the real figures are in the README): an SFT run, RL runs from its policy (RoC and
+the plain-GRPO ablation), and the report, with the last stdout line one JSON object of the figures."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SHORT = ["stages.sft.num_steps=30", "stages.eval-base.max_prompts=16", "stages.eval-sft.max_prompts=16",
+         "stages.eval.max_prompts=16", "stages.rl-short.num_steps=1", "stages.rl.num_steps=1",
+         "stages.rl-hard.num_steps=1", "stages.hard.max_prompts=16", "eval.k=2"]
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.vllm,
+              pytest.mark.skipif(shutil.which("mpirun") is None or shutil.which("bwrap") is None,
+                                 reason="needs mpirun and bwrap")]
+
+
+def test_demo_trains_through_launch_and_reports(slurm_cluster, tmp_path):
+    env = {**slurm_cluster.env, "OMP_NUM_THREADS": "1", "RSTAR_HPC_CLUSTER_DIR": str(slurm_cluster.dir)}
+    proc = subprocess.run([sys.executable, "-m", "rstar_hpc", "demo", "demo", f"run.root={tmp_path}", *SHORT,
+                           "--modes", "RoC,GRPO", "--timeout-s", "900"], capture_output=True, text=True, env=env,
+                          timeout=1800, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    for key in ("pass1_base", "pass1_sft", "pass1_rl", "pass1_rl_stderr", "roc_positive_tool_error_ratio",
+                "grpo_positive_tool_error_ratio", "wall_s", "report"):
+        assert key in out, key
+    assert all(0.0 <= out[k] <= 1.0 for k in ("pass1_base", "pass1_sft", "pass1_rl"))
+    report = Path(out["report"])
+    assert report.is_file() and "GRPO" in report.read_text() and list(report.parent.glob("*.png"))
+    for label, run in out["runs"].items():
+        st = json.loads(subprocess.run([sys.executable, "-m", "rstar_hpc", "run", "status", run, "--json"],
+                                       capture_output=True, text=True, env=env, timeout=120).stdout)
+        assert st["done"], (label, st["stages"])
+    assert "local cluster stopped" not in proc.stderr   # it was up already: the demo leaves it up
