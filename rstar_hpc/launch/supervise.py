@@ -46,7 +46,9 @@ class Supervisor:
         # a trainer or rollout rank that dies takes its step down with it (the others would wait on it until a
         # timeout); the supervisor starts the role again and it resumes from the run directory and its journal.
         # One sandbox service dying leaves the others serving.
-        srun = ["srun", f"--het-group={self.groups[role]}", "--kill-on-bad-exit=" + ("0" if role == "sandbox" else "1")]
+        # a job of one component (a run of sft stages only) is no hetjob: srun refuses --het-group there
+        group = [f"--het-group={self.groups[role]}"] if len(self.groups) > 1 else []
+        srun = ["srun", *group, "--kill-on-bad-exit=" + ("0" if role == "sandbox" else "1")]
         if role == "rollout":
             srun.append("--mpi=pmix")
         if role == "sandbox":
