@@ -5,20 +5,7 @@ import json
 
 import click
 
-from rstar_hpc.cli.status import EXIT_NOT_FOUND
-
-
-class NotFound(click.ClickException):
-    exit_code = EXIT_NOT_FOUND
-
-
-def _paths(run: str):
-    from rstar_hpc.exchange.rundir import RunPaths
-
-    try:
-        return RunPaths.resolve(run)
-    except FileNotFoundError as e:
-        raise NotFound(str(e)) from None
+from rstar_hpc.cli.status import run_paths as _paths
 
 
 def _compared(specs: tuple[str, ...]) -> list:

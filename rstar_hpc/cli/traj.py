@@ -3,20 +3,7 @@ from __future__ import annotations
 
 import click
 
-from rstar_hpc.cli.status import EXIT_NOT_FOUND
-
-
-class NotFound(click.ClickException):
-    exit_code = EXIT_NOT_FOUND
-
-
-def _paths(run: str):
-    from rstar_hpc.exchange.rundir import RunPaths
-
-    try:
-        return RunPaths.resolve(run)
-    except FileNotFoundError as e:
-        raise NotFound(str(e)) from None
+from rstar_hpc.cli.status import NotFound, run_paths as _paths
 
 
 def _stage(paths, stage: str | None) -> str:
