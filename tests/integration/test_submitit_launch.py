@@ -16,7 +16,7 @@ def test_executor_takes_role_resources_from_config(tmp_path):
     params = ex._executor.parameters
     assert params["partition"] == "gpu" and params["nodes"] == 4 and params["gpus_per_node"] == 8
     assert params["time"] == 1440 and params["signal_delay_s"] == 300
-    assert params["additional_parameters"] == {"requeue": True}
+    assert params["additional_parameters"] == {"requeue": True, "open-mode": "append"}
     with pytest.raises(ValueError, match="unknown role 'critic'; roles: trainer, rollout, sandbox"):
         executor(cfg, "critic")
 
