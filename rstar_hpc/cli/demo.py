@@ -60,7 +60,7 @@ def derive(cfg, name: str, stages: list, overrides: list[str], folder: Path):
 
 
 def _launch(cfg, env: dict, timeout_s: float) -> None:
-    from rstar_hpc.launch.submit import launch_run
+    from rstar_hpc.launch.launcher import launch_run
 
     info = launch_run(cfg, "sbatch", wait=True, env=env, timeout_s=timeout_s, poll_s=3.0,
                       echo=lambda line: click.echo(f"      {line}", err=True))

@@ -67,7 +67,7 @@ def command(policy, data, k, temperature, top_p, max_turns, max_tokens, launcher
     elif launcher == "local":
         rc = _local(cfg, paths, engines, mpirun)
     else:
-        from rstar_hpc.launch.submit import LaunchError, launch_run   # imported only when used
+        from rstar_hpc.launch.launcher import LaunchError, launch_run   # imported only when used
         try:
             outcome = launch_run(cfg, launcher, wait=True, echo=lambda line: click.echo(line, err=True))
         except LaunchError as e:

@@ -29,7 +29,7 @@ def command(config: str, overrides: tuple[str, ...], launcher, wait: bool, dry_r
     section and overrides; `--dry-run` shows the result.
     """
     from rstar_hpc.config import load_config
-    from rstar_hpc.launch.submit import LaunchError, launch_run
+    from rstar_hpc.launch.launcher import LaunchError, launch_run
 
     cfg = load_config(config, list(overrides))
     try:

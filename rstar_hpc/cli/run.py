@@ -38,7 +38,7 @@ def status(run: str, as_json: bool, watch: bool, interval: float, no_slurm: bool
     """Per stage: state, steps done/total, step time breakdown (generation, tool calls, reward, training,
     checkpoint), ETA, last reward and pass@1; each role's job and last heartbeat; and what looks wrong, in words."""
     from rstar_hpc.launch.status import run_status
-    from rstar_hpc.launch.submit import slurm_env
+    from rstar_hpc.launch.launcher import slurm_env
 
     cfg, paths = _load(run)
     if cfg is None or files:
@@ -201,7 +201,7 @@ def cancel(run: str) -> None:
     """Cancel every job of the run and mark it cancelled, so no job requeues itself. The run directory stays as
     it is: `rstar-hpc launch RUN/config.yaml` continues the run."""
     from rstar_hpc.launch.record import current_jobs, mark_cancelled
-    from rstar_hpc.launch.submit import slurm_env
+    from rstar_hpc.launch.launcher import slurm_env
 
     paths = _paths(run)
     jobs = current_jobs(paths)

@@ -122,11 +122,10 @@ def test_a_run_directory_holds_one_evaluation(tmp_path):
 
 
 def test_sbatch_and_submitit_go_through_launch_run(tmp_path, capsys, monkeypatch):
-    import importlib
+    from rstar_hpc.launch import launcher
 
-    submit = importlib.import_module("rstar_hpc.launch.submit")   # the package's `submit` is slurm.submit
     calls = []
-    monkeypatch.setattr(submit, "launch_run", lambda cfg, launcher, wait, **kw: calls.append((cfg, launcher, wait))
+    monkeypatch.setattr(launcher, "launch_run", lambda cfg, launcher, wait, **kw: calls.append((cfg, launcher, wait))
                         or {"status": {"done": True, "problems": []}})   # Slurm itself: tests/integration
     hf = _hf(tmp_path / "hf")
     a = _bench(tmp_path / "a.jsonl", [{"question": "1+1?", "answer": "2"}])
