@@ -20,6 +20,7 @@ LEVELS = (1, 2, 3, 4)
 HARD_LEVELS = (3, 4)
 DIRECT_SHARE = 0.4   # SFT traces that answer without the tool, at every level
 TYPO_SHARE = 0.25    # SFT traces whose first call fails with a NameError, then a corrected retry
+SHORT_SYSTEM_SHARE = 0.9   # SFT traces with an empty system prompt: a quarter of the tokens, the same turns to learn
 EVAL_SEED_OFFSET = 1_000_003   # the held-out eval problems come from another random stream than the train set
 
 _DISTRACTORS = ("A crate holds {d} pens.", "The shop opened {d} days ago.", "There are {d} birds outside.",
@@ -89,7 +90,9 @@ def sft_sample(rng: random.Random, level: int | None = None) -> dict:
 
     p = make_problem(rng, level or rng.choice(LEVELS))
     expr, ans = p["expr"], p["answer"]
-    msgs = [{"role": "system", "content": fmt.system_prompt()},
+    # the full system prompt (~300 tokens, what rollouts see) in a tenth of the traces; CPU SFT time is per token
+    system = "" if rng.random() < SHORT_SYSTEM_SHARE else fmt.system_prompt()
+    msgs = [{"role": "system", "content": system},
             {"role": "user", "content": fmt.USER_PREFIX + p["question"]}]
     final = f"<reason>The tool printed {ans}. </reason>\n<answer>\\boxed{{{ans}}}</answer>"
     u = rng.random()
