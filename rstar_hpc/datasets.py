@@ -20,7 +20,7 @@ from pathlib import Path
 DEMO = "demo"
 DEMO_PROMPTS = 4096   # the demo RL set: enough distinct prompts that a tiny run never repeats one within a stage
 DEMO_EVAL_PROMPTS = 128   # 32 per level: pass@1's standard error ~0.03, small enough to see RL's gain on 2 cores
-DEMO_SFT_SAMPLES = 6000
+DEMO_SFT_SAMPLES = 20000   # > samples an SFT stage sees: fresh problems, nothing to memorise
 QUESTION_KEYS = ("question", "problem", "prompt")
 ANSWER_KEYS = ("answer", "ground_truth", "solution")
 CHAT_ROLES = ("system", "user", "assistant", "tool")
