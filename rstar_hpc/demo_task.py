@@ -5,7 +5,7 @@
     level 3   a * b             three by two digits    needs the tool
     level 4   a * b + c         four, four, three      needs the tool (and a longer call to copy)
 
-A question reads "A crate holds 37 pens. Compute 4821 * 3907 + 512." (the distractor sentence before or after):
+A question reads "A crate holds 37 pens. Compute 4821 * 3907 + 512." (the distractor sentence first):
 the model must copy the right numbers into its call. The SFT traces (`sft_sample`) teach the rStar2 format and
 tool use, but deliberately not *when* to use the tool: a share of them answer straight away (right for levels 1-2,
 a guess the model cannot reproduce for levels 3-4), and a share make a first call with a typo (NameError) before
@@ -52,7 +52,10 @@ def make_problem(rng: random.Random, level: int) -> dict:
     expr = _expr(rng, level)
     distractor = rng.choice(_DISTRACTORS).format(d=rng.randint(11, 99))
     ask = f"Compute {expr}."
-    question = f"{distractor} {ask}" if rng.random() < 0.5 else f"{ask} {distractor}"
+    # the distractor always comes first: the numbers to copy then sit at a fixed distance from the response (per
+    # level), which a tiny model learns in minutes; anywhere in the question it needs content-based copying, which
+    # 360 SFT steps did not teach it (every copied digit stayed at chance, ln 10 nats)
+    question = f"{distractor} {ask}"
     return {"question": question, "answer": str(evaluate(expr)), "expr": expr, "level": level}
 
 
