@@ -158,6 +158,8 @@ def main() -> None:
     if a.ablation:
         import tempfile
         config = str(_ablation_config(Path(config), Path(tempfile.mkdtemp()) / (Path(config).stem + ".grpo.yaml")))
+        # a run.name override would put the ablation in the RoC run's directory
+        a.overrides = [o + "-grpo" if o.startswith("run.name=") else o for o in a.overrides]
     from rstar_hpc.config import load_config
     from rstar_hpc.models.resolve import resolve_model
     t0 = time.perf_counter()
