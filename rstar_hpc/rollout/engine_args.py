@@ -19,6 +19,8 @@ def vllm_engine_kwargs(engine: EngineConfig, model_dir: Path, *, seed: int = 0) 
         seed=seed,
         disable_log_stats=False,   # LLM.get_metrics() (KV usage) needs stats on
     )
+    if engine.enable_chunked_prefill is not None:
+        kwargs["enable_chunked_prefill"] = engine.enable_chunked_prefill
     if engine.block_size is not None:
         kwargs["block_size"] = engine.block_size
     if engine.kv_cache_memory_mb is not None:

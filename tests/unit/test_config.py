@@ -179,3 +179,14 @@ def test_the_14b_recipe_layout_is_the_planned_one():
     t = load_config("qwen3-14b").trainer
     assert (t.tensor_parallel_size, t.pipeline_parallel_size, t.params_dtype, t.use_distributed_optimizer,
             t.recompute) == (4, 2, "bfloat16", True, "selective")
+
+
+def test_demo_holds_the_recipe_in_miniature():
+    """configs/demo.yaml: the paper's stage order on the demo set, with evals of the base, SFT and final policies."""
+    cfg = load_config("demo")
+    assert [s.kind for s in cfg.stages] == ["eval", "sft", "eval", "rl", "rl", "hard_subset", "rl", "eval"]
+    rl = [s for s in cfg.stages if s.kind == "rl"]
+    assert rl[0].max_response_length < cfg.rollout.agent.max_response_length   # a short budget first
+    assert rl[2].data == "@hard" and rl[2].reset_optimizer and cfg.stage("hard").data.startswith("demo")
+    assert all(s.benchmarks == {"demo": "demo-eval"} for s in cfg.stages if s.kind == "eval")
+    assert cfg.rollout.engine.enable_chunked_prefill is False

@@ -8,7 +8,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from rstar_hpc.config import load_config
-from rstar_hpc.datasets import DatasetError, load_prompts, load_sft_conversations
+from rstar_hpc.datasets import DEMO_EVAL_PROMPTS, DatasetError, load_prompts, load_sft_conversations
+from rstar_hpc.demo_task import DIRECT_SHARE, TYPO_SHARE, evaluate, level_of, sft_samples
 
 
 def _stage(tmp_path, data, kind="rl", **extra):
@@ -20,10 +21,32 @@ def _stage(tmp_path, data, kind="rl", **extra):
 def test_demo_sets_are_deterministic(tmp_path):
     a, b = load_prompts(_stage(tmp_path, "demo")), load_prompts(_stage(tmp_path, "demo"))
     assert a == b and len({p["uid"] for p in a}) == len(a) > 1000
-    q = a[0]["question"].split()
-    assert int(q[1]) * int(q[3].rstrip(".")) == int(a[0]["answer"])
+    for p in a[:8]:   # "... Compute <expr>. ..." with a distractor sentence; the answer is the expression's value
+        expr = p["question"].split("Compute ", 1)[1].split(".", 1)[0]
+        assert evaluate(expr) == int(p["answer"]) == eval(expr)   # noqa: S307 (digits and + * only)
+    assert {level_of(p["uid"]) for p in a[:8]} == {1, 2, 3, 4}
+    held = load_prompts(_stage(tmp_path, "demo-eval"))
+    hard = [{p["question"] for p in ps if level_of(p["uid"]) >= 3} for ps in (held, a)]   # easy ones repeat
+    assert len(held) == DEMO_EVAL_PROMPTS and hard[0] and not hard[0] & hard[1]
+    assert load_prompts(_stage(tmp_path, "demo-64")) == a[:64]
+    with pytest.raises(DatasetError, match="not a demo set"):
+        load_prompts(_stage(tmp_path, "demo-x"))
     chats = load_sft_conversations(_stage(tmp_path, "demo", kind="sft"))
     assert chats[0][-1]["role"] == "assistant" and "<answer>" in chats[0][-1]["content"]
+
+
+def test_demo_sft_traces_mix_direct_answers_tool_calls_and_typos():
+    """The SFT set leaves RL room: some traces answer in the head, some fix a failed first call."""
+    samples = sft_samples(400, seed=0)
+    tool_turns = [sum(m["role"] == "tool" for m in s["messages"]) for s in samples]
+    shares = [tool_turns.count(k) / len(samples) for k in (0, 1, 2)]
+    assert abs(shares[0] - DIRECT_SHARE) < 0.08 and abs(shares[2] - TYPO_SHARE) < 0.08, shares
+    for s in samples:
+        last = s["messages"][-1]["content"]
+        assert last.endswith(f"<answer>\\boxed{{{s['answer']}}}</answer>")
+        tools = [m["content"] for m in s["messages"] if m["role"] == "tool"]
+        assert all(t.startswith("Tool call failure") for t in tools[:-1])
+        assert not tools or tools[-1] == f"Tool call success\nstdout: {s['answer']}\nexecution time: 0.01s"
 
 
 def test_jsonl_and_parquet_with_the_public_datasets_spellings(tmp_path):

@@ -1,0 +1,122 @@
+"""The demo's task family: arithmetic that is easy in Python and hard in a tiny model's head, with a distractor.
+
+    level 1   a + b             one digit each         a tiny model can learn these facts by heart
+    level 2   a * b             one digit each         likewise (81 facts)
+    level 3   a * b             three by two digits    needs the tool
+    level 4   a * b + c         four, four, three      needs the tool (and a longer call to copy)
+
+A question reads "A crate holds 37 pens. Compute 4821 * 3907 + 512." (the distractor sentence first):
+the model must copy the right numbers into its call. The SFT traces (`sft_sample`) teach the rStar2 format and
+tool use, but deliberately not *when* to use the tool: a share of them answer straight away (right for levels 1-2,
+a guess the model cannot reproduce for levels 3-4), and a share make a first call with a typo (NameError) before
+the right one. So the SFT policy is imperfect in ways reward can fix (RL learns to call the tool on hard levels),
+and correct trajectories with tool errors exist (what Resample-on-Correct filters out of the positives).
+"""
+from __future__ import annotations
+
+import random
+
+LEVELS = (1, 2, 3, 4)
+HARD_LEVELS = (3, 4)
+DIRECT_SHARE = 0.4   # SFT traces that answer without the tool, at every level
+TYPO_SHARE = 0.25    # SFT traces whose first call fails with a NameError, then a corrected retry
+SHORT_SYSTEM_SHARE = 0.9   # SFT traces with an empty system prompt: a quarter of the tokens, the same turns to learn
+EVAL_SEED_OFFSET = 1_000_003   # the held-out eval problems come from another random stream than the train set
+
+_DISTRACTORS = ("A crate holds {d} pens.", "The shop opened {d} days ago.", "There are {d} birds outside.",
+                "Tom is {d} years old.")
+
+
+def _expr(rng: random.Random, level: int) -> str:
+    if level == 1:
+        return f"{rng.randint(1, 9)} + {rng.randint(1, 9)}"
+    if level == 2:
+        return f"{rng.randint(2, 9)} * {rng.randint(2, 9)}"
+    if level == 3:
+        return f"{rng.randint(100, 999)} * {rng.randint(10, 99)}"
+    return f"{rng.randint(1000, 9999)} * {rng.randint(1000, 9999)} + {rng.randint(100, 999)}"
+
+
+def evaluate(expr: str) -> int:
+    """The exact value of a demo expression ("a + b", "a * b", "a * b + c"): multiplication binds first."""
+    total = 0
+    for term in expr.split(" + "):
+        prod = 1
+        for f in term.split(" * "):
+            prod *= int(f)
+        total += prod
+    return total
+
+
+def make_problem(rng: random.Random, level: int) -> dict:
+    expr = _expr(rng, level)
+    distractor = rng.choice(_DISTRACTORS).format(d=rng.randint(11, 99))
+    ask = f"Compute {expr}."
+    # the distractor always comes first: the numbers to copy then sit at a fixed distance from the response (per
+    # level), which a tiny model learns in minutes; anywhere in the question it needs content-based copying, which
+    # 360 SFT steps did not teach it (every copied digit stayed at chance, ln 10 nats)
+    question = f"{distractor} {ask}"
+    return {"question": question, "answer": str(evaluate(expr)), "expr": expr, "level": level}
+
+
+def problems(n: int, seed: int, *, held_out: bool = False) -> list[dict]:
+    """n problems, levels in turn (1, 2, 3, 4, 1, ...), each with a uid naming its level; `held_out` draws from
+    the eval stream (disjoint from the train set in practice: hard levels have ~10^8 distinct problems)."""
+    rng = random.Random(seed + (EVAL_SEED_OFFSET if held_out else 0))
+    tag = "eval" if held_out else "train"
+    out = []
+    for i in range(n):
+        level = LEVELS[i % len(LEVELS)]
+        p = make_problem(rng, level)
+        out.append({"uid": f"demo-{tag}-L{level}-{seed}-{i}", "question": p["question"], "answer": p["answer"]})
+    return out
+
+
+def level_of(uid: str) -> int | None:
+    """The level a demo uid names ("demo-train-L3-0-17" -> 3), None for other uids."""
+    for part in uid.split("-"):
+        if len(part) == 2 and part[0] == "L" and part[1].isdigit():
+            return int(part[1])
+    return None
+
+
+def _tool_text(status_ok: bool, body: str) -> str:
+    """The tool message the sandbox returns (sandbox/results.py render_rstar2), as the SFT traces quote it."""
+    if status_ok:
+        return f"Tool call success\nstdout: {body}\nexecution time: 0.01s"
+    return f"Tool call failure\nreason: \nstderr: {body}\nexecution time: 0.01s"
+
+
+def sft_sample(rng: random.Random, level: int | None = None) -> dict:
+    """One SFT chat on a fresh problem: direct answer, clean tool call, or typo then retry (module docstring)."""
+    from rstar_hpc.models import chat_format as fmt
+
+    p = make_problem(rng, level or rng.choice(LEVELS))
+    expr, ans = p["expr"], p["answer"]
+    # the full system prompt (~300 tokens, what rollouts see) in a tenth of the traces; CPU SFT time is per token
+    system = "" if rng.random() < SHORT_SYSTEM_SHARE else fmt.system_prompt()
+    msgs = [{"role": "system", "content": system},
+            {"role": "user", "content": fmt.USER_PREFIX + p["question"]}]
+    final = f"<reason>The tool printed {ans}. </reason>\n<answer>\\boxed{{{ans}}}</answer>"
+    u = rng.random()
+    if u < DIRECT_SHARE:
+        msgs.append({"role": "assistant",
+                     "content": f"<reason>I can do {expr} in my head. </reason>\n<answer>\\boxed{{{ans}}}</answer>"})
+    elif u < DIRECT_SHARE + TYPO_SHARE:
+        err = (f"Traceback (most recent call last):\n  File \"main.py\", line 1, in <module>\n"
+               f"NameError: name 'prnt' is not defined")
+        msgs += [{"role": "assistant", "content": f"<reason>Use Python. {fmt.render_tool_call(f'prnt({expr})')}"},
+                 {"role": "tool", "content": _tool_text(False, err)},
+                 {"role": "assistant", "content": f"<reason>A typo; fix it. {fmt.render_tool_call(f'print({expr})')}"},
+                 {"role": "tool", "content": _tool_text(True, ans)},
+                 {"role": "assistant", "content": final}]
+    else:
+        msgs += [{"role": "assistant", "content": f"<reason>Use Python. {fmt.render_tool_call(f'print({expr})')}"},
+                 {"role": "tool", "content": _tool_text(True, ans)},
+                 {"role": "assistant", "content": final}]
+    return {"messages": msgs, "answer": ans, "level": p["level"]}
+
+
+def sft_samples(n: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    return [sft_sample(rng) for _ in range(n)]
