@@ -272,10 +272,16 @@ def load_checkpoint(state: TrainState, path: str | os.PathLike, *, reset_optimiz
     if not same_world:
         log.info("%s was saved by %s ranks, this job has %s: weights and optimizer are resharded, RNG states are "
                  "not restored", path, common.get("world_size"), _world())
+    saved = set(dist_checkpointing.load_tensors_metadata(str(path)))
+    if not reset_optimizer and not any(k.startswith("optimizer.state.exp_avg") for k in saved):
+        # every step so far was empty (RoC kept nothing), so AdamW never stepped and saved no moments: fresh
+        # moments are the same thing
+        log.info("%s holds no AdamW moments (the optimizer has not stepped yet); AdamW starts with zero moments", path)
+        reset_optimizer = True
     sd = _sharded_state_dict(state, loading=True, with_optimizer=not reset_optimizer, with_rng=same_world)
     other_kind = common.get("optimizer_kind") != _optimizer_kind(state.optimizer)
     if not reset_optimizer:
-        _main_weights_as_saved(sd["optimizer"], set(dist_checkpointing.load_tensors_metadata(str(path))), path)
+        _main_weights_as_saved(sd["optimizer"], saved, path)
         skeleton = _skeleton(sd["optimizer"]) if other_kind else None
     with host_device.on_host():
         loaded = dist_checkpointing.load(sd, str(path))

@@ -21,6 +21,7 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.vllm,
                                  reason="needs mpirun and bwrap")]
 
 
+@pytest.mark.timeout(1800)
 def test_demo_trains_through_launch_and_reports(slurm_cluster, tmp_path):
     env = {**slurm_cluster.env, "OMP_NUM_THREADS": "1", "RSTAR_HPC_CLUSTER_DIR": str(slurm_cluster.dir)}
     proc = subprocess.run([sys.executable, "-m", "rstar_hpc", "demo", "demo", f"run.root={tmp_path}", *SHORT,

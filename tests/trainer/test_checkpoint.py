@@ -69,6 +69,21 @@ def test_save_load_in_process_and_optimizer_reset(dist1, tiny_hf_dir, tmp_path, 
     assert all(not opt.optimizer.state for opt in c.optimizer.chained_optimizers)  # no AdamW moments loaded
 
 
+def test_a_checkpoint_saved_before_any_update_loads_with_its_optimizer(dist1, tiny_hf_dir, tmp_path):
+    """RL steps that RoC leaves empty never step AdamW, so their checkpoint has no moments; the next stage (or a
+    resume) loads it as the same fresh optimizer instead of failing on the missing keys."""
+    a = _state(tiny_hf_dir)
+    a.step = 1
+    save_checkpoint(a, tmp_path / "ckpt")
+    b = _state(tiny_hf_dir)
+    load_checkpoint(b, tmp_path / "ckpt")
+    assert b.step == 1
+    for pa, pb in zip(a.model.parameters(), b.model.parameters()):
+        assert torch.equal(pa, pb)
+    m = train_step(b.model, b.optimizer, b.scheduler, _batch(b.model.arch.vocab_size, 1))
+    assert m["loss"] == m["loss"]   # it trains on
+
+
 def test_missing_checkpoint_is_named(dist1, tiny_hf_dir, tmp_path):
     with pytest.raises(FileNotFoundError, match="COMMITTED.json"):
         load_checkpoint(_state(tiny_hf_dir), tmp_path / "nothing")
