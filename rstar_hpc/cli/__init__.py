@@ -17,16 +17,16 @@ from rstar_hpc.cli.status import EXIT_CONFIG, EXIT_USAGE
 
 # verb -> (module under rstar_hpc.cli, one-line summary shown by --help)
 VERBS: dict[str, tuple[str, str]] = {
-    "demo": ("demo", "Run the main job on the embedded default: local cluster, doctor, a tiny-model job."),
+    "demo": ("demo", "The rStar2 recipe in miniature through launch on the local cluster (SFT, RL modes, report)."),
     "launch": ("launch", "Submit a whole run (every stage of a config) as one Slurm job; --wait follows it."),
     "doctor": ("doctor", "Preflight a node or login host: bwrap, Slurm, MPI, vLLM, GPUs, run dir, offline."),
     "cluster": ("cluster", "Bring up, inspect or stop an emulated multi-node Slurm cluster on this machine."),
     "config": ("config", "Show, validate and explain run configs (YAML + dotted overrides)."),
     "make-tiny-model": ("make_tiny_model", "Build a random-init Qwen3-architecture model + BPE tokenizer."),
-    "generate": ("generate", "Generate from prompts with the policy in vLLM (the demo's Slurm job)."),
-    "train": ("train", "Run a trainer stage (SFT or GRPO-RoC RL) with Megatron-core; resumes from `latest`."),
+    "generate": ("generate", "Generate from prompts with the policy in vLLM (sbatch/generate.sbatch)."),
+    "train": ("train", "The trainer role (SFT, GRPO-RoC RL) with Megatron-core; --follow walks every stage."),
     "trainer": ("trainer", "Plan a trainer layout: per-GPU memory estimate and micro-batches, no GPU needed."),
-    "rollout": ("rollout", "Run one rollout step: vLLM engine ranks over MPI, agent loop, sandbox tool calls."),
+    "rollout": ("rollout", "The rollout role: vLLM engine ranks over MPI, agent loop, sandbox calls; walks its stages."),
     "sandbox": ("sandbox", "Run or call the bubblewrap Python sandbox service."),
     "traj": ("traj", "List, show and export trajectory shards of a run."),
     "run": ("run", "Follow a run: status (stages, steps, ETA, jobs, health), logs, cancel."),
