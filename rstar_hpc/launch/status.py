@@ -103,8 +103,8 @@ def _rollout_stage_steps(cfg, paths: RunPaths, stage) -> tuple[int, int | None]:
 def stage_status(cfg, paths: RunPaths, stage, trainer: dict, rollout: dict, evals: dict) -> dict:
     state = read_stage_state(paths, stage.name)
     t_recs, r_recs = trainer.get(stage.name, {}), rollout.get(stage.name, {})
-    if stage.kind in pipeline.TRAINER_KINDS:
-        step, steps = state.step, stage.num_steps
+    if stage.kind in pipeline.TRAINER_KINDS:   # the state moves at checkpoints; the metrics at every step
+        step, steps = max(state.step, max(t_recs, default=0)), stage.num_steps
     else:
         step, steps = _rollout_stage_steps(cfg, paths, stage)
     started = state.status != "PENDING" or bool(t_recs or r_recs) or bool(paths.traj_steps(stage.name))
