@@ -122,15 +122,16 @@ def _sbatch(cfg, paths: RunPaths, env) -> str:
 def follow(cfg, paths: RunPaths, env=None, *, echo=print, timeout_s: float | None = None, poll_s: float = 5.0) -> dict:
     """Print a progress line whenever it changes, until the run is done or no job of it is left in Slurm."""
     deadline = time.monotonic() + timeout_s if timeout_s else None
-    last, shown_at, gone_since = None, 0.0, None
+    last, last_line, shown_at, gone_since = None, "", 0.0, None
     while True:
         status = run_status(cfg, paths, env)
         line = progress_line(status)
-        # a line when the stage, its step or a job's state moves, else one a minute (the ETA alone moves often)
-        key = ([(s["state"], s["step"]) for s in status["stages"]], [j["state"] for j in status["jobs"]])
-        if key != last or time.monotonic() - shown_at > 60:
+        # a line when a stage or a job changes state, on step progress at most every 30 s, else one a minute
+        key = ([s["state"] for s in status["stages"]], [j["state"] for j in status["jobs"]])
+        stepped = line != last_line and time.monotonic() - shown_at > 30
+        if key != last or stepped or time.monotonic() - shown_at > 60:
             echo(time.strftime("%H:%M:%S ") + line)
-            last, shown_at = key, time.monotonic()
+            last, last_line, shown_at = key, line, time.monotonic()
         if status["done"] and not [j for j in status["jobs"] if j["state"] in ACTIVE]:
             return status
         if status["jobs"] and not [j for j in status["jobs"] if j["state"] in ACTIVE]:
