@@ -81,10 +81,13 @@ def level_of(uid: str) -> int | None:
 
 
 def _tool_text(status_ok: bool, body: str) -> str:
-    """The tool message the sandbox returns (sandbox/results.py render_rstar2), as the SFT traces quote it."""
+    """The tool message exactly as a rollout shows it: the sandbox's own rendering of a result (a printed line ends
+    in a newline, so a blank line precedes the time) rather than a hand-written copy of it."""
+    from sandbox.results import render_rstar2
+
     if status_ok:
-        return f"Tool call success\nstdout: {body}\nexecution time: 0.01s"
-    return f"Tool call failure\nreason: \nstderr: {body}\nexecution time: 0.01s"
+        return render_rstar2({"status": "ok", "stdout": f"{body}\n", "wall_s": 0.0})
+    return render_rstar2({"status": "error", "reason": "exited with code 1", "stderr": f"{body}\n", "wall_s": 0.0})
 
 
 def sft_sample(rng: random.Random, level: int | None = None) -> dict:
@@ -103,8 +106,8 @@ def sft_sample(rng: random.Random, level: int | None = None) -> dict:
         msgs.append({"role": "assistant",
                      "content": f"<reason>I can do {expr} in my head. </reason>\n<answer>\\boxed{{{ans}}}</answer>"})
     elif u < DIRECT_SHARE + TYPO_SHARE:
-        err = (f"Traceback (most recent call last):\n  File \"main.py\", line 1, in <module>\n"
-               f"NameError: name 'prnt' is not defined")
+        err = (f"Traceback (most recent call last):\n  File \"/tmp/call/main.py\", line 1, in <module>\n"
+               f"    prnt({expr})\n    ^^^^\nNameError: name 'prnt' is not defined. Did you mean: 'print'?")
         msgs += [{"role": "assistant", "content": f"<reason>Use Python. {fmt.render_tool_call(f'prnt({expr})')}"},
                  {"role": "tool", "content": _tool_text(False, err)},
                  {"role": "assistant", "content": f"<reason>A typo; fix it. {fmt.render_tool_call(f'print({expr})')}"},

@@ -23,8 +23,11 @@ OPENERS = ("We need to compute the product {a} * {b}.", "Multiply {a} by {b}.",
 
 
 def tool_result(stdout: str) -> str:
-    """The tool message text the sandbox returns for a successful run."""
-    return f"Tool call success\nstdout: {stdout}\nexecution time: 0.01s"
+    """The tool message a rollout shows for a program that printed `stdout` (one line): the sandbox's own
+    rendering, so SFT traces and rollouts agree token for token."""
+    from sandbox.results import render_rstar2
+
+    return render_rstar2({"status": "ok", "stdout": f"{stdout}\n", "wall_s": 0.0})
 
 
 def make_sample(rng: random.Random, *, digits: int = 4, system: str | None = None) -> dict:
