@@ -19,6 +19,7 @@ from pathlib import Path
 from rstar_hpc import pipeline
 from rstar_hpc.exchange.rundir import RunPaths
 from rstar_hpc.exchange.state import read_heartbeat, read_stage_state
+from rstar_hpc.launch.hetjob import het_groups
 from rstar_hpc.launch.record import cancelled, read_record
 from rstar_hpc.launch.roles import roles_needed
 
@@ -150,7 +151,8 @@ def slurm_jobs(job_ids: list[str], env=None) -> dict[str, list[dict]]:
     return out
 
 
-def job_rows(paths: RunPaths, env=None) -> list[dict]:
+def job_rows(paths: RunPaths, env=None, het_roles: dict[int, str] | None = None) -> list[dict]:
+    """One row per job (per component of the run's hetjob, named by `het_roles`: component offset -> role)."""
     launches = read_record(paths)["launches"]
     if not launches:
         return []
@@ -159,19 +161,18 @@ def job_rows(paths: RunPaths, env=None) -> list[dict]:
     rows = []
     for role, job_id in jobs.items():
         for comp in known.get(job_id) or [{}]:
-            jid = f"{comp['HetJobId']}+{comp['HetJobOffset']}" if comp.get("HetJobOffset") else comp.get("JobId", job_id)
-            rows.append({"role": role if role != "run" else _het_role(comp), "job_id": jid,
+            offset = comp.get("HetJobOffset")
+            jid = f"{comp['HetJobId']}+{offset}" if offset else comp.get("JobId", job_id)
+            if role == "run" and offset is not None:
+                role_of = (het_roles or {}).get(int(offset), f"het group {offset}")
+            else:
+                role_of = role
+            rows.append({"role": role_of, "job_id": jid,
                          "state": comp.get("JobState", "UNKNOWN (no longer known to Slurm)"),
                          "reason": comp.get("Reason", ""), "nodes": comp.get("NodeList", ""),
                          "elapsed": comp.get("RunTime", ""), "restarts": int(comp.get("Restarts", 0) or 0),
                          "launcher": launches[-1]["launcher"]})
     return rows
-
-
-def _het_role(comp: dict) -> str:
-    """The role of a hetjob component, from the launch's het group order (recorded in the script's environment)."""
-    offset = comp.get("HetJobOffset")
-    return f"het group {offset}" if offset is not None else "run"
 
 
 # ------------------------------------------------------------------------------------------------ the whole run
@@ -181,11 +182,8 @@ def run_status(cfg, paths: RunPaths, env=None, *, with_slurm: bool = True) -> di
     from rstar_hpc.eval.results import read_results
     evals = {s.name: r for s in cfg.stages if s.kind == "eval" and (r := read_results(paths, s.name))}
     stages = [stage_status(cfg, paths, s, trainer, rollout, evals) for s in cfg.stages]
-    groups = {str(i): r for i, r in enumerate(r for r in ("trainer", "rollout", "sandbox") if r in roles_needed(cfg))}
-    jobs = job_rows(paths, env) if with_slurm else []
-    for j in jobs:
-        if j["role"].startswith("het group "):
-            j["role"] = groups.get(j["role"].split()[-1], j["role"])
+    het_roles = {i: r for r, i in het_groups(cfg).items()}
+    jobs = job_rows(paths, env, het_roles) if with_slurm else []
     now = time.time()
     roles = {}
     for role in roles_needed(cfg):
