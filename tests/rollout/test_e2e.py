@@ -40,7 +40,7 @@ pytestmark = [pytest.mark.skipif(shutil.which("mpirun") is None or shutil.which(
                                  reason="needs mpirun and bwrap"), pytest.mark.slow]
 
 
-def _sft(base: Path, out: Path, steps: int = 150, batch: int = 8, lr: float = 5e-3) -> Path:
+def _sft(base: Path, out: Path, steps: int = 150, batch: int = 8, lr: float = 2e-3) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
