@@ -126,14 +126,15 @@ def load_prompt_file(data: str, seed: int = 0) -> list[dict]:
     return out
 
 
-def load_sft_conversations(stage, seed: int = 0) -> list[list[dict]]:
-    """The chat samples of an sft stage (lists of {"role", "content"} messages)."""
+def load_sft_conversations(stage, seed: int = 0, system_prompt: str | None = None) -> list[list[dict]]:
+    """The chat samples of an sft stage (lists of {"role", "content"} messages). The built-in demo traces carry
+    `system_prompt` (rollout.agent.system_prompt; None: rStar2's), so they match what the rollouts show."""
     if stage.data is None:
         raise DatasetError(f"stage {stage.name!r} (sft) has no data; set stages[].data to a chat JSONL file "
                            f"({{\"messages\": [...]}} per line), or to '{DEMO}' for the built-in demo set")
     if stage.data == DEMO:
         from rstar_hpc.demo_task import sft_samples
-        return [s["messages"] for s in sft_samples(DEMO_SFT_SAMPLES, seed)]
+        return [s["messages"] for s in sft_samples(DEMO_SFT_SAMPLES, seed, system=system_prompt)]
     return load_chat_jsonl(stage.data)
 
 

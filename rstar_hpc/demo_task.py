@@ -1,16 +1,21 @@
-"""The demo's task family: arithmetic that is easy in Python and hard in a tiny model's head, with a distractor.
+"""The demo's task family: arithmetic that is easy in Python and hard in a tiny model's head.
 
     level 1   a + b             one digit each         a tiny model can learn these facts by heart
     level 2   a * b             one digit each         likewise (81 facts)
     level 3   a * b             three by two digits    needs the tool
-    level 4   a * b + c         four, four, three      needs the tool (and a longer call to copy)
+    level 4   a * b             four by four digits    needs the tool (and eight digits to copy twice)
 
-A question reads "A crate holds 37 pens. Compute 4821 * 3907 + 512." (the distractor sentence first):
-the model must copy the right numbers into its call. The SFT traces (`sft_sample`) teach the rStar2 format and
-tool use, but deliberately not *when* to use the tool: a share of them answer straight away (right for levels 1-2,
-a guess the model cannot reproduce for levels 3-4), and a share make a first call with a typo (NameError) before
-the right one. So the SFT policy is imperfect in ways reward can fix (RL learns to call the tool on hard levels),
-and correct trajectories with tool errors exist (what Resample-on-Correct filters out of the positives).
+A question reads "Compute 4821 * 3907.". The SFT traces (`sft_sample`) teach the rStar2 format and tool use, but
+deliberately not *when* to use the tool: a share of them answer straight away (right for levels 1-2, a guess the
+model cannot reproduce for levels 3-4), and a share make a first call with a typo (NameError) before the right
+one. So the SFT policy is imperfect in ways reward can fix: RL learns to call the tool on hard levels and to copy
+numbers exactly, and correct trajectories with tool errors exist (what Resample-on-Correct filters out of the
+positives).
+
+What makes a tiny model learn to copy digits in minutes (docs/demo-measurements.md): the question and every
+trace in one fixed shape (a distractor sentence before the question, and varying system prompts, kept 360 SFT
+steps at chance on every copied digit), the numbers restated in the reasoning right before the call, and tool
+messages exactly as the sandbox renders them.
 """
 from __future__ import annotations
 
@@ -18,13 +23,11 @@ import random
 
 LEVELS = (1, 2, 3, 4)
 HARD_LEVELS = (3, 4)
-DIRECT_SHARE = 0.4   # SFT traces that answer without the tool, at every level
+DIRECT_SHARE = 0.3   # SFT traces that answer without the tool, at every level
 TYPO_SHARE = 0.25    # SFT traces whose first call fails with a NameError, then a corrected retry
-SHORT_SYSTEM_SHARE = 0.9   # SFT traces with an empty system prompt: a quarter of the tokens, the same turns to learn
 EVAL_SEED_OFFSET = 1_000_003   # the held-out eval problems come from another random stream than the train set
 
-_DISTRACTORS = ("A crate holds {d} pens.", "The shop opened {d} days ago.", "There are {d} birds outside.",
-                "Tom is {d} years old.")
+_OPENERS = ("We need to compute {e}.", "The task is {e}; use the tool to be exact.", "Let me compute {e} with Python.")
 
 
 def _expr(rng: random.Random, level: int) -> str:
@@ -34,11 +37,11 @@ def _expr(rng: random.Random, level: int) -> str:
         return f"{rng.randint(2, 9)} * {rng.randint(2, 9)}"
     if level == 3:
         return f"{rng.randint(100, 999)} * {rng.randint(10, 99)}"
-    return f"{rng.randint(1000, 9999)} * {rng.randint(1000, 9999)} + {rng.randint(100, 999)}"
+    return f"{rng.randint(1000, 9999)} * {rng.randint(1000, 9999)}"
 
 
 def evaluate(expr: str) -> int:
-    """The exact value of a demo expression ("a + b", "a * b", "a * b + c"): multiplication binds first."""
+    """The exact value of a demo expression ("a + b", "a * b"; "a * b + c" too): multiplication binds first."""
     total = 0
     for term in expr.split(" + "):
         prod = 1
@@ -50,13 +53,7 @@ def evaluate(expr: str) -> int:
 
 def make_problem(rng: random.Random, level: int) -> dict:
     expr = _expr(rng, level)
-    distractor = rng.choice(_DISTRACTORS).format(d=rng.randint(11, 99))
-    ask = f"Compute {expr}."
-    # the distractor always comes first: the numbers to copy then sit at a fixed distance from the response (per
-    # level), which a tiny model learns in minutes; anywhere in the question it needs content-based copying, which
-    # 360 SFT steps did not teach it (every copied digit stayed at chance, ln 10 nats)
-    question = f"{distractor} {ask}"
-    return {"question": question, "answer": str(evaluate(expr)), "expr": expr, "level": level}
+    return {"question": f"Compute {expr}.", "answer": str(evaluate(expr)), "expr": expr, "level": level}
 
 
 def problems(n: int, seed: int, *, held_out: bool = False) -> list[dict]:
@@ -90,16 +87,16 @@ def _tool_text(status_ok: bool, body: str) -> str:
     return render_rstar2({"status": "error", "reason": "exited with code 1", "stderr": f"{body}\n", "wall_s": 0.0})
 
 
-def sft_sample(rng: random.Random, level: int | None = None) -> dict:
-    """One SFT chat on a fresh problem: direct answer, clean tool call, or typo then retry (module docstring)."""
+def sft_sample(rng: random.Random, level: int | None = None, system: str | None = None) -> dict:
+    """One SFT chat on a fresh problem: direct answer, clean tool call, or typo then retry (module docstring).
+    `system`: the system prompt the rollouts use (rollout.agent.system_prompt; None: rStar2's)."""
     from rstar_hpc.models import chat_format as fmt
 
     p = make_problem(rng, level or rng.choice(LEVELS))
     expr, ans = p["expr"], p["answer"]
-    # the full system prompt (~300 tokens, what rollouts see) in a tenth of the traces; CPU SFT time is per token
-    system = "" if rng.random() < SHORT_SYSTEM_SHARE else fmt.system_prompt()
-    msgs = [{"role": "system", "content": system},
+    msgs = [{"role": "system", "content": fmt.system_prompt() if system is None else system},
             {"role": "user", "content": fmt.USER_PREFIX + p["question"]}]
+    opener = rng.choice(_OPENERS).format(e=expr)
     final = f"<reason>The tool printed {ans}. </reason>\n<answer>\\boxed{{{ans}}}</answer>"
     u = rng.random()
     if u < DIRECT_SHARE:
@@ -108,18 +105,18 @@ def sft_sample(rng: random.Random, level: int | None = None) -> dict:
     elif u < DIRECT_SHARE + TYPO_SHARE:
         err = (f"Traceback (most recent call last):\n  File \"/tmp/call/main.py\", line 1, in <module>\n"
                f"    prnt({expr})\n    ^^^^\nNameError: name 'prnt' is not defined. Did you mean: 'print'?")
-        msgs += [{"role": "assistant", "content": f"<reason>Use Python. {fmt.render_tool_call(f'prnt({expr})')}"},
+        msgs += [{"role": "assistant", "content": f"<reason>{opener} {fmt.render_tool_call(f'prnt({expr})')}"},
                  {"role": "tool", "content": _tool_text(False, err)},
                  {"role": "assistant", "content": f"<reason>A typo; fix it. {fmt.render_tool_call(f'print({expr})')}"},
                  {"role": "tool", "content": _tool_text(True, ans)},
                  {"role": "assistant", "content": final}]
     else:
-        msgs += [{"role": "assistant", "content": f"<reason>Use Python. {fmt.render_tool_call(f'print({expr})')}"},
+        msgs += [{"role": "assistant", "content": f"<reason>{opener} {fmt.render_tool_call(f'print({expr})')}"},
                  {"role": "tool", "content": _tool_text(True, ans)},
                  {"role": "assistant", "content": final}]
     return {"messages": msgs, "answer": ans, "level": p["level"]}
 
 
-def sft_samples(n: int, seed: int) -> list[dict]:
+def sft_samples(n: int, seed: int, system: str | None = None) -> list[dict]:
     rng = random.Random(seed)
-    return [sft_sample(rng) for _ in range(n)]
+    return [sft_sample(rng, system=system) for _ in range(n)]

@@ -56,6 +56,10 @@ class AgentConfig(Section):
     variable defined in turn 1 is still there in turn 3; the session is released when the trajectory ends, however
     it ends (answer, limits, error, cancellation), and a killed process's sessions expire on the service after
     `sandbox.session_idle_s`."""
+    system_prompt: str | None = None
+    """null (the default): rStar2-Agent's system prompt with the tool's schema (~300 tokens). A string replaces it
+    for models trained on another prompt (the SFT data must use the same one); the CPU demo uses a short one
+    because a tiny model's SFT costs time per token."""
 
 
 class SchedulerConfig(Section):

@@ -113,6 +113,9 @@ class StageConfig(Section):
     """Overrides rollout.agent.max_turns (eval: eval.max_turns) in this stage (paper: 10, 10, 15; eval 30)."""
     lr: float | None = Field(None, gt=0)
     """Overrides trainer.optimizer.lr in this stage."""
+    warmup_steps: int | None = Field(None, ge=0)
+    """Overrides trainer.optimizer.warmup_steps in this stage (an SFT from scratch wants a warm-up; a short RL
+    stage from a trained policy does not)."""
     reset_optimizer: bool = False
     """Start this stage with fresh optimizer state (the paper's stage 3)."""
     num_samples: int | None = Field(None, ge=1)

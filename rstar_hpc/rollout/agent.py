@@ -157,14 +157,14 @@ def _failure_text(message: str) -> str:
     return f"Tool call failure\nreason: {message}"
 
 
-def encode_prompt(tokenizer: Tokenizer, question: str, max_prompt_length: int,
-                  tool_state: str = "stateless") -> tuple[list[int], str]:
+def encode_prompt(tokenizer: Tokenizer, question: str, cfg: AgentConfig) -> tuple[list[int], str]:
     """The rStar2 prompt's ids; PromptTooLong past the limit (the tool schema counts, as in the reference)."""
-    text = render_prompt(question, tools=[SESSION_TOOL_SCHEMA] if tool_state == "session" else None)
+    text = render_prompt(question, tools=[SESSION_TOOL_SCHEMA] if cfg.tool_state == "session" else None,
+                         system=cfg.system_prompt)
     ids = tokenizer.encode(text, add_special_tokens=False)
-    if len(ids) > max_prompt_length:
+    if len(ids) > cfg.max_prompt_length:
         raise PromptTooLong(f"prompt has {len(ids)} tokens (system prompt with the tool schema included), over "
-                            f"rollout.agent.max_prompt_length={max_prompt_length}")
+                            f"rollout.agent.max_prompt_length={cfg.max_prompt_length}")
     return ids, text
 
 
@@ -185,7 +185,7 @@ class AgentLoop:
         self.stop_token_id = ids[0] if stop_token_id is None else stop_token_id
 
     def encode_prompt(self, question: str) -> tuple[list[int], str]:
-        return encode_prompt(self.tok, question, self.cfg.max_prompt_length, self.cfg.tool_state)
+        return encode_prompt(self.tok, question, self.cfg)
 
     async def run(self, prompt_ids: Sequence[int], request_id: str, prompt_text: str = "", *,
                   seed: int | None = None, progress: Callable[[int], None] | None = None) -> AgentResult:

@@ -77,7 +77,7 @@ def make_items(prompts: list[dict], tokenizer, *, agent: AgentConfig,
     for p in prompts:
         uid = p["uid"]
         try:
-            ids, text = encode_prompt(tokenizer, p["question"], agent.max_prompt_length, agent.tool_state)
+            ids, text = encode_prompt(tokenizer, p["question"], agent)
         except PromptTooLong as e:
             log.warning("dropping prompt %s: %s", uid, e)
             dropped.append(uid)

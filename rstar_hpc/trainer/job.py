@@ -67,7 +67,8 @@ def run(cfg: RunConfig, stage_name: str, *, on_step: Callable[[int, dict], None]
         opt_cfg, lr = tcfg.optimizer, stage.lr or tcfg.optimizer.lr
         optimizer = build_optimizer(model, tcfg, lr)  # after the weights: it copies them to fp32 main weights
         schedule = opt_cfg.sft_schedule if stage.kind == "sft" else opt_cfg.schedule
-        scheduler = build_scheduler(optimizer, opt_cfg.warmup_steps, stage.num_steps, schedule, opt_cfg.min_lr_ratio)
+        warmup = opt_cfg.warmup_steps if stage.warmup_steps is None else stage.warmup_steps
+        scheduler = build_scheduler(optimizer, warmup, stage.num_steps, schedule, opt_cfg.min_lr_ratio)
         state = TrainState(model, optimizer, scheduler)
         data = _stage_data(cfg, stage, paths, model_dir)
         log.info("stage %s (%s): %s", stage.name, stage.kind, _restore(state, data, cfg, stage, paths))

@@ -112,8 +112,8 @@ class SFTStageData:
         if stage.prompts_per_step < self.dp:
             raise ValueError(f"stage {stage.name!r}: prompts_per_step={stage.prompts_per_step} samples per step cannot "
                              f"be split over {self.dp} data-parallel ranks; raise it to at least {self.dp}")
-        self.data = SFTData.from_conversations(load_sft_conversations(stage, cfg.run.seed),
-                                               AutoTokenizer.from_pretrained(model_dir), seed=cfg.run.seed,
+        chats = load_sft_conversations(stage, cfg.run.seed, cfg.rollout.agent.system_prompt)
+        self.data = SFTData.from_conversations(chats, AutoTokenizer.from_pretrained(model_dir), seed=cfg.run.seed,
                                                max_tokens=cfg.trainer.micro_batch_tokens)
         self.initial_state = self.data.state_dict()
 

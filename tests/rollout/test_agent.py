@@ -191,6 +191,15 @@ def test_overlong_prompt_is_a_clear_error(tok):
         agent.encode_prompt("Compute 6 * 7.")
 
 
+def test_the_system_prompt_knob_replaces_rstar2s(tok):
+    from rstar_hpc.models.chat_format import render_prompt
+
+    _, full = loop(tok, ScriptedEngine(tok, {})).encode_prompt("Compute 6 * 7.")
+    _, short = loop(tok, ScriptedEngine(tok, {}), system_prompt="").encode_prompt("Compute 6 * 7.")
+    assert "<tools>" in full and "<tools>" not in short and short == render_prompt("Compute 6 * 7.", system="")
+    assert short.startswith("<|im_start|>system\n<|im_end|>\n<|im_start|>user\n")
+
+
 def test_unreachable_sandbox_is_a_failure_response(tok):
     class Down(FakeTools):
         async def run(self, code, stdin="", session=None, timeout_s=None):

@@ -33,6 +33,9 @@ def test_demo_sets_are_deterministic(tmp_path):
         load_prompts(_stage(tmp_path, "demo-x"))
     chats = load_sft_conversations(_stage(tmp_path, "demo", kind="sft"))
     assert chats[0][-1]["role"] == "assistant" and "<answer>" in chats[0][-1]["content"]
+    assert "<tools>" in chats[0][0]["content"]   # rStar2's system prompt unless the rollouts use another one
+    short = load_sft_conversations(_stage(tmp_path, "demo", kind="sft"), 0, "")
+    assert short[0][0] == {"role": "system", "content": ""} and short[0][1:] == chats[0][1:]
 
 
 def test_demo_sft_traces_mix_direct_answers_tool_calls_and_typos():
