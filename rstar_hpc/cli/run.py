@@ -74,15 +74,15 @@ def _render(st: dict) -> None:
     console = Console(width=160)
     console.print(f"[bold]run[/] {st['run']}  ({st['dir']})" + ("  [green]DONE[/]" if st["done"] else "")
                   + ("  [yellow]cancelled[/]" if st["cancelled"] else ""))
-    table = Table("stage", "kind", "state", "step", "gen s", "tools s", "reward s", "train s", "ckpt s", "ETA",
-                  "reward", "pass@1", title="stages (mean seconds per step)")
+    table = Table("stage", "kind", "state", "step", "gen s", "tools s/traj", "reward s", "train s", "ckpt s", "ETA",
+                  "reward", "pass@1", title="stages (mean seconds per step; a trajectory's tool wait overlaps generation)")
     colors = {"done": "green", "running": "cyan", "failed": "red"}
     for s in st["stages"]:
         t = s["timing"]
         pass1 = ", ".join(f"{b} {m['pass1']:.3f}±{m['stderr']:.3f}" for b, m in s.get("pass1", {}).items()) or "-"
         state = f"[{colors[s['state']]}]{s['state']}[/]" if s["state"] in colors else s["state"]
         table.add_row(s["name"], s["kind"], state, f"{s['step']}/{s['steps'] if s['steps'] is not None else '?'}",
-                      _fmt_s(t["generation_s"]), _fmt_s(t["tool_calls_s"]), _fmt_s(t["reward_s"]),
+                      _fmt_s(t["generation_s"]), _fmt_s(t["tool_wait_per_traj_s"]), _fmt_s(t["reward_s"]),
                       _fmt_s(t["training_s"]), _fmt_s(t["checkpoint_s"]), _dur(s["eta_s"]),
                       "-" if s["last_reward"] is None else f"{s['last_reward']:.3f}", pass1)
     console.print(table)

@@ -58,10 +58,13 @@ def _mean(values) -> float | None:
 
 
 def _timing(trainer: dict[int, dict], rollout: dict[int, dict]) -> dict[str, float | None]:
-    """Mean seconds per step of each phase (rollout times are the step's wall time on rank 0)."""
+    """Mean seconds per step of each phase (rollout times are the step's wall time on rank 0). Tool calls overlap
+    generation, so they are not a share of the wall time: `tool_wait_per_traj_s` is what one trajectory waited on
+    its tools in a step, summed over its calls."""
     return {
         "generation_s": _mean(r.get("generation_wall_s") for r in rollout.values()),
-        "tool_calls_s": _mean(r.get("tool_wait_s") for r in rollout.values()),
+        "tool_wait_per_traj_s": _mean(r["tool_wait_s"] / r["trajectories"] for r in rollout.values()
+                                      if r.get("trajectories") and isinstance(r.get("tool_wait_s"), (int, float))),
         "reward_s": _mean(r.get("reward_s") for r in rollout.values()),
         "training_s": _mean(_train_s(r) for r in trainer.values()),
         "checkpoint_s": _mean((r.get("time/checkpoint(s)", 0) + r.get("time/publish(s)", 0)) for r in trainer.values()),
