@@ -95,6 +95,10 @@ def pass1_plot(runs: list[RunData], path: Path) -> str | None:
             benches += [b for b in r["benchmarks"] if b not in benches]
     if not stages:
         return "pass@1 at eval points: no eval/<stage>/results.json in any run"
+    labels = {r["stage"]: (r.get("policy") or {}).get("label", "?") for run in runs for r in run.evals}
+    # base, then SFT, then RL models left to right, whichever run (the RL run, or a compared SFT run) holds them
+    order = {"base": 0, "sft": 1, "rl": 2}
+    stages.sort(key=lambda s: order.get(labels[s], len(order)))
     shown = benches[:MAX_BENCHMARKS]
     fig, axes = plt.subplots(1, len(shown), figsize=(max(5.0, 3.6 * len(shown)), 3.8), squeeze=False)
     for ax, bench in zip(axes[0], shown):
@@ -104,7 +108,6 @@ def pass1_plot(runs: list[RunData], path: Path) -> str | None:
             if pts:
                 ax.errorbar([p for p, _ in pts], [m["pass1"] for _, m in pts], capsize=3, marker="o",
                             yerr=[m.get("pass1_stderr") or 0.0 for _, m in pts], color=f"C{i % 10}", label=run.label)
-        labels = {r["stage"]: (r.get("policy") or {}).get("label", "?") for run in runs for r in run.evals}
         ax.set_xticks(range(len(stages)), [f"{s}\n({labels[s]})" for s in stages], fontsize=7)
         ax.set(title=f"{bench}: pass@1 ± stderr", ylabel="pass@1")
         ax.grid(alpha=0.3)
