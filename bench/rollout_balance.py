@@ -254,7 +254,7 @@ def real_measurement(steps: int = 1, prompts: int = 8) -> dict:
 
 
 def levers(n: int, per_engine: int, seed: int, *, growth_reserve: float, group_size: int, share: bool,
-           margin: float, overprovision: float, partial_steps: int) -> dict:
+           margin: float, close_fraction: float, partial_steps: int) -> dict:
     """The long-tail levers on one trace of n engines: the best static split, then cumulatively KV-aware placement
     (sibling-aware where siblings share prompt KV), + turn-boundary migration, + partial rollouts (all levers), and
     each lever's share of the time saved. Partial rollouts are measured in steady state over `partial_steps` steps
@@ -275,12 +275,12 @@ def levers(n: int, per_engine: int, seed: int, *, growth_reserve: float, group_s
         row[label] = simulate(trace, n, pol, **kw)
         _say(n, share, label, row[label], lb, t0)
     t0 = time.perf_counter()
-    extra = make_trace(int(len(trace) * (partial_steps + overprovision + 1)), random.Random(seed + n + 1), group_size)
+    extra = make_trace(len(trace) * (partial_steps + math.ceil(1 / close_fraction)), random.Random(seed + n + 1), group_size)
     for t in extra:
         t.id += len(trace)
         t.group += batch_groups
     groups = [extra[i:i + group_size] for i in range(0, len(extra), group_size)]
-    row["all_levers"] = run_partial(groups, n, "kv_aware", batch_groups=batch_groups, overprovision=overprovision,
+    row["all_levers"] = run_partial(groups, n, "kv_aware", batch_groups=batch_groups, close_fraction=close_fraction,
                                     steps=partial_steps, **kv, migrate_margin=margin)
     _say(n, share, "all_levers", row["all_levers"], lb, t0)
     best = min(("static_round_robin", "static_contiguous"), key=lambda k: row[k]["makespan_s"])
@@ -314,8 +314,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--group-size", type=int, default=32, help="GRPO samples per prompt (paper: 32)")
     ap.add_argument("--migrate-margin", type=float, default=0.1, help="migration: the target keeps this much more "
                     "free KV (fraction of capacity) than the source has (rollout.scheduler.migrate_margin)")
-    ap.add_argument("--overprovision", type=float, default=1.0, help="partial rollouts: live groups are topped up "
-                    "to (1 + this) x the batch (rollout.scheduler.partial_overprovision)")
+    ap.add_argument("--close-fraction", type=float, default=0.5, help="partial rollouts: a step closes once this "
+                    "fraction of its groups (its own and carried ones) are complete "
+                    "(rollout.scheduler.partial_close_fraction)")
     ap.add_argument("--partial-steps", type=int, default=3, help="steps simulated for partial rollouts (the first, "
                     "cold, is not counted)")
     ap.add_argument("--growth-reserve", type=float, default=SchedulerConfig().growth_reserve,
@@ -354,7 +355,7 @@ def main(argv=None) -> dict:
             key = f"levers_{n}_{'shared_prefix' if share else 'no_sharing'}"
             figures[key] = row = levers(n, args.per_engine, args.seed, growth_reserve=args.growth_reserve,
                                         group_size=args.group_size, share=share, margin=args.migrate_margin,
-                                        overprovision=args.overprovision, partial_steps=args.partial_steps)
+                                        close_fraction=args.close_fraction, partial_steps=args.partial_steps)
             targets[key] = {"speedup_ge_1.3": row["all_levers"]["speedup_vs_best_static"] >= 1.3,
                             "within_1.20_of_lb": row["all_levers"]["ratio_to_lower_bound"] <= 1.20}
         figures["targets"] = targets

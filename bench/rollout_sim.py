@@ -285,11 +285,14 @@ class Sim:
 
 
 def run_partial(groups: list[list[Traj]], n_engines: int, policy_name: str, *, batch_groups: int,
-                overprovision: float, steps: int, **sim_kw) -> dict:
-    """Partial rollouts over `steps` steps: the pool is topped up with fresh groups to (1 + overprovision) x
-    batch_groups live groups, carried ones first; a step closes once batch_groups groups are complete, which are
-    what it trains. Step 0 starts cold; the figures are the steps after it (steady state), normalised to
-    batch_groups groups a step. Staleness: each trained token's versions behind = training step - the step
+                close_fraction: float, steps: int, **sim_kw) -> dict:
+    """Partial rollouts over `steps` steps, as rollout.scheduler.partial_rollouts runs them: a step's pool is the
+    groups carried from the step before (first) and batch_groups fresh ones; it closes once close_fraction of the
+    pool's groups are complete, which are what it trains. In steady state the carry holds
+    batch_groups x (1 - f) / f groups and a step trains batch_groups. A real run reaches it over its first steps
+    (the carry grows by a factor 1 - f a step); the simulation starts there: step 0 takes batch_groups / f fresh
+    groups (no carry yet: its close is cold), and the figures are the steps after it, normalised to batch_groups
+    groups a step. Staleness: each trained token's versions behind = training step - the step
     that generated it (a finished sibling waiting for its group counts too)."""
     sim = Sim(n_engines, policy_name, **sim_kw)
     fresh = iter(groups)
@@ -302,14 +305,15 @@ def run_partial(groups: list[list[Traj]], n_engines: int, policy_name: str, *, b
     for s in range(steps):
         live_groups = {t.group for t in carried}
         pool = list(carried)
-        for _ in range(math.ceil((1 + overprovision) * batch_groups) - len(live_groups)):
+        for _ in range(math.ceil(batch_groups / close_fraction) if s == 0 else batch_groups):
             g = next(fresh)
             for t in g:
                 t.reset()
             members[g[0].group] = g
             group_left[g[0].group] = len(g)
             pool += g
-        r = sim.run_step(pool, s, group_left, close_groups=batch_groups)
+        r = sim.run_step(pool, s, group_left,
+                         close_groups=math.ceil(close_fraction * (len(live_groups) + batch_groups)))
         done_groups = [g for g, left in group_left.items() if left == 0]
         for g in done_groups:
             del group_left[g]
