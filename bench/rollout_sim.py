@@ -305,7 +305,8 @@ def run_partial(groups: list[list[Traj]], n_engines: int, policy_name: str, *, b
     for s in range(steps):
         live_groups = {t.group for t in carried}
         pool = list(carried)
-        for _ in range(math.ceil(batch_groups / close_fraction) if s == 0 else batch_groups):
+        n_fresh = math.ceil(batch_groups / close_fraction) if s == 0 else batch_groups
+        for _ in range(n_fresh):
             g = next(fresh)
             for t in g:
                 t.reset()
@@ -313,7 +314,7 @@ def run_partial(groups: list[list[Traj]], n_engines: int, policy_name: str, *, b
             group_left[g[0].group] = len(g)
             pool += g
         r = sim.run_step(pool, s, group_left,
-                         close_groups=math.ceil(close_fraction * (len(live_groups) + batch_groups)))
+                         close_groups=math.ceil(close_fraction * (len(live_groups) + n_fresh) - 1e-9))
         done_groups = [g for g, left in group_left.items() if left == 0]
         for g in done_groups:
             del group_left[g]
