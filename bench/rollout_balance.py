@@ -267,6 +267,7 @@ def levers(n: int, per_engine: int, seed: int, *, growth_reserve: float, group_s
     kv = {"growth_reserve": growth_reserve, "share": share, "sibling_aware": share}
     runs = {"static_round_robin": ("static", {"share": share}),
             "static_contiguous": ("static", {"share": share, "block": len(trace) // n}),
+            **({"placement_not_sibling_aware": ("kv_aware", {**kv, "sibling_aware": False})} if share else {}),
             "placement": ("kv_aware", kv),
             "placement+migration": ("kv_aware", {**kv, "migrate_margin": margin})}
     row: dict = {**{k: round(v, 2) for k, v in bounds.items()}, "trajectories": len(trace), "groups": batch_groups}

@@ -336,7 +336,7 @@ def run_partial(groups: list[list[Traj]], n_engines: int, policy_name: str, *, b
             "trained_groups": [r["trained_groups"] for r in per_step],
             "carried_trajectories_at_end": len(carried),
             "staleness_tokens": {str(k): lag[k] for k in sorted(lag)},
-            "stale_token_fraction": round(1 - lag[0] / total, 4) if total else 0.0,
+            "stale_token_fraction": round(1 - lag[0] / total, 4) if total else 0.0, "trained_tokens": total,
             "carried_staleness_tokens": {str(k): carried_lag[k] for k in sorted(carried_lag)},
             "reprefill_tokens": dict(sim.prefill), "migrations": sim.migrations,
             "preemptions": sim.preemptions}

@@ -90,9 +90,10 @@ class SchedulerConfig(Section):
     engine has room (policy.py). Placement only: what is generated and trained is the same either way. Turn it off
     with rollout.engine.enable_prefix_caching false (each sibling then really holds its own prompt)."""
     migrate_on_tool_call: bool = False
-    """Turn-boundary migration (`kv_aware` only): once the step's queue is empty (its tail), a trajectory waiting for
-    its tool call may continue on an engine with more free KV, chosen by the same accounting as admission
-    (policy.migration_target); the target re-prefills its context (less the prompt where a sibling holds it).
+    """Turn-boundary migration (`kv_aware` only): once the step's queue is empty (its tail), a trajectory may continue
+    after its next tool call on an engine with more free KV, chosen by the same accounting as admission
+    (policy.migration_target; rollout/levers.py); the target re-prefills its context (less the prompt where a sibling
+    holds it).
     Nothing trained changes: tokens, logprobs and sampling seeds are the trajectory's wherever it runs (the target
     computes logprobs with the same weights). Off by default until measured on real engines at scale; needs
     rollout.agent.tool_state stateless."""

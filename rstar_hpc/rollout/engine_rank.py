@@ -81,7 +81,7 @@ class _EngineStep:
             if now - self.last_beat > self.sc.heartbeat_s:
                 self.comm.send({"kv_usage": self.engine.kv.usage, "running": len(self.tasks),
                                 "contexts": dict(self.contexts),
-                                "at_tool": [k for k, p in self.pauses.items() if p.at_tool]}, dest=0, tag=TAG_BEAT)
+                                "movable": self.movable()}, dest=0, tag=TAG_BEAT)
                 self.last_beat = now
             await asyncio.sleep(0.005)
             now = time.monotonic()
@@ -101,10 +101,10 @@ class _EngineStep:
                     t = asyncio.create_task(self.one(item))
                     self.tasks.add(t)
                     t.add_done_callback(self.tasks.discard)
-            elif tag == TAG_MIGRATE:   # let it go at its turn boundary, if it is still waiting for its tool
+            elif tag == TAG_MIGRATE:   # let it go at its next turn boundary (once its tool result is appended)
                 key = tuple(msg["key"])
                 p = self.pauses.get(key)
-                if p is not None and p.at_tool:
+                if p is not None:
                     p.at_boundary = True
                 else:
                     self.comm.send({"key": key}, dest=0, tag=TAG_MOVED)
@@ -124,6 +124,11 @@ class _EngineStep:
                     self.comm.send(stats, dest=0, tag=TAG_STOP)
                 return self.stop(stats)
         return None
+
+    def movable(self) -> list[tuple]:
+        """Live trajectories that can migrate (stateless tools), those waiting for a tool call first: they reach
+        a turn boundary soonest."""
+        return sorted(self.pauses, key=lambda k: not self.pauses[k].at_tool)
 
     def check_health(self) -> None:
         """Leave on a failed trajectory (the engine is gone; rank 0 re-runs our work) or a silent rank 0."""

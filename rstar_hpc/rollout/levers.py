@@ -1,11 +1,12 @@
 """Rank 0's long-tail levers (issue 21; bench/rollout_balance.py measures them): turn-boundary migration and
 partial rollouts, each a rollout.scheduler knob, off by default.
 
-Migration (`migrate_on_tool_call`): engine ranks list in their heartbeats the trajectories waiting for a tool call
-(`at_tool`). Once the step's queue is empty, for each of them rank 0 asks the admission policy
-(policy.migration_target: the same KV accounting as admission) whether another engine should take its next turn;
-if so it sends MIGRATE to its engine, which pauses it once its tool result is appended and returns it as a paused
-RESULT with its agent-loop state (or MOVED: it had already left its tool wait, it stays). Rank 0 releases its
+Migration (`migrate_on_tool_call`): engine ranks list in their heartbeats the trajectories that may move
+(`movable`: those waiting for a tool call first). Once the step's queue is empty, rank 0 asks the admission policy
+(policy.migration_target: the same KV accounting as admission) whether another engine should take one's next
+turn, at most one per engine and heartbeat (the bookings move only when it does); if so it sends MIGRATE to its
+engine, which pauses it at its next turn boundary (its tool result appended) and returns it as a paused RESULT with
+its agent-loop state (MOVED: it was gone already). One that finishes without another tool call just finishes. Rank 0 releases its
 booking and admits it again at the front of the queue, now as the context it has: the policy places it where
 there is most room, and the engine there re-prefills its context (a sibling's prompt from its prefix cache).
 
@@ -74,19 +75,25 @@ class Levers:
         s = self.s
         if not self.sc.migrate_on_tool_call or self.closing or s.pending or s.policy.name != "kv_aware":
             return
-        for key in msg.get("at_tool", ()):
+        if src in self.migrating.values():
+            return   # one at a time per engine: its booking moves only once it has left
+        for key in msg.get("movable", ()):
             key = tuple(key)
             p = s.policy.placed.get(key)
-            if key in self.migrating or p is None or p[0] != src:
+            if p is None or p[0] != src:
                 continue
-            target = s.policy.migration_target(key, self.sc.migrate_margin)
-            if target is not None:
+            if s.policy.migration_target(key, self.sc.migrate_margin) is not None:
                 self.migrating[key] = src
                 s.sends.append(s.comm.isend({"key": key}, dest=src, tag=TAG_MIGRATE))
+                return
 
     def on_moved(self, msg: dict) -> None:
-        """MIGRATE declined: the trajectory had already left its tool wait."""
+        """MIGRATE declined: the trajectory was gone already."""
         self.migrating.pop(tuple(msg["key"]), None)
+
+    def on_finished(self, key: tuple) -> None:
+        """A trajectory asked to migrate finished first (no further tool call): nothing to move."""
+        self.migrating.pop(key, None)
 
     def on_paused(self, msg: dict) -> None:
         """A paused trajectory came back with its state: carried out (step closing) or admitted again (migration)."""

@@ -7,12 +7,12 @@ One step, in order (every payload is a pickled Python object; sends are never bl
                                         <-   BEAT {loading}            (ack at once, then load the policy)
                                         <-   HELLO {capacity_tokens, policy_version}
     WORK [item, ...]                    ->                             (admitted trajectories, any number of times)
-                                        <-   BEAT {kv_usage, running, contexts}   (every heartbeat_s)
+                                        <-   BEAT {kv_usage, running, contexts, movable}   (every heartbeat_s)
                                         <-   RESULT {...}              (one finished trajectory, or a paused one:
                                                                         paused=True, its state to resume)
-    MIGRATE {key}                       ->                             (pause it at its turn boundary; it comes
+    MIGRATE {key}                       ->                             (pause it at its next turn boundary; it comes
                                                                         back as a paused RESULT, or MOVED: declined)
-                                        <-   MOVED {key}               (it had left its tool wait: stays here)
+                                        <-   MOVED {key}               (it was gone already)
     PAUSE                               ->                             (partial rollouts: the step closed; every
                                                                         live trajectory comes back paused or done)
                                         <-   DEAD "reason"             (the engine failed: re-run its work)

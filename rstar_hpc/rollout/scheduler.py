@@ -250,6 +250,7 @@ class StepScheduler:
                     self.levers.on_paused(msg)
                 else:
                     self.on_result(msg)
+                    self.levers.on_finished((msg["prompt_uid"], msg["sample_index"]))
                     self.levers.after_result()
             elif tag == TAG_BEAT:
                 self.policy.observe(src, msg.get("contexts", {}))
