@@ -276,7 +276,8 @@ def levers(n: int, per_engine: int, seed: int, *, growth_reserve: float, group_s
         row[label] = simulate(trace, n, pol, **kw)
         _say(n, share, label, row[label], lb, t0)
     t0 = time.perf_counter()
-    extra = make_trace(len(trace) * (partial_steps + math.ceil(1 / close_fraction)), random.Random(seed + n + 1), group_size)
+    extra = make_trace(len(trace) * (partial_steps + math.ceil(1 / close_fraction)), random.Random(seed + n + 1),
+                       group_size)
     for t in extra:
         t.id += len(trace)
         t.group += batch_groups

@@ -97,8 +97,9 @@ class SchedulerConfig(Section):
     Nothing trained changes: tokens, logprobs and sampling seeds are the trajectory's wherever it runs (the target
     computes logprobs with the same weights). Off by default until measured on real engines at scale; needs
     rollout.agent.tool_state stateless."""
-    migrate_margin: float = Field(0.1, ge=0, le=1)
-    """Migrate only if the target keeps this much more free KV (fraction of capacity) than the source has."""
+    migrate_margin: float = Field(0.1, ge=-1, le=1)
+    """Migrate only if the target keeps this much more free KV (fraction of capacity) than the source has. Negative
+    values move trajectories even toward busier engines: only to exercise the path in tests."""
     partial_rollouts: bool = False
     """Partial rollouts (APRIL, Kimi k1.5): a step closes once `partial_close_fraction` of its groups (its own prompts'
     and those carried into it) are complete, and trains only those; every unfinished trajectory is paused (a turn

@@ -4,11 +4,11 @@ partial rollouts, each a rollout.scheduler knob, off by default.
 Migration (`migrate_on_tool_call`): engine ranks list in their heartbeats the trajectories that may move
 (`movable`: those waiting for a tool call first). Once the step's queue is empty, rank 0 asks the admission policy
 (policy.migration_target: the same KV accounting as admission) whether another engine should take one's next
-turn, at most one per engine and heartbeat (the bookings move only when it does); if so it sends MIGRATE to its
+turn, one per engine at a time (its booking moves only once it has left); if so it sends MIGRATE to its
 engine, which pauses it at its next turn boundary (its tool result appended) and returns it as a paused RESULT with
-its agent-loop state (MOVED: it was gone already). One that finishes without another tool call just finishes. Rank 0 releases its
-booking and admits it again at the front of the queue, now as the context it has: the policy places it where
-there is most room, and the engine there re-prefills its context (a sibling's prompt from its prefix cache).
+its agent-loop state (MOVED: it was gone already). One that finishes without another tool call just finishes. Rank 0
+releases its booking and admits it again at the front of the queue, now as the context it has: the policy places it
+where there is most room, and the engine there re-prefills its context (a sibling's prompt from its prefix cache).
 
 Partial rollouts (`partial_rollouts`): after each result, once `partial_close_fraction` of the step's groups are
 complete the step closes: PAUSE to every engine rank, nothing more is admitted, and every live trajectory comes
@@ -43,6 +43,10 @@ class Levers:
         """Before admission: the previous step's carry goes first in this step's items."""
         if not self.sc.partial_rollouts or self.s.step == 0:
             return
+        from rstar_hpc.exchange.writer import ShardWriter
+        if not ShardWriter.is_committed(self.s.paths, self.s.stage, self.s.step - 1, "rollout"):
+            raise RuntimeError(f"step {self.s.step} of stage {self.s.stage} runs before step {self.s.step - 1} is "
+                               f"committed: with partial rollouts it resumes that step's carry, so steps run in order")
         self.carried_in = carry_mod.load(self.s.paths, self.s.stage, self.s.step - 1)
         if len(self.carried_in):
             log.info("step %d of stage %s: %d trajectories carried in (%d paused or not started, %d finished)",
@@ -68,7 +72,10 @@ class Levers:
 
     # ------------------------------------------------------------------------------------------- the loop
     def over(self) -> bool:
-        return all(it.key in self.s.results or it.key in self.open_items for it in self.s.items)
+        """Every item finished or (the step closed) carried out."""
+        if not self.open_items:
+            return len(self.s.results) >= len(self.s.items)
+        return len(self.s.results.keys() | self.open_items.keys()) >= len(self.s.items)
 
     def on_beat(self, src: int, msg: dict) -> None:
         """Migration: ask `src` to let go of trajectories waiting for a tool call, where the policy says so."""

