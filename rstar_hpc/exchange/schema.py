@@ -1,7 +1,7 @@
 """The one trajectory schema: a row per rollout, written by rollout ranks, read by the trainer.
 
-Version 1. One row is one sampled response to one prompt (one of the 2G oversampled rollouts of GRPO-RoC).
-Token positions index `response_ids`; the prompt is not part of the loss.
+Version 2 (v2 added token_policy_versions). One row is one sampled response to one prompt (one of the 2G oversampled
+rollouts of GRPO-RoC). Token positions index `response_ids`; the prompt is not part of the loss.
 
 identity
     run             str     run name (config `run.name`)

@@ -186,3 +186,84 @@ def test_staleness_mask_and_token_versions_column():
     behind = cols.policy_version.max() - vals
     mask, n = staleness_mask(np.array([1, 1, 1, 0], np.uint8), behind, bound=1)
     assert mask.tolist() == [0, 1, 1, 0] and n == 1
+
+
+class _Comm:
+    def __init__(self):
+        self.sent = []
+
+    def isend(self, msg, dest, tag):
+        self.sent.append((dest, tag, msg))
+        return None
+
+
+def _scheduler(tmp_path, **knobs):
+    """What Levers reads of a StepScheduler, without MPI: 3 groups x 2 samples on engines 1 and 2."""
+    from collections import deque
+    from types import SimpleNamespace
+
+    from rstar_hpc.config.rollout import SchedulerConfig
+    from rstar_hpc.exchange.rundir import RunPaths
+
+    paths = RunPaths(tmp_path / "run")
+    paths.create()
+    items = [WorkItem(u, i, [1] * 10, "p", "1") for u in ("a", "b", "c") for i in range(2)]
+    s = SimpleNamespace(sc=SchedulerConfig(**knobs), paths=paths, stage="rl", step=0, items=items,
+                        by_key={it.key: it for it in items}, results={}, pending=deque(items), comm=_Comm(),
+                        sends=[], alive={1: 0.0, 2: 0.0}, elapsed=lambda: 1.0,
+                        policy=KVAwarePolicy({1: 1000, 2: 1000}, max_response=100, growth_reserve=0.1,
+                                             share_prefix=True))
+    return s
+
+
+def test_levers_close_pause_carry_and_requeue_lose_nothing_train_nothing_twice(tmp_path):
+    from rstar_hpc.rollout.levers import Levers
+    from rstar_hpc.rollout.mpi import TAG_PAUSE
+
+    s = _scheduler(tmp_path, partial_rollouts=True, partial_close_fraction=0.5)
+    lv = Levers(s)
+    for it in list(s.pending)[:4]:             # a and b admitted; c still queued
+        s.policy.place(it.key, 10, group=it.prompt_uid)
+        s.pending.popleft()
+    s.results[("a", 0)] = _traj("a", 0)
+    lv.after_result()
+    assert not lv.closing                          # no group complete yet
+    s.results[("a", 1)] = _traj("a", 1)
+    s.results[("b", 0)] = _traj("b", 0)
+    lv.after_result()                              # 1 group complete; the close needs ceil(0.5 * 3) = 2
+    assert not lv.closing
+    s.results[("b", 1)] = _traj("b", 1)
+    lv.after_result()
+    assert lv.closing and [(d, t) for d, t, _ in s.comm.sent] == [(1, TAG_PAUSE), (2, TAG_PAUSE)]
+    assert set(lv.open_items) == {("c", 0), ("c", 1)} and not s.pending    # never admitted: carried as they are
+    assert lv.over()
+    trained = lv.commit_split()
+    assert [t.key for t in trained] == [("a", 0), ("a", 1), ("b", 0), ("b", 1)]
+    back = carry.load(s.paths, "rl", 0)
+    assert [it.key for it in back.items] == [("c", 0), ("c", 1)] and not back.finished
+
+
+def test_levers_paused_result_is_carried_when_closing_and_readmitted_when_migrating(tmp_path):
+    from rstar_hpc.rollout.levers import Levers
+    from rstar_hpc.rollout.mpi import TAG_MIGRATE
+
+    s = _scheduler(tmp_path, migrate_on_tool_call=True, migrate_margin=-1.0, partial_rollouts=True)
+    lv = Levers(s)
+    for it in list(s.pending):
+        s.policy.place(it.key, 10, group=it.prompt_uid)
+    s.pending.clear()
+    src = s.policy.placed[("a", 0)][0]
+    lv.on_beat(src, {"movable": [("a", 0), ("a", 1)]})
+    assert s.sends == [None] and s.comm.sent[-1] == (src, TAG_MIGRATE, {"key": ("a", 0)})
+    lv.on_beat(src, {"movable": [("a", 1)]})
+    assert len(s.sends) == 1                       # one at a time per engine
+    state = {"response_ids": [5, 6], "token_versions": [0, 0]}
+    lv.on_paused({"prompt_uid": "a", "sample_index": 0, "step": 0, "paused": True, "state": state})
+    assert lv.migrations == 1 and lv.migrated_context_tokens == 12
+    assert s.pending[0].key == ("a", 0) and s.pending[0].resume == state and ("a", 0) not in s.policy.placed
+    assert s.by_key[("a", 0)].resume == state      # a requeue after an engine death resumes from here too
+    lv.on_paused({"prompt_uid": "a", "sample_index": 1, "step": 1, "paused": True, "state": state})
+    assert ("a", 1) not in lv.open_items           # another step's late message: ignored
+    lv.close()
+    lv.on_paused({"prompt_uid": "b", "sample_index": 0, "step": 0, "paused": True, "state": state})
+    assert ("b", 0) in lv.open_items and ("a", 0) in lv.open_items   # the re-queued one is carried too
