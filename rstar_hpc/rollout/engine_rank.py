@@ -149,7 +149,8 @@ class _EngineStep:
         self.contexts[key] = len(item["prompt_ids"]) + (len(resume.response_ids) if resume else 0)
         seed = request_seed(self.run_seed, self.stage, self.step, *key)
         pause = None
-        if self.agent.cfg.tool_state == "stateless":   # a tool session cannot follow a trajectory elsewhere
+        levers = self.sc.migrate_on_tool_call or self.sc.partial_rollouts
+        if levers and self.agent.cfg.tool_state == "stateless":   # a tool session cannot follow it elsewhere
             self.pauses[key] = pause = Pause()
             if self.pause_all:
                 pause.now.set()

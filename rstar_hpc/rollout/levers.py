@@ -33,6 +33,7 @@ class Levers:
         self.migrating: dict[tuple, int] = {}     # key -> engine rank asked to let it go
         self.migrations = 0
         self.migrated_context_tokens = 0          # what the targets re-prefill (at most: less a cached prompt)
+        self.migrated_keys: list[tuple] = []
         self.closing = False
         self.closed_at: float | None = None
         self.open_items: dict[tuple, object] = {}   # unfinished items carried out, with their latest state
@@ -119,6 +120,7 @@ class Levers:
         if migrated:
             self.migrations += 1
             self.migrated_context_tokens += item.context_tokens
+            self.migrated_keys.append(key)
         s.pending.appendleft(item)
 
     def after_result(self) -> None:
@@ -162,7 +164,8 @@ class Levers:
     def metrics(self) -> dict:
         out = {}
         if self.sc.migrate_on_tool_call:
-            out.update(migrations=self.migrations, migrated_context_tokens=self.migrated_context_tokens)
+            out.update(migrations=self.migrations, migrated_context_tokens=self.migrated_context_tokens,
+                       migrated=[list(k) for k in self.migrated_keys[:100]])
         if self.sc.partial_rollouts:
             out.update(carried_in=len(self.carried_in), carried_out=getattr(self, "carried_out", 0),
                        closed_at_s=None if self.closed_at is None else round(self.closed_at, 3))

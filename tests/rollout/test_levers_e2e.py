@@ -166,7 +166,18 @@ def test_every_token_matches_the_policy_that_generated_it(levers):
     assert _logprob_errors(paths, trajs) < 2e-3
 
 
-def test_trajectories_migrate_at_tool_calls(levers):
-    s0, s1 = levers["summaries"]
+def test_trajectories_migrate_at_tool_calls_and_finish_intact(levers):
+    from rstar_hpc.rollout import carry
+
+    paths, (s0, s1) = levers["paths"], levers["summaries"]
     assert s0["migrations"] + s1["migrations"] > 0, (s0, s1)
     assert s0["migrated_context_tokens"] + s1["migrated_context_tokens"] > 0
+    moved = {tuple(k) for k in s0["migrated"] + s1["migrated"]}
+    committed = {t.key: t for t in _read(paths, 0) + _read(paths, 1)}
+    left = {it.key for it in carry.load(paths, "rl", 1).items} | {t.key for t in carry.load(paths, "rl", 1).finished}
+    assert moved <= set(committed) | left        # nothing lost on the way
+    done = [committed[k] for k in moved if k in committed]
+    assert done, "no migrated trajectory was committed"
+    for t in done:                               # a tool call, then turns generated elsewhere, all intact
+        assert sum(x.role == "assistant" for x in t.turns) >= 2 and t.validate()
+    assert _logprob_errors(paths, done) < 2e-3
