@@ -13,7 +13,12 @@ small batches while decode pays a fixed cost per step. A smaller growth_reserve 
 hold NOW plus headroom and re-books as they grow; a rare overflow costs vLLM a preempt-and-recompute,
 never a trajectory. An engine's room is kv_tokens / budget_coef (rStar2's `server_budget_coef`).
 
-`StaticPolicy` is the usual baseline: trajectories split round-robin over engines up front, each engine
+Sibling-aware (`share_prefix`, rollout.scheduler.sibling_aware): a GRPO group's samples share their prompt's KV
+through vLLM's prefix cache, so the prompt is booked once per engine hosting the group and a sibling goes to an
+engine already hosting it while one has room. `migration_target` answers, with the same accounting, whether a
+trajectory between turns should move (rollout/levers.py: turn-boundary migration).
+
+`StaticPolicy` is the usual baseline: trajectories split round-robin (or, `block`, contiguously) over engines up front, each engine
 takes its whole share at once and lets its own scheduler (vLLM's: FCFS, preempt-and-recompute) cope.
 
 Both are plain bookkeeping over engine ids (no MPI, no vLLM), so the simulation and the real scheduler
