@@ -18,8 +18,9 @@ through vLLM's prefix cache, so the prompt is booked once per engine hosting the
 engine already hosting it while one has room. `migration_target` answers, with the same accounting, whether a
 trajectory between turns should move (rollout/levers.py: turn-boundary migration).
 
-`StaticPolicy` is the usual baseline: trajectories split round-robin (or, `block`, contiguously) over engines up front, each engine
-takes its whole share at once and lets its own scheduler (vLLM's: FCFS, preempt-and-recompute) cope.
+`StaticPolicy` is the usual baseline: trajectories split round-robin (or, `block`, contiguously) over engines up
+front, each engine takes its whole share at once and lets its own scheduler (vLLM's: FCFS, preempt-and-recompute)
+cope.
 
 Both are plain bookkeeping over engine ids (no MPI, no vLLM), so the simulation and the real scheduler
 decide identically from the same information: prompt lengths, engine capacities, results, and the
