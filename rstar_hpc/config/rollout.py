@@ -101,15 +101,15 @@ class SchedulerConfig(Section):
     """Migrate only if the target keeps this much more free KV (fraction of capacity) than the source has. Negative
     values move trajectories even toward busier engines: only to exercise the path in tests."""
     partial_rollouts: bool = False
-    """Partial rollouts (APRIL, Kimi k1.5): a step closes once `partial_close_fraction` of its groups (its own prompts'
-    and those carried into it) are complete, and trains only those; every unfinished trajectory is paused (a turn
-    being generated is dropped and generated again, a tool call in flight runs again) and carried into the next
-    step, persisted in <run>/stages/<stage>/carry/, with the finished siblings of its group. CHANGES WHAT IS TRAINED:
-    a carried trajectory resumes on the next policy, so its tokens come from several versions (exchange column
-    token_policy_versions) and a group trains a step or more after it started; the trainer masks tokens older than
-    trainer.max_token_staleness and importance-weights the rest. In steady state the carry holds
-    prompts_per_step x (1 - f) / f groups and a step trains prompts_per_step groups; the first steps train fewer
-    (f x their pool). Groups still carried when the stage ends are not trained. Needs tool_state stateless."""
+    """Partial rollouts (APRIL, Kimi k1.5; rl stages only): a step closes once `partial_close_fraction` of its groups
+    (its own prompts' and those carried into it) are complete, and trains only those; every unfinished trajectory is
+    paused (a turn being generated is dropped and generated again, a tool call in flight runs again) and carried
+    into the next step, persisted in <run>/stages/<stage>/carry/, with the finished siblings of its group. CHANGES
+    WHAT IS TRAINED: a carried trajectory resumes on the next policy, so its tokens come from several versions
+    (exchange column token_policy_versions) and a group trains a step or more after it started; the trainer masks
+    tokens older than trainer.max_token_staleness and importance-weights the rest. In steady state the carry holds
+    prompts_per_step x (1 - f) / f groups and a step trains prompts_per_step groups; the first steps train fewer (f
+    x their pool). Groups still carried when the stage ends are not trained. Needs tool_state stateless."""
     partial_close_fraction: float = Field(0.5, gt=0, le=1)
     """f: the fraction of a step's groups that must be complete for it to close (1: every group, no carry)."""
     journal_every_s: float = Field(30.0, ge=0)
