@@ -17,7 +17,8 @@ trajectory ends with the model's last token, where the reward lands: finish_reas
 Pause and resume (rollout.scheduler.partial_rollouts, migrate_on_tool_call): a `Pause` handed to `run` stops a
 trajectory early and returns what it has (`AgentResult.paused`); `run(..., resume=that)` continues it, on this
 engine or another, in this step or a later one. `Pause.now` (a step closed) stops at once: a turn being generated
-is dropped (regenerated on resume; the trajectory keeps only whole turns) and a tool call in flight is abandoned
+keeps what it generated (`open_turn`: the engine continues that turn on resume; an engine that cannot stream its
+output drops the turn, generated again) and a tool call in flight is abandoned
 (run again on resume: `pending_tool`); `Pause.at_boundary` (migration) stops at the next turn boundary, once the
 tool result is appended. Every token records the version of the policy that generated it (`token_versions`).
 
@@ -115,6 +116,8 @@ class AgentResult:
     """Per response token, the policy version of the engine that generated (or appended) it."""
     paused: bool = False
     """Stopped early by a `Pause`: resume it with `AgentLoop.run(..., resume=...)`."""
+    open_turn: bool = False
+    """Its last assistant turn was cut by a pause mid-generation: on resume the engine continues that turn."""
     pending_tool: bool = False
     """Its last assistant turn's tool calls have not run yet (paused while they ran): they run first on resume."""
 
@@ -268,13 +271,15 @@ class AgentLoop:
                 return
             left = budget - len(res.response_ids)
             t0 = time.perf_counter()
-            turn_kw = {} if seed is None else {"seed": (seed + res.num_assistant_turns) % 2**63}
+            turn = res.num_assistant_turns - res.open_turn   # a turn a pause cut continues under its own index
+            turn_kw = {} if seed is None else {"seed": (seed + turn) % 2**63}
             if self.sampling:
                 turn_kw["sampling"] = self.sampling
             context = list(prompt_ids) + list(res.response_ids)
-            gen = await self._generate(context, left, f"{request_id}-t{res.num_assistant_turns}", turn_kw, pause)
+            rid = f"{request_id}-t{turn}" + ("-c" if res.open_turn else "")
+            gen = await self._generate(context, left, rid, turn_kw, pause)
             res.timings.generate_s += time.perf_counter() - t0
-            if gen is None:   # paused mid-turn: the turn is dropped and generated again on resume
+            if gen is None:   # paused mid-turn, an engine that cannot stream: the turn is dropped, generated again
                 res.paused = True
                 return
             res.num_cached_tokens += gen.num_cached_tokens
@@ -282,9 +287,16 @@ class AgentLoop:
             if len(gen.logprobs) < len(ids):
                 raise RuntimeError(f"{request_id}: engine returned {len(ids)} tokens but {len(gen.logprobs)} "
                                    f"logprobs; request logprobs for every sampled token")
-            text = self.tok.decode(ids, skip_special_tokens=False)
-            self._append(res, "assistant", ids, text, mask=1, logprobs=list(gen.logprobs[:len(ids)]))
-            ended = bool(ids) and ids[-1] == self.stop_token_id
+            if gen.finish_reason == "paused":   # the step closed mid-turn: its tokens so far are kept, the turn open
+                if ids or res.open_turn:
+                    self._model_tokens(res, ids, list(gen.logprobs[:len(ids)]))
+                    res.open_turn = True
+                res.paused = True
+                return
+            self._model_tokens(res, ids, list(gen.logprobs[:len(ids)]))
+            text = res.turns[-1].text
+            ids = res.response_ids[res.turns[-1].start:]
+            ended = bool(ids) and int(ids[-1]) == self.stop_token_id
             if len(res.response_ids) >= budget or (gen.finish_reason == "length" and not ended):
                 res.finish_reason = "length"
                 return
@@ -298,9 +310,12 @@ class AgentLoop:
 
     async def _generate(self, context: list[int], left: int, rid: str, turn_kw: dict,
                         pause: Pause | None) -> Generation | None:
-        """The engine's turn; None when `pause.now` interrupts it (the request is cancelled: vLLM aborts it)."""
+        """The engine's turn. When `pause.now` interrupts it: a pausable engine returns its tokens so far
+        (finish_reason "paused"), another is cancelled (None: the turn is dropped)."""
         if pause is None:
             return await self.engine.generate(context, left, rid, **turn_kw)
+        if getattr(self.engine, "pausable", False):   # keeps what it generated: finish_reason "paused"
+            return await self.engine.generate(context, left, rid, **turn_kw, stop=pause.now)
         task = asyncio.ensure_future(self.engine.generate(context, left, rid, **turn_kw))
         return await _unless_paused(task, pause)
 
@@ -335,6 +350,21 @@ class AgentLoop:
             return False
         self._append(res, "tool", tool_ids, tool_text, mask=0, logprobs=[0.0] * len(tool_ids))
         return True
+
+    def _model_tokens(self, res: AgentResult, ids: list[int], logprobs: list[float]) -> None:
+        """A generation's tokens: a new assistant turn, or the rest of the turn a pause cut (`open_turn`)."""
+        if res.open_turn:
+            last = res.turns[-1]
+            res.response_ids.extend(ids)
+            res.loss_mask.extend([1] * len(ids))
+            res.logprobs.extend(logprobs)
+            res.token_versions.extend([int(getattr(self.engine, "policy_version", 0) or 0)] * len(ids))
+            last.end = len(res.response_ids)
+            last.text = self.tok.decode(res.response_ids[last.start:last.end], skip_special_tokens=False)
+        else:
+            self._append(res, "assistant", ids, self.tok.decode(ids, skip_special_tokens=False), mask=1,
+                         logprobs=logprobs)
+        res.open_turn = False
 
     def _append(self, res: AgentResult, role: str, ids: list[int], text: str, *, mask: int,
                 logprobs: list[float]) -> None:

@@ -11,7 +11,7 @@ import pytest
 
 from rstar_hpc.exchange.schema import Timings, Trajectory, Turn
 from rstar_hpc.rollout import carry
-from rstar_hpc.rollout.agent import AgentResult, Pause
+from rstar_hpc.rollout.agent import AgentResult, Generation, Pause
 from rstar_hpc.rollout.policy import KVAwarePolicy
 from rstar_hpc.rollout.step import WorkItem
 from tests.rollout.test_agent import ANSWER, FakeTools, ScriptedEngine, call, loop
@@ -92,6 +92,60 @@ def test_pause_now_drops_the_turn_in_flight_and_resume_on_a_new_policy_tags_vers
     n = paused.turns[-1].end
     assert done.token_versions == [1] * n + [2] * (len(done.response_ids) - n)
     assert len(done.token_versions) == len(done.response_ids)
+
+
+class StreamingEngine(VersionedEngine):
+    """Emits a turn's tokens one at a time; generate(stop=...) returns those emitted so far ("paused"), and a
+    continuation request (id ending in -c) emits the rest of that turn, as vLLM does from the longer context."""
+    pausable = True
+
+    def __init__(self, tok, scripts, version: int, emitted: dict | None = None):
+        super().__init__(tok, scripts, version)
+        self.emitted = {} if emitted is None else emitted   # (traj, turn) -> tokens already emitted
+
+    async def generate(self, prompt_ids, max_tokens, request_id, *, seed=None, stop=None):
+        rid = request_id.removesuffix("-c")
+        traj, turn = rid.rsplit("-t", 1)
+        self.calls.append((request_id, list(prompt_ids), max_tokens, 0.0))
+        full = self.tok.encode(self.scripts[traj][int(turn)], add_special_tokens=False)
+        start = self.emitted.get((traj, turn), 0)
+        ids, lps = [], []
+        for i in range(start, len(full)):
+            if stop is not None and stop.is_set():
+                self.emitted[(traj, turn)] = i
+                return Generation(ids, lps, "paused")
+            ids.append(full[i])
+            lps.append(-0.5 - 0.001 * i)
+            await asyncio.sleep(0.002)
+        return Generation(ids, lps, "stop")
+
+
+def test_pause_now_keeps_a_streamed_turn_and_resume_continues_it(tok):
+    eng = StreamingEngine(tok, SCRIPT, 1)
+    agent = loop(tok, eng, _tools())
+    ids, text = agent.encode_prompt("Compute 6 * 7.")
+
+    async def close_mid_turn_two():
+        pause = Pause()
+        task = asyncio.ensure_future(agent.run(ids, "a", text, pause=pause))
+        while len(eng.calls) < 2:
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.01)                 # a few tokens of turn 2
+        pause.now.set()
+        return await task
+    paused = asyncio.run(close_mid_turn_two())
+    assert paused.paused and paused.open_turn and [t.role for t in paused.turns] == ["assistant", "tool", "assistant"]
+    cut = len(paused.response_ids)
+    new = StreamingEngine(tok, SCRIPT, 2, emitted=eng.emitted)   # the continuation on the next policy
+    done = asyncio.run(loop(tok, new, _tools()).run(ids, "a", text,
+                                                    resume=AgentResult.from_dict(dataclasses.asdict(paused))))
+    whole = _whole(tok)
+    assert new.calls[0][0] == "a-t1-c" and new.calls[0][1] == ids + paused.response_ids
+    assert done.response_ids == whole.response_ids and done.logprobs == whole.logprobs
+    assert [(t.role, t.start, t.end, t.text) for t in done.turns] == [(t.role, t.start, t.end, t.text)
+                                                                       for t in whole.turns]
+    assert done.num_assistant_turns == 3 and done.finish_reason == "stop"
+    assert done.token_versions == [1] * cut + [2] * (len(done.response_ids) - cut)
 
 
 def test_pause_while_its_tool_runs_runs_the_tool_again_on_resume(tok):
