@@ -103,7 +103,7 @@ class SchedulerConfig(Section):
     partial_rollouts: bool = False
     """Partial rollouts (APRIL, Kimi k1.5; rl stages only): a step closes once `partial_close_fraction` of its groups
     (its own prompts' and those carried into it) are complete, and trains only those; every unfinished trajectory is
-    paused (a turn being generated is dropped and generated again, a tool call in flight runs again) and carried
+    paused (a turn being generated keeps its tokens and is continued, a tool call in flight runs again) and carried
     into the next step, persisted in <run>/stages/<stage>/carry/, with the finished siblings of its group. CHANGES
     WHAT IS TRAINED: a carried trajectory resumes on the next policy, so its tokens come from several versions
     (exchange column token_policy_versions) and a group trains a step or more after it started; the trainer masks

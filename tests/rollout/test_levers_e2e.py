@@ -181,3 +181,27 @@ def test_trajectories_migrate_at_tool_calls_and_finish_intact(levers):
     for t in done:                               # a tool call, then turns generated elsewhere, all intact
         assert sum(x.role == "assistant" for x in t.turns) >= 2 and t.validate()
     assert _logprob_errors(paths, done) < 2e-3
+
+
+def test_vllm_engine_pauses_a_turn_mid_generation_and_continues_it(tiny_model_dir, tmp_path):
+    """VLLMEngine.generate(stop=...): the request is aborted where the pause finds it, its tokens and logprobs
+    come back, and a continuation from the longer context goes on; both parts' logprobs are the model's."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    res = subprocess.run([PY, str(REPO / "tests/rollout/_pause_engine.py"), str(tiny_model_dir)], env=env,
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    out = [json.loads(x) for x in res.stdout.splitlines() if x.startswith("{")]
+    assert res.returncode == 0 and out, res.stderr[-3000:]
+    r = out[0]
+    assert r["first_finish"] == "paused" and 0 < len(r["first"]) < 1500, (r["first_finish"], len(r["first"]))
+    assert len(r["first_lp"]) == len(r["first"]) and r["rest_finish"] == "length" and len(r["rest"]) == 40
+    assert r["again"] == 8
+    ids = torch.tensor([r["prompt"] + r["first"] + r["rest"]])
+    m = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        lp = torch.log_softmax(m(ids).logits[0, :-1].double(), -1)
+    n = len(r["prompt"])
+    ref = lp[n - 1:].gather(-1, ids[0, n:, None])[:, 0].numpy()
+    assert np.abs(ref - np.asarray(r["first_lp"] + r["rest_lp"])).max() < 2e-3
