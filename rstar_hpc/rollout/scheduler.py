@@ -99,6 +99,7 @@ class StepScheduler:
         self.prepare_admission(hello)
         self.results.update(self.levers.carried_results())
         self.resume_from_journal()
+        self.levers.after_result()   # a rerun whose journal already completes enough groups closes at once
         while not self.levers.over():
             self.dispatch(self.admit())
             got = self.collect()
