@@ -88,6 +88,34 @@ class SchedulerConfig(Section):
     """How long engine ranks may take to load a new policy in place before rank 0 gives up on them."""
     engine_timeout_s: float = Field(60.0, gt=0)
     """An engine rank silent for this long is declared dead; its unfinished trajectories run elsewhere."""
+    sibling_aware: bool = True
+    """`kv_aware` only: GRPO siblings (one prompt's samples) share the prompt's KV through vLLM's prefix cache, so the
+    prompt is booked once per engine hosting the group and a sibling goes where its group already runs while that
+    engine has room (policy.py). Placement only: what is generated and trained is the same either way. Turn it off
+    with rollout.engine.enable_prefix_caching false (each sibling then really holds its own prompt)."""
+    migrate_on_tool_call: bool = False
+    """Turn-boundary migration (`kv_aware` only): once the step's queue is empty (its tail), a trajectory may continue
+    after its next tool call on an engine with more free KV, chosen by the same accounting as admission
+    (policy.migration_target; rollout/levers.py); the target re-prefills its context (less the prompt where a sibling
+    holds it).
+    Nothing trained changes: tokens, logprobs and sampling seeds are the trajectory's wherever it runs (the target
+    computes logprobs with the same weights). Off by default until measured on real engines at scale; needs
+    rollout.agent.tool_state stateless."""
+    migrate_margin: float = Field(0.1, ge=-1, le=1)
+    """Migrate only if the target keeps this much more free KV (fraction of capacity) than the source has. Negative
+    values move trajectories even toward busier engines: only to exercise the path in tests."""
+    partial_rollouts: bool = False
+    """Partial rollouts (APRIL, Kimi k1.5; rl stages only): a step closes once `partial_close_fraction` of its groups
+    (its own prompts' and those carried into it) are complete, and trains only those; every unfinished trajectory is
+    paused (a turn being generated keeps its tokens and is continued, a tool call in flight runs again) and carried
+    into the next step, persisted in <run>/stages/<stage>/carry/, with the finished siblings of its group. CHANGES
+    WHAT IS TRAINED: a carried trajectory resumes on the next policy, so its tokens come from several versions
+    (exchange column token_policy_versions) and a group trains a step or more after it started; the trainer masks
+    tokens older than trainer.max_token_staleness and importance-weights the rest. In steady state the carry holds
+    prompts_per_step x (1 - f) / f groups and a step trains prompts_per_step groups; the first steps train fewer (f
+    x their pool). Groups still carried when the stage ends are not trained. Needs tool_state stateless."""
+    partial_close_fraction: float = Field(0.5, gt=0, le=1)
+    """f: the fraction of a step's groups that must be complete for it to close (1: every group, no carry)."""
     journal_every_s: float = Field(30.0, ge=0)
     """How often rank 0 commits a step's finished trajectories to the step's journal (rollout/journal.py), so a
     step killed halfway (time limit, preemption, a crash) keeps them and its rerun runs only the rest; 0: only

@@ -62,6 +62,8 @@ def _batch(trajs: Sequence[Trajectory]) -> pa.RecordBatch:
                 values = [[vars(item) for item in v] for v in values]
             elif f.name == "timings":
                 values = [vars(v) for v in values]
+            elif f.name == "token_policy_versions":
+                values = [None if v is None else np.asarray(v, dtype=np.int32) for v in values]
             columns[f.name] = pa.array(values, type=f.type)
         else:
             columns[f.name] = _list_array([getattr(t, f.name) for t in trajs], f.type)
@@ -119,6 +121,8 @@ def from_table(table: pa.Table) -> list[Trajectory]:
             row["turns"] = [Turn(**t) for t in row["turns"]]
             row["tool_calls"] = [ToolCall(**c) for c in row["tool_calls"]]
             row["timings"] = Timings(**row["timings"])
+            if row["token_policy_versions"] is not None:
+                row["token_policy_versions"] = np.asarray(row["token_policy_versions"], dtype=np.int32)
             for name, (values, offsets) in tokens.items():
                 row[name] = values[offsets[i]:offsets[i + 1]]
             out.append(Trajectory(**row))
@@ -186,12 +190,27 @@ class TrajectoryColumns:
     p_err = _Numbers()
     p_format = _Numbers()
     roc_reason = _Texts()
+    token_policy_versions = _Tokens()
+    """Null rows (the trajectory was never paused) come back empty: see token_versions()."""
 
     def __init__(self, table: pa.Table):
         self.table = table
 
     def __len__(self) -> int:
         return self.table.num_rows
+
+    def token_versions(self) -> TokenColumn:
+        """The policy version of every response token, aligned with response_ids: token_policy_versions where a
+        row has it, else the row's policy_version repeated."""
+        _, offsets = self.response_ids
+        lengths = np.diff(offsets)
+        out = np.repeat(self.policy_version.astype(np.int32), lengths)
+        col = self.table.column("token_policy_versions")
+        if col.null_count < len(col):
+            vals, voff = self.token_policy_versions
+            for i in np.flatnonzero(np.diff(voff)):
+                out[offsets[i]:offsets[i + 1]] = vals[voff[i]:voff[i + 1]]
+        return TokenColumn(out, offsets)
 
     @property
     def roc_kept(self) -> np.ndarray:

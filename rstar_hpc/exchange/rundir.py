@@ -88,6 +88,11 @@ class RunPaths:
     def stages(self) -> list[str]:
         return _listdir(self.dir / "stages")
 
+    def rollout_carry(self, stage: str, step: int) -> Path:
+        """Partial rollouts: the trajectories step `step` paused and carries into the next (rollout/carry.py); out of
+        the trajectory directories, so trajectory retention never removes one before it is resumed."""
+        return self.stage_dir(stage) / "carry" / f"step-{_step(step):08d}.json"
+
     def cursor(self, stage: str, consumer: str) -> Path:
         return self.stage_dir(stage) / "cursors" / f"{_check('consumer', consumer)}.json"
 

@@ -14,6 +14,14 @@ Token accounting follows the released code: the response budget counts model AND
 generate at most what is left of it; a tool response that would reach the budget is not appended (the
 trajectory ends with the model's last token, where the reward lands: finish_reason "tool_overflow").
 
+Pause and resume (rollout.scheduler.partial_rollouts, migrate_on_tool_call): a `Pause` handed to `run` stops a
+trajectory early and returns what it has (`AgentResult.paused`); `run(..., resume=that)` continues it, on this
+engine or another, in this step or a later one. `Pause.now` (a step closed) stops at once: a turn being generated
+keeps what it generated (`open_turn`: the engine continues that turn on resume; an engine that cannot stream its
+output drops the turn, generated again) and a tool call in flight is abandoned
+(run again on resume: `pending_tool`); `Pause.at_boundary` (migration) stops at the next turn boundary, once the
+tool result is appended. Every token records the version of the policy that generated it (`token_versions`).
+
 Tool state (`rollout.agent.tool_state`): `stateless`, the paper's, runs every call in a fresh interpreter; `session`
 opens one sandbox session per trajectory attempt and releases it in a `finally`, so every way out (answer, limits,
 an engine error, cancellation) frees it; a killed process's sessions expire on the service.
@@ -74,6 +82,20 @@ class PromptTooLong(ValueError):
 
 
 @dataclass
+class Pause:
+    """How the engine rank stops one running trajectory early (module docstring)."""
+    now: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set: stop at once (a partial-rollout step closed)."""
+    at_boundary: bool = False
+    """Stop at the next turn boundary (migration to another engine)."""
+    at_tool: bool = False
+    """Read by the engine rank: the trajectory is waiting for its tool calls (where migration may take it)."""
+
+    def wanted(self) -> bool:
+        return self.now.is_set() or self.at_boundary
+
+
+@dataclass
 class AgentResult:
     """What one trajectory produced; the step driver adds identity and reward to make a schema Trajectory."""
     prompt_ids: list[int]
@@ -90,6 +112,23 @@ class AgentResult:
     infra_failures: int = 0
     """Tool calls the sandbox could not run (internal_error / unavailable): recorded as `error` calls, since
     the exchange schema has no status for them, and counted here so the step reports them."""
+    token_versions: list[int] = field(default_factory=list)
+    """Per response token, the policy version of the engine that generated (or appended) it."""
+    paused: bool = False
+    """Stopped early by a `Pause`: resume it with `AgentLoop.run(..., resume=...)`."""
+    open_turn: bool = False
+    """Its last assistant turn was cut by a pause mid-generation: on resume the engine continues that turn."""
+    pending_tool: bool = False
+    """Its last assistant turn's tool calls have not run yet (paused while they ran): they run first on resume."""
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "AgentResult":
+        """Back from dataclasses.asdict (an MPI message, a carry file)."""
+        d = dict(d)
+        d["turns"] = [Turn(**t) for t in d["turns"]]
+        d["tool_calls"] = [ToolCall(**c) for c in d["tool_calls"]]
+        d["timings"] = Timings(**d["timings"])
+        return cls(**d)
 
     @property
     def response_text(self) -> str:
@@ -188,19 +227,28 @@ class AgentLoop:
         return encode_prompt(self.tok, question, self.cfg)
 
     async def run(self, prompt_ids: Sequence[int], request_id: str, prompt_text: str = "", *,
-                  seed: int | None = None, progress: Callable[[int], None] | None = None) -> AgentResult:
+                  seed: int | None = None, progress: Callable[[int], None] | None = None,
+                  pause: Pause | None = None, resume: AgentResult | None = None) -> AgentResult:
         """One trajectory. `seed` makes its sampling reproducible (turn k samples with seed + k);
-        `progress` hears the context length after every turn (the scheduler books KV from it)."""
+        `progress` hears the context length after every turn (the scheduler books KV from it); `pause` may stop it
+        early, `resume` continues one that was (module docstring)."""
         t_start = time.perf_counter()
-        res = AgentResult(prompt_ids=list(prompt_ids), prompt_text=prompt_text)
+        if resume is not None:
+            if self.cfg.tool_state == "session":
+                raise ValueError("a paused trajectory cannot resume with tool_state: session (its session is gone); "
+                                 "partial rollouts and migration need tool_state: stateless")
+            res = resume
+            res.paused = False
+        else:
+            res = AgentResult(prompt_ids=list(prompt_ids), prompt_text=prompt_text)
         # unique per attempt: a rerun of a killed step must not find the state its first attempt left behind
         session = f"{request_id}-{uuid.uuid4().hex[:12]}" if self.cfg.tool_state == "session" else None
         try:
-            await self._turns(res, prompt_ids, request_id, seed, progress, session)
+            await self._turns(res, prompt_ids, request_id, seed, progress, session, pause)
         finally:   # every exit: answer, limits, an engine error, cancellation
             if session is not None:
                 await self._release(session)
-        res.timings.total_s = time.perf_counter() - t_start
+        res.timings.total_s += time.perf_counter() - t_start
         return res
 
     async def _release(self, session: str) -> None:
@@ -210,59 +258,121 @@ class AgentLoop:
             log.warning("could not release tool session %s: %r", session, e)
 
     async def _turns(self, res: AgentResult, prompt_ids: Sequence[int], request_id: str, seed: int | None,
-                     progress: Callable[[int], None] | None, session: str | None) -> None:
+                     progress: Callable[[int], None] | None, session: str | None, pause: Pause | None) -> None:
         budget = self.max_response_length
-        context = list(prompt_ids)
         while True:
+            if res.pending_tool:   # the last assistant turn's calls (fresh, or left by a pause)
+                if not await self._tool_turn(res, session, pause):
+                    return
+                if progress is not None:
+                    progress(len(prompt_ids) + len(res.response_ids))
+            if pause is not None and pause.wanted():
+                res.paused = True
+                return
             left = budget - len(res.response_ids)
             t0 = time.perf_counter()
-            turn_kw = {} if seed is None else {"seed": (seed + res.num_assistant_turns) % 2**63}
+            turn = res.num_assistant_turns - res.open_turn   # a turn a pause cut continues under its own index
+            turn_kw = {} if seed is None else {"seed": (seed + turn) % 2**63}
             if self.sampling:
                 turn_kw["sampling"] = self.sampling
-            gen = await self.engine.generate(context, left, f"{request_id}-t{res.num_assistant_turns}", **turn_kw)
+            context = list(prompt_ids) + list(res.response_ids)
+            rid = f"{request_id}-t{turn}" + ("-c" if res.open_turn else "")
+            gen = await self._generate(context, left, rid, turn_kw, pause)
             res.timings.generate_s += time.perf_counter() - t0
+            if gen is None:   # paused mid-turn, an engine that cannot stream: the turn is dropped, generated again
+                res.paused = True
+                return
             res.num_cached_tokens += gen.num_cached_tokens
             ids = list(gen.token_ids)[:left]
             if len(gen.logprobs) < len(ids):
                 raise RuntimeError(f"{request_id}: engine returned {len(ids)} tokens but {len(gen.logprobs)} "
                                    f"logprobs; request logprobs for every sampled token")
-            text = self.tok.decode(ids, skip_special_tokens=False)
-            self._append(res, "assistant", ids, text, mask=1, logprobs=list(gen.logprobs[:len(ids)]))
-            turn_index = len(res.turns) - 1
-            ended = bool(ids) and ids[-1] == self.stop_token_id
+            if gen.finish_reason == "paused":   # the step closed mid-turn: its tokens so far are kept, the turn open
+                if ids or res.open_turn:
+                    self._model_tokens(res, ids, list(gen.logprobs[:len(ids)]))
+                    res.open_turn = True
+                res.paused = True
+                return
+            self._model_tokens(res, ids, list(gen.logprobs[:len(ids)]))
+            text = res.turns[-1].text
+            ids = res.response_ids[res.turns[-1].start:]
+            ended = bool(ids) and int(ids[-1]) == self.stop_token_id
             if len(res.response_ids) >= budget or (gen.finish_reason == "length" and not ended):
                 res.finish_reason = "length"
-                break
-            calls = parse_tool_calls(text)
-            if calls is None:
+                return
+            if parse_tool_calls(text) is None:
                 res.finish_reason = "stop"
-                break
+                return
             if res.num_assistant_turns >= self.max_turns:
                 res.finish_reason = "max_turns"
-                break
-            t0 = time.perf_counter()
-            outcomes = await self._execute(calls, turn_index, session)
-            records = [r for r, _ in outcomes]
-            res.infra_failures += sum(infra for _, infra in outcomes)
-            res.timings.tool_s += time.perf_counter() - t0
-            # the assistant turn ended at <|im_end|>; the template puts "\n" after it before the user turn
-            tool_text = ("" if ended else IM_END) + "\n" + render_tool_responses([r.output for r in records])
-            tool_ids = self.tok.encode(tool_text, add_special_tokens=False)
-            res.tool_calls.extend(records)
-            if len(res.response_ids) + len(tool_ids) >= budget:
-                res.finish_reason = "tool_overflow"
-                break
-            self._append(res, "tool", tool_ids, tool_text, mask=0, logprobs=[0.0] * len(tool_ids))
-            context = list(prompt_ids) + res.response_ids
-            if progress is not None:
-                progress(len(context))
+                return
+            res.pending_tool = True
 
-    @staticmethod
-    def _append(res: AgentResult, role: str, ids: list[int], text: str, *, mask: int, logprobs: list[float]) -> None:
+    async def _generate(self, context: list[int], left: int, rid: str, turn_kw: dict,
+                        pause: Pause | None) -> Generation | None:
+        """The engine's turn. When `pause.now` interrupts it: a pausable engine returns its tokens so far
+        (finish_reason "paused"), another is cancelled (None: the turn is dropped)."""
+        if pause is None:
+            return await self.engine.generate(context, left, rid, **turn_kw)
+        if getattr(self.engine, "pausable", False):   # keeps what it generated: finish_reason "paused"
+            return await self.engine.generate(context, left, rid, **turn_kw, stop=pause.now)
+        task = asyncio.ensure_future(self.engine.generate(context, left, rid, **turn_kw))
+        return await _unless_paused(task, pause)
+
+    async def _tool_turn(self, res: AgentResult, session: str | None, pause: Pause | None) -> bool:
+        """Run the last assistant turn's tool calls and append their responses; False when the trajectory ended
+        (tool_overflow) or was paused (the calls run again on resume)."""
+        turn_index = len(res.turns) - 1
+        last = res.turns[turn_index]
+        ended = last.end > last.start and int(res.response_ids[last.end - 1]) == self.stop_token_id
+        t0 = time.perf_counter()
+        if pause is not None:
+            pause.at_tool = True
+        try:
+            task = asyncio.ensure_future(self._execute(parse_tool_calls(last.text) or [], turn_index, session))
+            outcomes = await (task if pause is None else _unless_paused(task, pause))
+        finally:
+            if pause is not None:
+                pause.at_tool = False
+        res.timings.tool_s += time.perf_counter() - t0
+        if outcomes is None:
+            res.paused = True
+            return False
+        records = [r for r, _ in outcomes]
+        res.infra_failures += sum(infra for _, infra in outcomes)
+        # the assistant turn ended at <|im_end|>; the template puts "\n" after it before the user turn
+        tool_text = ("" if ended else IM_END) + "\n" + render_tool_responses([r.output for r in records])
+        tool_ids = self.tok.encode(tool_text, add_special_tokens=False)
+        res.tool_calls.extend(records)
+        res.pending_tool = False
+        if len(res.response_ids) + len(tool_ids) >= self.max_response_length:
+            res.finish_reason = "tool_overflow"
+            return False
+        self._append(res, "tool", tool_ids, tool_text, mask=0, logprobs=[0.0] * len(tool_ids))
+        return True
+
+    def _model_tokens(self, res: AgentResult, ids: list[int], logprobs: list[float]) -> None:
+        """A generation's tokens: a new assistant turn, or the rest of the turn a pause cut (`open_turn`)."""
+        if res.open_turn:
+            last = res.turns[-1]
+            res.response_ids.extend(ids)
+            res.loss_mask.extend([1] * len(ids))
+            res.logprobs.extend(logprobs)
+            res.token_versions.extend([int(getattr(self.engine, "policy_version", 0) or 0)] * len(ids))
+            last.end = len(res.response_ids)
+            last.text = self.tok.decode(res.response_ids[last.start:last.end], skip_special_tokens=False)
+        else:
+            self._append(res, "assistant", ids, self.tok.decode(ids, skip_special_tokens=False), mask=1,
+                         logprobs=logprobs)
+        res.open_turn = False
+
+    def _append(self, res: AgentResult, role: str, ids: list[int], text: str, *, mask: int,
+                logprobs: list[float]) -> None:
         start = len(res.response_ids)
         res.response_ids.extend(ids)
         res.loss_mask.extend([mask] * len(ids))
         res.logprobs.extend(logprobs)
+        res.token_versions.extend([int(getattr(self.engine, "policy_version", 0) or 0)] * len(ids))
         res.turns.append(Turn(role=role, start=start, end=start + len(ids), text=text))
 
     async def _execute(self, calls: list[ParsedCall], turn: int, session: str | None) -> list[tuple[ToolCall, bool]]:
@@ -296,6 +406,23 @@ class AgentLoop:
         return ToolCall(turn=turn, name=call.name, arguments=args, status=status,
                         wall_time_s=float(result.get("wall_s") or 0.0), output=truncate_middle(text, max_chars),
                         output_chars=len(text)), status in INFRA_TOOL_STATUSES
+
+
+async def _unless_paused(task: asyncio.Future, pause: Pause):
+    """task's result, or None if `pause.now` is set first (task is then cancelled)."""
+    waiter = asyncio.ensure_future(pause.now.wait())
+    try:
+        await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+    return None
 
 
 def worst_case_tokens(num_prompt_tokens: int, max_response_length: int) -> int:

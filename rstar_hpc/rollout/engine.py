@@ -18,6 +18,7 @@ Build the engine BEFORE initialising MPI in the same process, and `shutdown()` i
 """
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -102,14 +103,21 @@ class VLLMEngine:
                             output_kind=RequestOutputKind.FINAL_ONLY)
         self._SamplingParams = SamplingParams
 
+    pausable = True
+    """generate(stop=...) returns what a request generated when `stop` is set (agent.Pause.now)."""
+
     async def generate(self, prompt_ids: Sequence[int], max_tokens: int, request_id: str, *,
-                       seed: int | None = None, sampling: dict | None = None) -> Generation:
+                       seed: int | None = None, sampling: dict | None = None,
+                       stop: asyncio.Event | None = None) -> Generation:
         from vllm.inputs import TokensPrompt
 
         max_tokens = min(max_tokens, self.max_model_len - len(prompt_ids))
         if max_tokens <= 0:
             return Generation([], [], "length")
         params = self._SamplingParams(max_tokens=max_tokens, seed=seed, **{**self._params, **(sampling or {})})
+        if stop is not None:
+            return await self._generate_pausable(TokensPrompt(prompt_token_ids=list(prompt_ids)), params, request_id,
+                                                 stop)
         final = None
         async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)), params, request_id):
             final = out
@@ -120,6 +128,46 @@ class VLLMEngine:
         logprobs = [float(lp[t].logprob) for t, lp in zip(ids, c.logprobs or [])]
         finish = "length" if c.finish_reason == "length" else "stop"
         return Generation(ids, logprobs, finish, int(final.num_cached_tokens or 0))
+
+    async def _generate_pausable(self, prompt, params, request_id: str, stop: asyncio.Event) -> Generation:
+        """Streamed (DELTA outputs): when `stop` is set the request is aborted and what it generated so far comes
+        back with finish_reason "paused" (partial rollouts keep the tokens of a turn cut by a step's close)."""
+        from vllm.sampling_params import RequestOutputKind
+
+        params.output_kind = RequestOutputKind.DELTA
+        stream = self.llm.generate(prompt, params, request_id)
+        ids: list[int] = []
+        logprobs: list[float] = []
+        finish, cached = "stop", 0
+        waiter = asyncio.ensure_future(stop.wait())
+        try:
+            while True:
+                nxt = asyncio.ensure_future(stream.__anext__())
+                await asyncio.wait({nxt, waiter}, return_when=asyncio.FIRST_COMPLETED)
+                if not nxt.done():   # paused: cancelling the read aborts the request (vLLM's generate)
+                    nxt.cancel()
+                    try:
+                        await nxt
+                    except (asyncio.CancelledError, StopAsyncIteration):
+                        pass
+                    finish = "paused"
+                    break
+                try:
+                    out = nxt.result()
+                except StopAsyncIteration:
+                    break
+                c = out.outputs[0]
+                new = list(c.token_ids)
+                ids += new
+                logprobs += [float(lp[t].logprob) for t, lp in zip(new, c.logprobs or [])]
+                cached = int(out.num_cached_tokens or cached)
+                if out.finished:
+                    finish = "length" if c.finish_reason == "length" else "stop"
+                    break
+        finally:
+            waiter.cancel()
+            await stream.aclose()
+        return Generation(ids, logprobs, finish, cached)
 
     async def load_policy(self, weights_dir: str | Path, version: int) -> float:
         """Load HF safetensors weights in place; returns the seconds it took. Call between steps."""

@@ -4,7 +4,10 @@ Every admitted trajectory runs as an agent-loop coroutine (agent.py: generate, d
 sandbox service, append their results, until it answers or hits a limit) on this rank's engine; its sampling seed
 depends only on run seed, stage, step, prompt uid and sample index (step.request_seed). The rank reports its live
 trajectories' context lengths in heartbeats (rank 0 books KV from them) and sends each finished one back. The
-messages are mpi.py's; rank 0's side is scheduler.py.
+long-tail levers (levers.py): a trajectory rank 0 asks to MIGRATE leaves at its turn boundary, and PAUSE (a
+partial-rollout step closed) stops them all; either way it goes back to rank 0 as a paused RESULT with its
+agent-loop state, which another rank (or the next step) resumes. The messages are mpi.py's; rank 0's side is
+scheduler.py.
 """
 from __future__ import annotations
 
@@ -14,9 +17,9 @@ import logging
 import time
 
 from rstar_hpc.config.rollout import AgentConfig, SchedulerConfig
-from rstar_hpc.rollout.agent import AgentLoop
-from rstar_hpc.rollout.mpi import (TAG_ABORT, TAG_BEAT, TAG_DEAD, TAG_DONE, TAG_EXIT, TAG_HELLO, TAG_RESULT, TAG_START,
-                                   TAG_STOP, TAG_WORK, recv_from_rank0)
+from rstar_hpc.rollout.agent import AgentLoop, AgentResult, Pause
+from rstar_hpc.rollout.mpi import (TAG_ABORT, TAG_BEAT, TAG_DEAD, TAG_DONE, TAG_EXIT, TAG_HELLO, TAG_MIGRATE, TAG_MOVED,
+                                   TAG_PAUSE, TAG_RESULT, TAG_START, TAG_STOP, TAG_WORK, recv_from_rank0)
 from rstar_hpc.rollout.step import StageLimits, request_seed
 
 log = logging.getLogger("rstar_hpc.rollout")
@@ -59,6 +62,9 @@ class _EngineStep:
         self.run_seed, self.stage, self.step, self.rank = run_seed, stage, step, comm.Get_rank()
         self.tasks: set[asyncio.Task] = set()
         self.contexts: dict[tuple, int] = {}   # live trajectories' context lengths: rank 0 books KV from them
+        self.pauses: dict[tuple, Pause] = {}
+        self.pause_all = False                  # the step closed (partial rollouts): late work comes back paused
+        self.paused = 0
         self.failure: list[str] = []
         self.done = 0
         self.idle_s, self.last_beat = 0.0, 0.0
@@ -74,7 +80,8 @@ class _EngineStep:
             now = time.monotonic()
             if now - self.last_beat > self.sc.heartbeat_s:
                 self.comm.send({"kv_usage": self.engine.kv.usage, "running": len(self.tasks),
-                                "contexts": dict(self.contexts)}, dest=0, tag=TAG_BEAT)
+                                "contexts": dict(self.contexts),
+                                "movable": self.movable()}, dest=0, tag=TAG_BEAT)
                 self.last_beat = now
             await asyncio.sleep(0.005)
             now = time.monotonic()
@@ -94,18 +101,34 @@ class _EngineStep:
                     t = asyncio.create_task(self.one(item))
                     self.tasks.add(t)
                     t.add_done_callback(self.tasks.discard)
+            elif tag == TAG_MIGRATE:   # let it go at its next turn boundary (once its tool result is appended)
+                key = tuple(msg["key"])
+                p = self.pauses.get(key)
+                if p is not None:
+                    p.at_boundary = True
+                else:
+                    self.comm.send({"key": key}, dest=0, tag=TAG_MOVED)
+            elif tag == TAG_PAUSE:
+                self.pause_all = True
+                for p in self.pauses.values():
+                    p.now.set()
             elif tag == TAG_ABORT:
                 self.stop()
                 raise RuntimeError(f"rank 0 aborted the job: {msg}")
             elif tag in (TAG_DONE, TAG_STOP):
                 kv = self.engine.kv
-                stats = {"done": self.done, "idle_s": round(self.idle_s, 3),
+                stats = {"done": self.done, "paused": self.paused, "idle_s": round(self.idle_s, 3),
                          "wall_s": round(time.monotonic() - self.t_start, 3),
                          "kv_capacity_tokens": kv.capacity_tokens, "preemptions": kv.preemptions}
                 if tag == TAG_DONE:
                     self.comm.send(stats, dest=0, tag=TAG_STOP)
                 return self.stop(stats)
         return None
+
+    def movable(self) -> list[tuple]:
+        """Live trajectories that can migrate (stateless tools), those waiting for a tool call first: they reach
+        a turn boundary soonest."""
+        return sorted(self.pauses, key=lambda k: not self.pauses[k].at_tool)
 
     def check_health(self) -> None:
         """Leave on a failed trajectory (the engine is gone; rank 0 re-runs our work) or a silent rank 0."""
@@ -122,20 +145,33 @@ class _EngineStep:
     async def one(self, item: dict) -> None:
         """One admitted trajectory, start to finish, sent back to rank 0."""
         key = (item["prompt_uid"], item["sample_index"])
-        self.contexts[key] = len(item["prompt_ids"])
+        resume = AgentResult.from_dict(item["resume"]) if item.get("resume") else None
+        self.contexts[key] = len(item["prompt_ids"]) + (len(resume.response_ids) if resume else 0)
         seed = request_seed(self.run_seed, self.stage, self.step, *key)
+        pause = None
+        levers = self.sc.migrate_on_tool_call or self.sc.partial_rollouts
+        if levers and self.agent.cfg.tool_state == "stateless":   # a tool session cannot follow it elsewhere
+            self.pauses[key] = pause = Pause()
+            if self.pause_all:
+                pause.now.set()
 
         def progress(n: int) -> None:
             self.contexts[key] = n
         try:
             res = await self.agent.run(item["prompt_ids"], f"s{self.step}-{item['prompt_uid']}-{item['sample_index']}",
-                                       item["prompt_text"], seed=seed, progress=progress)
+                                       item["prompt_text"], seed=seed, progress=progress, pause=pause, resume=resume)
         except Exception as e:   # the engine is gone (EngineDeadError, ...): rank 0 re-runs our work elsewhere
             log.exception("engine rank %d: trajectory failed", self.rank)
             self.failure.append(f"{type(e).__name__}: {e}")
             return
         finally:
             self.contexts.pop(key, None)
+            self.pauses.pop(key, None)
+        if res.paused:   # migrating, or the step closed: rank 0 gets its state to resume
+            self.comm.send({"prompt_uid": key[0], "sample_index": key[1], "step": self.step, "paused": True,
+                            "state": dataclasses.asdict(res)}, dest=0, tag=TAG_RESULT)
+            self.paused += 1
+            return
         msg = dataclasses.asdict(res)
         msg.update(prompt_uid=item["prompt_uid"], sample_index=item["sample_index"], engine_rank=self.rank,
                    policy_version=self.engine.policy_version, step=self.step)

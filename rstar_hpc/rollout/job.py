@@ -128,12 +128,15 @@ def _scheduler_steps(cfg, paths, stage, steps, progress, tok, comm, MPI) -> tupl
         # a bar where someone watches (the local launcher says whether its stderr is a terminal), else log lines
         bar = StageProgress(name, *stage_problem_counts(cfg, paths, name),
                             tty=progress and (sys.stderr.isatty() or os.environ.get(TTY_ENV) == "1"))
+        sc = cfg.rollout.scheduler
+        if next(s for s in cfg.stages if s.name == name).kind != "rl":   # only training steps may carry work on
+            sc = sc.model_copy(update={"partial_rollouts": False})
         for task in stage_steps(cfg, paths, name, tok, steps=steps):
             bar.start_step(task.items)
             write_heartbeat(paths, "rollout", f"step {task.step} of stage {name}: starting", stage=name,
                             step=task.step)
             summary = StepScheduler(
-                comm, MPI, cfg.rollout.scheduler, paths, name, task.step, task.items, limits=task.limits,
+                comm, MPI, sc, paths, name, task.step, task.items, limits=task.limits,
                 need=task.need, score=score, dropped=task.dropped, progress=bar,
                 dead_ranks=dead, beat=lambda text: write_heartbeat(paths, "rollout", text, stage=name),
                 stop=lambda: _STOP[0] if _STOP else None).run()

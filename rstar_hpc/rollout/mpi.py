@@ -7,8 +7,14 @@ One step, in order (every payload is a pickled Python object; sends are never bl
                                         <-   BEAT {loading}            (ack at once, then load the policy)
                                         <-   HELLO {capacity_tokens, policy_version}
     WORK [item, ...]                    ->                             (admitted trajectories, any number of times)
-                                        <-   BEAT {kv_usage, running, contexts}   (every heartbeat_s)
-                                        <-   RESULT {...}              (one finished trajectory)
+                                        <-   BEAT {kv_usage, running, contexts, movable}   (every heartbeat_s)
+                                        <-   RESULT {...}              (one finished trajectory, or a paused one:
+                                                                        paused=True, its state to resume)
+    MIGRATE {key}                       ->                             (pause it at its next turn boundary; it comes
+                                                                        back as a paused RESULT, or MOVED: declined)
+                                        <-   MOVED {key}               (it was gone already)
+    PAUSE                               ->                             (partial rollouts: the step closed; every
+                                                                        live trajectory comes back paused or done)
                                         <-   DEAD "reason"             (the engine failed: re-run its work)
     BEAT                                ->                             (rank 0 is alive; every heartbeat_s)
     DONE                                ->
@@ -24,7 +30,7 @@ import os
 import time
 
 (TAG_HELLO, TAG_WORK, TAG_RESULT, TAG_BEAT, TAG_DONE, TAG_STOP, TAG_DEAD, TAG_START, TAG_ABORT, TAG_EXIT,
- TAG_BYE) = range(1, 12)
+ TAG_BYE, TAG_MIGRATE, TAG_MOVED, TAG_PAUSE) = range(1, 15)
 
 
 def init_mpi():

@@ -46,9 +46,11 @@ from rstar_hpc.exchange.rundir import RunPaths
 from rstar_hpc.exchange.schema import Trajectory
 from rstar_hpc.exchange.writer import ShardWriter
 from rstar_hpc.metrics_log import metrics_sink
-from rstar_hpc.rollout.mpi import TAG_BEAT, TAG_DEAD, TAG_DONE, TAG_HELLO, TAG_RESULT, TAG_START, TAG_STOP, TAG_WORK
-from rstar_hpc.rollout.policy import make_policy
 from rstar_hpc.rollout.journal import Journal
+from rstar_hpc.rollout.levers import Levers
+from rstar_hpc.rollout.mpi import (TAG_BEAT, TAG_DEAD, TAG_DONE, TAG_HELLO, TAG_MOVED, TAG_RESULT, TAG_START, TAG_STOP,
+                                   TAG_WORK)
+from rstar_hpc.rollout.policy import make_policy
 from rstar_hpc.rollout.step import Scorer, StageLimits, WorkItem, wait_for_policy
 
 log = logging.getLogger("rstar_hpc.rollout")
@@ -81,6 +83,7 @@ class StepScheduler:
         self.reruns = 0
         self.infra_failures = 0
         self.journal = Journal(paths, stage, step, sc.journal_every_s)
+        self.levers = Levers(self)
 
     def run(self) -> dict:
         """The step, stage by stage; returns its summary (also appended to metrics/rollout.jsonl)."""
@@ -92,9 +95,12 @@ class StepScheduler:
         self.t_start = time.monotonic()
         self.policy_version = policy_ref[0] if policy_ref is not None else None
         hello = self.start_engines(engines, policy_ref)
+        self.levers.take_carry()
         self.prepare_admission(hello)
+        self.results.update(self.levers.carried_results())
         self.resume_from_journal()
-        while len(self.results) < len(self.items):
+        self.levers.after_result()   # a rerun whose journal already completes enough groups closes at once
+        while not self.levers.over():
             self.dispatch(self.admit())
             got = self.collect()
             self.keep_alive()
@@ -194,13 +200,14 @@ class StepScheduler:
         self.engines = engines
         self.policy = make_policy(sc.policy, {e: hello[e]["capacity_tokens"] for e in engines},
                                   max_response=self.max_response, growth_reserve=sc.growth_reserve,
-                                  budget_coef=sc.budget_coef, max_per_engine=sc.max_trajectories_per_engine)
+                                  budget_coef=sc.budget_coef, max_per_engine=sc.max_trajectories_per_engine,
+                                  share_prefix=sc.sibling_aware)
         self.by_key = {it.key: it for it in self.items}
         if len(self.by_key) != len(self.items):
             raise ValueError("duplicate (prompt_uid, sample_index) in the step's prompts; uids must be unique")
         for it in self.items:
             self.policy.check_fits_somewhere(len(it.prompt_ids))
-        self.pending: deque[WorkItem] = deque(self.items)
+        self.pending: deque[WorkItem] = deque(it for it in self.items if it.key not in self.results)
         self.queued_at = {it.key: 0.0 for it in self.items}
         self.alive = {e: time.monotonic() for e in engines}
 
@@ -213,7 +220,7 @@ class StepScheduler:
             if it.key in self.results:
                 self.pending.popleft()
                 continue
-            e = self.policy.place(it.key, len(it.prompt_ids))
+            e = self.policy.place(it.key, len(it.prompt_ids), group=it.prompt_uid, context=it.context_tokens)
             if e is None:
                 break
             self.pending.popleft()
@@ -240,9 +247,17 @@ class StepScheduler:
                 continue   # a rank declared dead that was only slow: its work already runs elsewhere
             self.alive[src] = time.monotonic()
             if tag == TAG_RESULT:
-                self.on_result(msg)
+                if msg.get("paused"):
+                    self.levers.on_paused(msg)
+                else:
+                    self.on_result(msg)
+                    self.levers.on_finished((msg["prompt_uid"], msg["sample_index"]))
+                    self.levers.after_result()
             elif tag == TAG_BEAT:
                 self.policy.observe(src, msg.get("contexts", {}))
+                self.levers.on_beat(src, msg)
+            elif tag == TAG_MOVED:
+                self.levers.on_moved(msg)
             elif tag == TAG_DEAD:
                 self.lose(src, msg)
         return got
@@ -279,6 +294,8 @@ class StepScheduler:
         self.reruns += len(back)
         for k in reversed(back):
             self.pending.appendleft(self.by_key[k])
+        if self.levers.closing:   # the step is closed: they are carried as they were
+            self.levers.drain_pending()
         if not self.alive:
             raise RuntimeError(f"all engine ranks died; {len(self.items) - len(self.results)} trajectories of step "
                                f"{self.step} unfinished, nothing written")
@@ -305,9 +322,13 @@ class StepScheduler:
         self.dead_ranks.update(self.dead)
         return engine_stats
 
+    def elapsed(self) -> float:
+        return time.monotonic() - self.t_start
+
     def commit(self) -> list[Trajectory]:
-        """The step's trajectories, in item order, written as one committed shard set."""
-        trajs = [self.results[it.key] for it in self.items]
+        """The step's trajectories, in item order, written as one committed shard set (with partial rollouts, its
+        complete groups' only: the rest is carried, saved first)."""
+        trajs = self.levers.commit_split()
         with ShardWriter(self.paths, self.stage, self.step, PRODUCER) as w:
             w.write(trajs)
         self.journal.clear()
@@ -333,6 +354,7 @@ class StepScheduler:
             "tool_error_ratio": _error_ratio(trajs),
             "finish_reasons": {r: sum(t.finish_reason == r for t in trajs) for r in {t.finish_reason for t in trajs}},
             "engine_stats": {str(k): v for k, v in engine_stats.items()},
+            **self.levers.metrics(),
         }
         metrics_sink(self.paths, "rollout").write(summary)   # metrics/rollout.jsonl and tb/<stage>/
         log.info("step %d of stage %s: %d trajectories in %.1f s (generation %.1f s, all admitted by %.1f s, tail "

@@ -27,10 +27,17 @@ class WorkItem:
     prompt_ids: list[int]
     prompt_text: str
     answer: str
+    resume: dict | None = None
+    """A paused trajectory's agent-loop state (agent.AgentResult as a dict): migration, partial rollouts."""
 
     @property
     def key(self) -> tuple[str, int]:
         return (self.prompt_uid, self.sample_index)
+
+    @property
+    def context_tokens(self) -> int:
+        """Its length now: the prompt, plus what it generated before a pause."""
+        return len(self.prompt_ids) + (len(self.resume["response_ids"]) if self.resume else 0)
 
 
 class StageLimits(NamedTuple):
@@ -151,10 +158,12 @@ class Scorer:
                                self.roc)
         timings = Timings(**msg["timings"])
         timings.queue_s, timings.reward_s = queue_s, time.perf_counter() - t0
+        versions = msg.get("token_versions")   # resumed on a newer policy: tokens of several versions
+        versions = versions if versions and any(v != msg["policy_version"] for v in versions) else None
         return Trajectory(run=self.run, stage=stage, step=step, prompt_uid=it.prompt_uid,
                           sample_index=it.sample_index, policy_version=msg["policy_version"],
                           engine_rank=msg["engine_rank"], prompt_ids=it.prompt_ids, response_ids=msg["response_ids"],
                           loss_mask=msg["loss_mask"], logprobs=msg["logprobs"], turns=turns,
                           prompt_text=it.prompt_text, tool_calls=calls, finish_reason=msg["finish_reason"],
                           answer=answer, reward=reward, p_err=q.p_err, p_format=q.p_format,
-                          timings=timings).validate()
+                          timings=timings, token_policy_versions=versions).validate()

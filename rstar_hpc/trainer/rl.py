@@ -62,6 +62,7 @@ class RLBatch:
     samples: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (prompt+response ids, mask)
     advantages: list[torch.Tensor] = field(default_factory=list)                    # per token, A_i everywhere
     old_logprobs: list[torch.Tensor] = field(default_factory=list)                  # engine's, 0 on the prompt
+    stale: list[torch.Tensor] = field(default_factory=list)      # per token: an older policy made it (keep pi_old)
     num_kept: int = 0                                                               # over all ranks
     metrics: dict[str, float] = field(default_factory=dict)
 
@@ -118,6 +119,15 @@ def _dp_share(lengths: np.ndarray, dp: int, dp_rank: int) -> list[int]:
     return sorted(mine)
 
 
+def staleness_mask(mask: np.ndarray, behind: np.ndarray, bound: int) -> tuple[np.ndarray, int]:
+    """The loss mask without the model tokens generated more than `bound` policy versions before the step's newest
+    (trainer.max_token_staleness: masked, not weighted), and how many it removed."""
+    drop = (behind > bound) & (mask != 0)
+    if not drop.any():
+        return mask, 0
+    return np.where(drop, 0, mask).astype(mask.dtype), int(drop.sum())
+
+
 def build_batch(table: pa.Table, cfg: RunConfig, step: int) -> RLBatch:
     """RoC, advantages and this rank's samples of one step's rows (see the module docstring)."""
     n = table.num_rows
@@ -132,6 +142,8 @@ def build_batch(table: pa.Table, cfg: RunConfig, step: int) -> RLBatch:
     resp, r_off = cols.response_ids
     mask, _ = cols.loss_mask
     engine_lp, _ = cols.logprobs
+    behind = cols.policy_version.max() - cols.token_versions().values   # per response token, versions behind
+    mask, stale_masked = staleness_mask(mask, behind, cfg.trainer.max_token_staleness)
     resp_len = np.diff(r_off)
     finish = cols.finish_reason
     versions = cols.policy_version
@@ -139,6 +151,8 @@ def build_batch(table: pa.Table, cfg: RunConfig, step: int) -> RLBatch:
                # the weights that generated this step; vs the trainer's newest version, its off-policy lag
                "rollout/policy_version_min": float(versions.min()),
                "rollout/policy_version_max": float(versions.max()),
+               "rollout/stale_token_fraction": float((behind[mask.astype(bool)] > 0).mean()) if mask.any() else 0.0,
+               "rollout/stale_tokens_masked": float(stale_masked),
                **roc_metrics(selection, rewards, cols.p_err, cols.p_format),
                **response_length_metrics(resp_len, finish == "length")}
     keep = selection.indices
@@ -169,6 +183,8 @@ def build_batch(table: pa.Table, cfg: RunConfig, step: int) -> RLBatch:
         zeros = torch.zeros(p.numel())
         batch.samples.append((torch.cat([p, r]), torch.cat([torch.zeros(p.numel(), dtype=torch.bool), m])))
         batch.old_logprobs.append(torch.cat([zeros, lp]))
+        old = (behind[r_off[i]:r_off[i + 1]] > 0).astype(np.float32)
+        batch.stale.append(torch.cat([zeros, torch.from_numpy(old)]))
         batch.advantages.append(torch.full((p.numel() + r.numel(),), float(adv[j])))
     batch.metrics["train/advantage_abs_mean"] = float(np.abs(adv).mean())
     return batch
@@ -197,7 +213,8 @@ def recompute_old_logprobs(model, micro_batches: list[MicroBatch]) -> dict[str, 
         d = (mb.old_logprobs - mine)[mb.loss_mask]
         abs_sum, signed_sum, count = abs_sum + float(d.abs().sum()), signed_sum + float(d.sum()), count + d.numel()
         max_abs = max(max_abs, float(d.abs().max()) if d.numel() else 0.0)
-        mb.old_logprobs = mine
+        stale = mb.extras.get("stale")   # an older policy's tokens keep its logprobs: the ratio corrects for it
+        mb.old_logprobs = mine if stale is None else torch.where(stale.bool(), mb.old_logprobs, mine)
     sums = from_last_stage({"abs": abs_sum, "signed": signed_sum, "count": count})
     c = max(sums["count"], 1.0)
     return {"train/old_logprob_gap_abs_mean": sums["abs"] / c, "train/old_logprob_gap_mean": sums["signed"] / c,
@@ -213,7 +230,7 @@ def rl_step(model, optimizer, scheduler, batch: RLBatch, cfg: RunConfig) -> dict
                     batch.step)
         return {**metrics, "train/skipped_empty_step": 1.0}
     micro_batches = pack(batch.samples, cfg.trainer.micro_batch_tokens, advantages=batch.advantages,
-                         old_logprobs=batch.old_logprobs)
+                         old_logprobs=batch.old_logprobs, stale=batch.stale)
     if cfg.trainer.recompute_old_logprobs:
         t0 = time.perf_counter()
         metrics.update(recompute_old_logprobs(model, micro_batches))

