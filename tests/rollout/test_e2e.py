@@ -159,6 +159,37 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
+def rl_config(work: Path, name: str, sft: Path, *, prompts: int, samples: int, num_steps: int, **scheduler) -> Path:
+    """configs/tiny-cpu.yaml for a rollout test: an sft stage (done by publishing) then `num_steps` rl steps of
+    `prompts` x `samples` on the demo set, on the SFT model, 16 MiB of KV per engine (~15 worst-case trajectories)."""
+    cfg = yaml.safe_load((REPO / "configs/tiny-cpu.yaml").read_text())
+    cfg["run"] = {"name": name, "root": str(work / "runs"), "seed": 0}
+    cfg["model"] = {"path": str(sft)}
+    cfg["rollout"]["engine"]["kv_cache_memory_mb"] = 16
+    cfg["rollout"]["agent"].update(max_prompt_length=768, max_response_length=256, temperature=TEMPERATURE)
+    cfg["rollout"]["scheduler"].update(scheduler)
+    cfg["algo"]["num_samples_per_prompt"] = samples
+    cfg["stages"] = [{"name": "sft", "kind": "sft", "num_steps": 1, "data": "demo"},
+                     {"name": "rl", "kind": "rl", "num_steps": num_steps, "prompts_per_step": prompts, "data": "demo"}]
+    path = work / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def serve_sandbox(run_dir: Path, work: Path, env: dict, name: str) -> subprocess.Popen:
+    """The real sandbox service for the run, once it has published its address."""
+    sb = subprocess.Popen([PY, "-m", "rstar_hpc", "sandbox", "serve", "--workers", "2", "--run-dir", str(run_dir),
+                           "--host", "127.0.0.1", "--name", name], env=env, cwd=REPO,
+                          stdout=subprocess.DEVNULL, stderr=open(work / "sandbox.log", "w"))
+    deadline = time.time() + 60
+    while not list((run_dir / "rendezvous" / "sandbox").glob("*.json")):
+        if sb.poll() is not None or time.time() > deadline:
+            sb.kill()
+            pytest.fail("sandbox service did not start: " + (work / "sandbox.log").read_text()[-2000:])
+        time.sleep(0.2)
+    return sb
+
+
 @pytest.fixture(scope="module")
 def e2e(tiny_model_dir, tmp_path_factory):
     from rstar_hpc.exchange.rundir import RunPaths
@@ -172,28 +203,12 @@ def e2e(tiny_model_dir, tmp_path_factory):
     # max_policy_lag 1); step 2 needs the policy trained on rl step 1
     _publish(paths, sft, 1, trainer_step=1, scale=1.5, stage="sft")
 
-    cfg = yaml.safe_load((REPO / "configs/tiny-cpu.yaml").read_text())
-    cfg["run"] = {"name": "e2e", "root": str(work / "runs"), "seed": 0}
-    cfg["model"] = {"path": str(sft)}
-    cfg["rollout"]["engine"]["kv_cache_memory_mb"] = 16   # 16k tokens: ~15 worst-case trajectories per engine
-    cfg["rollout"]["agent"].update(max_prompt_length=768, max_response_length=256, temperature=TEMPERATURE)
-    cfg["rollout"]["scheduler"].update(heartbeat_s=0.5, engine_timeout_s=10, policy_wait_s=120, max_policy_lag=1)
-    cfg["algo"]["num_samples_per_prompt"] = SAMPLES
-    cfg["stages"] = [{"name": "sft", "kind": "sft", "num_steps": 1, "data": "demo"},
-                     {"name": "rl", "kind": "rl", "num_steps": 3, "prompts_per_step": PROMPTS, "data": "demo"}]
-    cfg_path = work / "e2e.yaml"
-    cfg_path.write_text(yaml.safe_dump(cfg))
-
+    cfg_path = rl_config(work, "e2e", sft, prompts=PROMPTS, samples=SAMPLES, num_steps=3,
+                         heartbeat_s=0.5, engine_timeout_s=10, policy_wait_s=120, max_policy_lag=1)
     env = dict(os.environ, RSTAR_TEST_JOB=str(os.getpid()), OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    sb = subprocess.Popen([PY, "-m", "rstar_hpc", "sandbox", "serve", "--workers", "2", "--run-dir", str(run_dir),
-                           "--host", "127.0.0.1", "--name", "e2e"], env=env, cwd=REPO,
-                          stdout=subprocess.DEVNULL, stderr=open(work / "sandbox.log", "w"))
+    sb = serve_sandbox(run_dir, work, env, "e2e")
     log = open(work / "rollout.log", "w")
     try:
-        deadline = time.time() + 60
-        while not list((run_dir / "rendezvous" / "sandbox").glob("*.json")):
-            assert sb.poll() is None and time.time() < deadline, (work / "sandbox.log").read_text()[-2000:]
-            time.sleep(0.2)
         cmd = ["mpirun", "-n", "3", "--oversubscribe", "--bind-to", "none", "--allow-run-as-root",
                "--mca", "orte_enable_recovery", "1", "--mca", "orte_abort_on_non_zero_status", "0",
                "-x", "RSTAR_TEST_JOB", "-x", "OMP_NUM_THREADS", "-x", "PYTHONPATH",

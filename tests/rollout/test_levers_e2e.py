@@ -19,14 +19,12 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
 
-from tests.rollout.test_e2e import TEMPERATURE, _publish, _sft
+from tests.rollout.test_e2e import TEMPERATURE, _publish, _sft, rl_config, serve_sandbox
 
 REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable
@@ -47,28 +45,13 @@ def levers(tiny_model_dir, tmp_path_factory):
     paths.create()
     _publish(paths, sft, 1, trainer_step=1, scale=1.5, stage="sft")   # the rl stage starts from it (step 0)
     _publish(paths, sft, 2, trainer_step=1, scale=0.7)                 # as if trained on rl step 0: step 1 runs it
-    cfg = yaml.safe_load((REPO / "configs/tiny-cpu.yaml").read_text())
-    cfg["run"] = {"name": "levers", "root": str(work / "runs"), "seed": 0}
-    cfg["model"] = {"path": str(sft)}
-    cfg["rollout"]["engine"]["kv_cache_memory_mb"] = 16
-    cfg["rollout"]["agent"].update(max_prompt_length=768, max_response_length=256, temperature=TEMPERATURE)
-    cfg["rollout"]["scheduler"].update(heartbeat_s=0.1, engine_timeout_s=20, policy_wait_s=60, max_policy_lag=0,
-                                       partial_rollouts=True, partial_close_fraction=0.5,
-                                       migrate_on_tool_call=True, migrate_margin=-1.0)
-    cfg["algo"]["num_samples_per_prompt"] = SAMPLES
-    cfg["stages"] = [{"name": "sft", "kind": "sft", "num_steps": 1, "data": "demo"},
-                     {"name": "rl", "kind": "rl", "num_steps": 2, "prompts_per_step": PROMPTS, "data": "demo"}]
-    cfg_path = work / "levers.yaml"
-    cfg_path.write_text(yaml.safe_dump(cfg))
+    cfg_path = rl_config(work, "levers", sft, prompts=PROMPTS, samples=SAMPLES, num_steps=2,
+                         heartbeat_s=0.1, engine_timeout_s=20, policy_wait_s=60, max_policy_lag=0,
+                         partial_rollouts=True, partial_close_fraction=0.5,
+                         migrate_on_tool_call=True, migrate_margin=-1.0)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    sb = subprocess.Popen([PY, "-m", "rstar_hpc", "sandbox", "serve", "--workers", "2", "--run-dir", str(run_dir),
-                           "--host", "127.0.0.1", "--name", "levers"], env=env, cwd=REPO,
-                          stdout=subprocess.DEVNULL, stderr=open(work / "sandbox.log", "w"))
+    sb = serve_sandbox(run_dir, work, env, "levers")
     try:
-        deadline = time.time() + 60
-        while not list((run_dir / "rendezvous" / "sandbox").glob("*.json")):
-            assert sb.poll() is None and time.time() < deadline, (work / "sandbox.log").read_text()[-2000:]
-            time.sleep(0.2)
         cmd = ["mpirun", "-n", "3", "--oversubscribe", "--bind-to", "none", "--allow-run-as-root",
                "-x", "OMP_NUM_THREADS", "-x", "PYTHONPATH",
                PY, str(REPO / "jobs" / "rollout.py"), "--config", str(cfg_path), "--step", "0", "--step", "1"]
