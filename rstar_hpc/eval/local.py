@@ -50,15 +50,24 @@ def start_sandbox(paths: RunPaths, config: Path, timeout_s: float = 180.0) -> tu
     raise LocalRunFailed(f"the sandbox service did not announce itself within {timeout_s:.0f} s; see {log_path}")
 
 
-def stop(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
-    if proc.poll() is not None:
+def stop(proc: subprocess.Popen, grace_s: float = 20.0, *, group: bool = False) -> None:
+    """TERM, then KILL after `grace_s`; `group`: the process group it leads (started with start_new_session)."""
+    def send(sig: int) -> None:
+        try:
+            os.killpg(proc.pid, sig) if group else proc.send_signal(sig)
+        except ProcessLookupError:
+            pass
+
+    if proc.poll() is not None and not group:
         return
-    proc.send_signal(signal.SIGTERM)
+    send(signal.SIGTERM)
     try:
         proc.wait(grace_s)
     except subprocess.TimeoutExpired:
-        proc.kill()
+        send(signal.SIGKILL)
         proc.wait()
+    if group:   # the leader may have gone first, leaving the rest of the group
+        send(signal.SIGKILL)
 
 
 def run_local(paths: RunPaths, config: Path, stage: str, *, engines: int, mpirun: str = "mpirun") -> int:
@@ -82,7 +91,7 @@ def run_local(paths: RunPaths, config: Path, stage: str, *, engines: int, mpirun
             try:
                 return rollout.wait(120)
             except (subprocess.TimeoutExpired, KeyboardInterrupt):
-                stop(rollout, 10)
+                stop(rollout, 10, group=True)   # mpirun and its ranks too: none may outlive the eval
                 return 130
     finally:
         signal.signal(signal.SIGTERM, previous)

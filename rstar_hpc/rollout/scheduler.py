@@ -49,7 +49,7 @@ from rstar_hpc.metrics_log import metrics_sink
 from rstar_hpc.rollout.journal import Journal
 from rstar_hpc.rollout.levers import Levers
 from rstar_hpc.rollout.mpi import (TAG_BEAT, TAG_DEAD, TAG_DONE, TAG_HELLO, TAG_MOVED, TAG_RESULT, TAG_START, TAG_STOP,
-                                   TAG_WORK)
+                                   TAG_WORK, wait_sent)
 from rstar_hpc.rollout.policy import make_policy
 from rstar_hpc.rollout.step import Scorer, StageLimits, WorkItem, wait_for_policy
 
@@ -107,6 +107,7 @@ class StepScheduler:
             self.journal.maybe_write(self.results)
             if self.stop():
                 self.journal.maybe_write(self.results, force=True)
+                self.drain_sends()
                 raise StopRequested(f"{self.stop()}: step {self.step} of stage {self.stage} stopped with "
                                     f"{len(self.results)} of {len(self.items)} trajectories in its journal")
             if not got:
@@ -126,9 +127,17 @@ class StepScheduler:
                                f"{self.step} cannot run")
         return engines
 
+    def drain_sends(self) -> None:
+        """Before rank 0 leaves: let the engines take what was sent. A message past Open MPI's eager limit (a WORK
+        batch of two long prompts) is read from the sender's memory; if rank 0 has exited by then the engine rank's
+        read fails and it hangs, and so does the job (seen: Ctrl-C right after a WORK send)."""
+        if not wait_sent(self.sends, min(self.sc.engine_timeout_s, 10.0)):
+            log.warning("engine ranks did not take %d messages before rank 0 stopped", len(self.sends))
+
     def waiting(self, engines: list[int], text: str) -> None:
         """While rank 0 waits for the step's policy: keep the engines waiting too (heartbeats), and say why."""
         if self.stop():
+            self.drain_sends()
             raise StopRequested(f"{self.stop()} while step {self.step} of stage {self.stage} waited for its policy")
         now = time.monotonic()
         if now - self.last_beat > self.sc.heartbeat_s:
