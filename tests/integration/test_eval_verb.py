@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-K, PROBLEMS, MAX_TOKENS = 2, 8, 48   # 16 one-problem steps: room to interrupt between two of them
+K, PROBLEMS, MAX_TOKENS = 2, 8, 160   # 16 one-problem steps of ~0.5 s: room to interrupt between two of them
 
 pytestmark = [pytest.mark.skipif(shutil.which("mpirun") is None or shutil.which("bwrap") is None,
                                  reason="needs mpirun and bwrap"), pytest.mark.slow, pytest.mark.vllm]
