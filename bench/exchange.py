@@ -8,9 +8,11 @@ publish by rename; reading ends with the token columns (response ids, loss mask,
 and a sum over them, so every byte is touched. Arrow = ShardWriter/StepReader as the roles use them
 (including the sha256 check on read). Reads come from the page cache for every format alike.
 
-    python bench/exchange.py [--num-trajectories N] [--mean-tokens T] [--producers P] [--dir DIR]
+    python bench/exchange.py [--num-trajectories N] [--mean-tokens T] [--producers P] [--dir DIR] [--quick]
 
-The last stdout line is one JSON object with the figures; the exit status is 1 when Arrow misses 5x JSONL.
+--quick: a toy step (128 trajectories of ~400 tokens from 2 producers, a few seconds) that checks the bench runs;
+its ratios say little. The last stdout line is one JSON object with the figures; the exit status is 1 when Arrow
+misses 5x JSONL (at --quick size too: the JSON line says which).
 """
 from __future__ import annotations
 
@@ -92,7 +94,11 @@ def main() -> None:
     ap.add_argument("--producers", type=int, default=4)
     ap.add_argument("--dir", default=None, help="Where to write (default: a temp dir, removed afterwards); "
                                                  "point it at Lustre to measure the shared file system.")
+    ap.add_argument("--quick", action="store_true", help="a toy step (smoke test); explicit flags still win")
     args = ap.parse_args()
+    if args.quick:
+        ap.set_defaults(num_trajectories=128, mean_tokens=400, producers=2)
+        args = ap.parse_args()
 
     # -- data: the same Trajectory objects for every format ------------------------------------------------------
     per = args.num_trajectories // args.producers

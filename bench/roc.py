@@ -1,7 +1,9 @@
 """Benchmark: reward + quality penalties + Resample-on-Correct + advantages for one paper-sized step
 (512 prompts x 32 rollouts, paper §4.3) against a naive per-trajectory Python loop, in the same run.
 
-    .venv/bin/python bench/roc.py [--prompts 512] [--naive-prompts 48] [--seed 0]
+    .venv/bin/python bench/roc.py [--prompts 512] [--naive-prompts 48] [--seed 0] [--quick]
+
+--quick: 16 prompts, the naive loop on 4 of them (a smoke test of the bench; the timings say little).
 
 Synthetic rollouts look like real ones: <reason> text, 0-4 Hermes tool calls with sandbox statuses and
 <tool_response> blocks, ChatML turn markers, an <answer> with \\boxed{} (sometimes repeated, sometimes
@@ -169,7 +171,11 @@ def main() -> None:
     ap.add_argument("--rollouts", type=int, default=32)
     ap.add_argument("--naive-prompts", type=int, default=48)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quick", action="store_true", help="a small step (smoke test); explicit flags still win")
     args = ap.parse_args()
+    if args.quick:
+        ap.set_defaults(prompts=16, naive_prompts=4)
+        args = ap.parse_args()
     logging.disable(logging.WARNING)  # math-verify's per-call timeout warnings in the naive loop
 
     t0 = time.perf_counter()

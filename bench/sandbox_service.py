@@ -1,6 +1,8 @@
 """Sandbox service throughput and latency vs one fresh `python3` per call (the public rStar2 service's way).
 
-    python bench/sandbox.py [--workers N] [--quick] [--repeats 5]
+    python bench/sandbox_service.py [--workers N] [--quick] [--repeats 5]
+
+--quick: at most 256 calls queued at once, one repeat, fewer baseline calls (a smoke test, well under a minute).
 
 Ours: a real service (`rstar-hpc sandbox serve`, a separate process) called over TCP by the batching client.
 Baseline: code-judge's executor in miniature: per call, write the code behind a prelude that sets the same
@@ -144,6 +146,8 @@ async def main_async(args) -> dict:
                      "load_avg_1m_at": {}}
     base = Baseline(limits, workers)
     per = {"trivial": (20, 64), "numpy_sympy": (4, 16)}   # baseline calls measured at c1 and at saturation
+    if args.quick:
+        per = {"trivial": (5, 16), "numpy_sympy": (1, 4)}
 
     async def baseline(name: str, c1: bool = True) -> tuple[dict | None, dict]:
         code = WORKLOADS[name]
@@ -231,10 +235,13 @@ async def main_async(args) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workers", type=int, default=0, help="sandboxes (default: one per core)")
-    ap.add_argument("--quick", action="store_true", help="256 instead of 2,048 queued calls")
-    ap.add_argument("--repeats", type=int, default=5, help="interleaved ours/baseline repeats of the trivial "
-                    "saturated levels; the median repeat's ratio is reported")
+    ap.add_argument("--quick", action="store_true", help="256 instead of 2,048 queued calls, one repeat, fewer "
+                    "baseline calls (smoke test)")
+    ap.add_argument("--repeats", type=int, default=None, help="interleaved ours/baseline repeats of the trivial "
+                    "saturated levels; the median repeat's ratio is reported (default 5, 1 with --quick)")
     args = ap.parse_args()
+    if args.repeats is None:
+        args.repeats = 1 if args.quick else 5
     figures = asyncio.run(main_async(args))
     print(json.dumps(figures, separators=(",", ":")))
 

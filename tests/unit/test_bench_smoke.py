@@ -1,0 +1,68 @@
+"""Every bench script runs from the checkout: `python bench/X.py --quick` from the repository root, exit status 0,
+and the last stdout line one JSON object of its figures (the contract every bench keeps).
+
+The scripts are found by globbing bench/ for files with a `__main__` block, so a new bench is covered the day it
+lands; modules without one (rollout_sim.py, trainer_sized.py) are run through the scripts that import them.
+`--quick` is each bench's smoke size: seconds on a 2-core machine, figures that only show the bench works.
+
+exchange.py's exit status reports its target (1 when Arrow misses 5x JSONL), which a toy step need not meet: for it
+status 1 is accepted, but only when the JSON line parses and says the target was missed.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPTS = sorted(p.name for p in (REPO / "bench").glob("*.py") if "if __name__ == \"__main__\":" in p.read_text())
+TARGET_FLAG = {"exchange.py": "meets_target"}   # exit status 1 = this figure is false
+TIMEOUT_S = 300                                 # each takes seconds; a loaded 2-core machine gets a wide margin
+
+
+def _run(script: str, *args: str) -> tuple[int, dict, str]:
+    done = subprocess.run([sys.executable, f"bench/{script}", "--quick", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=TIMEOUT_S)
+    lines = done.stdout.strip().splitlines()
+    assert lines, f"bench/{script} printed nothing (exit {done.returncode}):\n{done.stderr[-3000:]}"
+    try:
+        figures = json.loads(lines[-1])
+    except json.JSONDecodeError:
+        pytest.fail(f"bench/{script}: the last stdout line is not JSON: {lines[-1][:300]!r}\n{done.stderr[-3000:]}")
+    assert isinstance(figures, dict), f"bench/{script}: the last stdout line is not a JSON object"
+    return done.returncode, figures, done.stderr
+
+
+def test_the_glob_finds_the_benches():
+    assert {"exchange.py", "roc.py", "rollout_balance.py", "sandbox_service.py", "trainer.py"} <= set(SCRIPTS)
+    assert "rollout_sim.py" not in SCRIPTS   # a module of rollout_balance.py, no script
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_bench_quick_runs_and_ends_with_its_figures(script, tmp_path):
+    extra = ("--dir", str(tmp_path)) if script == "exchange.py" else ()
+    rc, figures, stderr = _run(script, *extra)
+    flag = TARGET_FLAG.get(script)
+    if flag is not None:
+        assert rc == (0 if figures[flag] else 1), f"bench/{script}: exit {rc} with {flag}={figures[flag]}"
+    else:
+        assert rc == 0, f"bench/{script}: exit {rc}:\n{stderr[-3000:]}"
+    if script == "exchange.py":   # what tests/unit/test_exchange_bench.py checked
+        for fmt in ("arrow", "jsonl", "parquet"):
+            assert figures[fmt]["bytes"] > 0 and figures[fmt]["write_s"] > 0
+        assert figures["trajectories"] == 128
+        assert figures["arrow_vs_jsonl_total"] > 1   # the 5x target is checked at full size by the exit status
+        assert list(tmp_path.iterdir()) == []        # cleans up after itself
+
+
+@pytest.mark.slow
+def test_bench_trainer_sized_path_runs_on_the_cpu():
+    """bench/trainer.py's realistic-size path (bench/trainer_sized.py), one layer of Qwen3-0.6B's shape on the
+    CPU: about a minute on 2 cores, hence `slow`."""
+    rc, figures, stderr = _run("trainer.py", "--model", "qwen3-0.6b")
+    assert rc == 0, stderr[-3000:]
+    assert figures["bench"] == "trainer_sft_step_sized" and figures["layers"] == 1
+    assert figures["megatron_tokens_per_s"] > 0
