@@ -29,92 +29,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
+
+from tests.rollout.rollout_run import TEMPERATURE, publish_policy, rl_config, serve_sandbox, teach_tool_format
 
 REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable
 PROMPTS, SAMPLES = 4, 4
-TEMPERATURE = 0.7   # the engines return logprobs of the tempered distribution they sampled
 
 pytestmark = [pytest.mark.skipif(shutil.which("mpirun") is None or shutil.which("bwrap") is None,
                                  reason="needs mpirun and bwrap"), pytest.mark.slow]
-
-
-def _sft(base: Path, out: Path, steps: int = 150, batch: int = 8, lr: float = 2e-3) -> Path:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from rstar_hpc.trainer.sft_data import make_samples
-
-    torch.manual_seed(0)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)   # a tiny model: more threads only contend on a busy 2-core machine
-    tok = AutoTokenizer.from_pretrained(base)
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-
-    def enc(text: str) -> list[int]:
-        return tok.encode(text, add_special_tokens=False)
-
-    seqs = []
-    for s in make_samples(256, seed=1):
-        ids = enc(tok.apply_chat_template(s["messages"][:2], tokenize=False, add_generation_prompt=False))
-        mask = [0] * len(ids)
-        for m in s["messages"][2:]:
-            if m["role"] == "assistant":
-                # the prefilled "<|im_start|>assistant\n<reason>" is prompt; the rest through <|im_end|> is trained
-                head, nl = enc("<|im_start|>assistant\n<reason>"), enc("\n")
-                body = enc(m["content"][len("<reason>"):] + "<|im_end|>")
-                ids += head + body + nl
-                mask += [0] * len(head) + [1] * len(body) + [0] * len(nl)
-            else:
-                t = enc(f"<|im_start|>user\n<tool_response>\n{m['content']}\n</tool_response><|im_end|>\n")
-                ids += t
-                mask += [0] * len(t)
-        seqs.append((ids, mask))
-    n_pre = 0   # the system prompt and chat markup every sample starts with
-    while all(len(x) > n_pre + 1 and x[n_pre] == seqs[0][0][n_pre] for x, _ in seqs):
-        n_pre += 1
-    prefix = torch.tensor([seqs[0][0][:n_pre]])
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    model.train()
-    for step in range(steps):
-        rows = [seqs[(step * batch + i) % len(seqs)] for i in range(batch)]
-        n = max(len(x) for x, _ in rows) - n_pre
-        ids = torch.tensor([x[n_pre:] + [0] * (n + n_pre - len(x)) for x, _ in rows])
-        mask = torch.tensor([m[n_pre:] + [0] * (n + n_pre - len(m)) for _, m in rows], dtype=torch.float32)
-        pre = model(prefix, use_cache=True)
-        cache = pre.past_key_values
-        cache.batch_repeat_interleave(batch)   # gradients flow back through the shared prefix
-        logits = torch.cat([pre.logits[:, -1:].expand(batch, -1, -1),
-                            model(ids, past_key_values=cache).logits[:, :-1]], 1)
-        lp = torch.log_softmax(logits, -1).gather(-1, ids[..., None])[..., 0]
-        loss = -(lp * mask).sum() / mask.sum()
-        for g in opt.param_groups:
-            g["lr"] = lr * min(1.0, (step + 1) / 5) * (0.5 + 0.5 * np.cos(np.pi * step / steps))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    torch.set_num_threads(threads)
-    assert loss.item() < 1.0, f"SFT did not learn the format (loss {loss.item():.3f})"
-    model.save_pretrained(out, safe_serialization=True)
-    tok.save_pretrained(out)
-    return out
-
-
-def _publish(paths, src: Path, version: int, trainer_step: int, scale: float, stage: str = "rl") -> Path:
-    """A policy version as the trainer publishes it: src's weights, one matrix scaled (logprobs tell which
-    weights an engine ran)."""
-    from safetensors.torch import load_file, save_file
-
-    tmp = paths.policies().begin(version)
-    for f in src.iterdir():
-        if f.is_file() and f.name != "COMMITTED.json":
-            shutil.copy(f, tmp / f.name)
-    st = load_file(tmp / "model.safetensors")
-    key = next(k for k in st if k.endswith("layers.1.mlp.down_proj.weight"))
-    st[key] = st[key] * scale
-    save_file(st, tmp / "model.safetensors", metadata={"format": "pt"})
-    return paths.policies().commit(version, tmp, stage=stage, trainer_step=trainer_step)
 
 
 def _rank_pid(rank: int, parent: int) -> int | None:
@@ -159,49 +82,18 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
-def rl_config(work: Path, name: str, sft: Path, *, prompts: int, samples: int, num_steps: int, **scheduler) -> Path:
-    """configs/tiny-cpu.yaml for a rollout test: an sft stage (done by publishing) then `num_steps` rl steps of
-    `prompts` x `samples` on the demo set, on the SFT model, 16 MiB of KV per engine (~15 worst-case trajectories)."""
-    cfg = yaml.safe_load((REPO / "configs/tiny-cpu.yaml").read_text())
-    cfg["run"] = {"name": name, "root": str(work / "runs"), "seed": 0}
-    cfg["model"] = {"path": str(sft)}
-    cfg["rollout"]["engine"]["kv_cache_memory_mb"] = 16
-    cfg["rollout"]["agent"].update(max_prompt_length=768, max_response_length=256, temperature=TEMPERATURE)
-    cfg["rollout"]["scheduler"].update(scheduler)
-    cfg["algo"]["num_samples_per_prompt"] = samples
-    cfg["stages"] = [{"name": "sft", "kind": "sft", "num_steps": 1, "data": "demo"},
-                     {"name": "rl", "kind": "rl", "num_steps": num_steps, "prompts_per_step": prompts, "data": "demo"}]
-    path = work / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
-
-
-def serve_sandbox(run_dir: Path, work: Path, env: dict, name: str) -> subprocess.Popen:
-    """The real sandbox service for the run, once it has published its address."""
-    sb = subprocess.Popen([PY, "-m", "rstar_hpc", "sandbox", "serve", "--workers", "2", "--run-dir", str(run_dir),
-                           "--host", "127.0.0.1", "--name", name], env=env, cwd=REPO,
-                          stdout=subprocess.DEVNULL, stderr=open(work / "sandbox.log", "w"))
-    deadline = time.time() + 60
-    while not list((run_dir / "rendezvous" / "sandbox").glob("*.json")):
-        if sb.poll() is not None or time.time() > deadline:
-            sb.kill()
-            pytest.fail("sandbox service did not start: " + (work / "sandbox.log").read_text()[-2000:])
-        time.sleep(0.2)
-    return sb
-
-
 @pytest.fixture(scope="module")
 def e2e(tiny_model_dir, tmp_path_factory):
     from rstar_hpc.exchange.rundir import RunPaths
 
     work = tmp_path_factory.mktemp("e2e")
-    sft = _sft(tiny_model_dir, work / "sft")
+    sft = teach_tool_format(tiny_model_dir, work / "sft")
     run_dir = work / "runs" / "e2e"
     paths = RunPaths(run_dir)
     paths.create()
     # v1 as if the trainer had finished the sft stage: the rl stage starts from it (steps 0 and 1, with
     # max_policy_lag 1); step 2 needs the policy trained on rl step 1
-    _publish(paths, sft, 1, trainer_step=1, scale=1.5, stage="sft")
+    publish_policy(paths, sft, 1, trainer_step=1, scale=1.5, stage="sft")
 
     cfg_path = rl_config(work, "e2e", sft, prompts=PROMPTS, samples=SAMPLES, num_steps=3,
                          heartbeat_s=0.5, engine_timeout_s=10, policy_wait_s=120, max_policy_lag=1)
@@ -338,7 +230,7 @@ def test_step_as_slurm_job_waits_for_its_policy(e2e, slurm_cluster):
         time.sleep(0.5)
     time.sleep(3.0)   # step 2 needs the policy trained on rl step 1: rank 0 is waiting for it now
     assert not paths.traj_commit("rl", 2, "rollout").exists()
-    _publish(paths, e2e["sft"], 2, trainer_step=2, scale=0.5)
+    publish_policy(paths, e2e["sft"], 2, trainer_step=2, scale=0.5)
     try:
         wait_for_job(job, env=slurm_cluster.env, timeout_s=300)
     finally:

@@ -14,7 +14,7 @@ from rstar_hpc.rollout import carry
 from rstar_hpc.rollout.agent import AgentResult, Generation, Pause
 from rstar_hpc.rollout.policy import KVAwarePolicy
 from rstar_hpc.rollout.step import WorkItem
-from tests.rollout.test_agent import ANSWER, FakeTools, ScriptedEngine, call, loop
+from tests.rollout.scripted import ANSWER, FakeTools, ScriptedEngine, call, loop
 
 
 @pytest.fixture(scope="module")

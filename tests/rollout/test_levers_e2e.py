@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.rollout.test_e2e import TEMPERATURE, _publish, _sft, rl_config, serve_sandbox
+from tests.rollout.rollout_run import TEMPERATURE, publish_policy, rl_config, serve_sandbox, teach_tool_format
 
 REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable
@@ -39,12 +39,12 @@ def levers(tiny_model_dir, tmp_path_factory):
     from rstar_hpc.exchange.rundir import RunPaths
 
     work = tmp_path_factory.mktemp("levers")
-    sft = _sft(tiny_model_dir, work / "sft")
+    sft = teach_tool_format(tiny_model_dir, work / "sft")
     run_dir = work / "runs" / "levers"
     paths = RunPaths(run_dir)
     paths.create()
-    _publish(paths, sft, 1, trainer_step=1, scale=1.5, stage="sft")   # the rl stage starts from it (step 0)
-    _publish(paths, sft, 2, trainer_step=1, scale=0.7)                 # as if trained on rl step 0: step 1 runs it
+    publish_policy(paths, sft, 1, trainer_step=1, scale=1.5, stage="sft")  # the rl stage starts from it (step 0)
+    publish_policy(paths, sft, 2, trainer_step=1, scale=0.7)   # as if trained on rl step 0: step 1 runs it
     cfg_path = rl_config(work, "levers", sft, prompts=PROMPTS, samples=SAMPLES, num_steps=2,
                          heartbeat_s=0.1, engine_timeout_s=20, policy_wait_s=60, max_policy_lag=0,
                          partial_rollouts=True, partial_close_fraction=0.5,

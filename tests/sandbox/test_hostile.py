@@ -12,7 +12,7 @@ import socket
 
 import pytest
 
-from tests.sandbox.conftest import SECRET, TEST_LIMITS
+from tests.sandbox.pools import SECRET, TEST_LIMITS
 
 
 def run(sb, code, kind=None, **kw):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import BACKENDS, make_optimizer, make_policy, run_trainer, write_config
+from trainer_helpers import BACKENDS, make_optimizer, make_policy, run_trainer, write_config
 
 from rstar_hpc.trainer.checkpoint import (
     DIE_IN_SAVE_ENV,

@@ -15,8 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import free_port
-from test_rl import _step_trajs, _traj
+from trainer_helpers import free_port, rl_step_trajs, rl_traj
 
 from rstar_hpc.exchange.rundir import RunPaths
 from rstar_hpc.exchange.writer import ShardWriter
@@ -54,7 +53,7 @@ def test_sft_then_rl_stage(tiny_hf_dir, tmp_path):
     assert paths.policies().complete_steps() == [1]
 
     gen = torch.Generator().manual_seed(0)
-    steps = {0: _step_trajs(0), 1: [_traj(1, "all-right", i, 1.0, gen) for i in range(8)], 2: _step_trajs(2)}
+    steps = {0: rl_step_trajs(0), 1: [rl_traj(1, "all-right", i, 1.0, gen) for i in range(8)], 2: rl_step_trajs(2)}
     for s, trajs in steps.items():
         with ShardWriter(paths, "rl", s, "rollout") as w:
             w.write(trajs)
@@ -83,7 +82,7 @@ def test_sft_then_rl_stage(tiny_hf_dir, tmp_path):
 
     # rl2 has one trajectory step so far; USR2 (the pre-timeout signal) while the trainer waits for the next
     with ShardWriter(paths, "rl2", 0, "rollout") as w:
-        trajs = [_traj(0, f"q{g}", i, float(i % 2), gen) for g in range(2) for i in range(8)]
+        trajs = [rl_traj(0, f"q{g}", i, float(i % 2), gen) for g in range(2) for i in range(8)]
         for t in trajs:
             t.stage = "rl2"
         w.write(trajs)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import free_port
+from trainer_helpers import free_port
 
 from rstar_hpc.trainer.hf_convert import read_hf_weights
 
@@ -134,7 +134,7 @@ def _role(cfg: Path, world: int, log: Path, *overrides: str, env: dict | None = 
 def test_trainer_role_on_two_pipeline_stages_resumes_and_trains_like_one_rank(tiny4_hf_dir, tmp_path):
     """The trainer role (SFT stage) on pp 2: killed after writing step 4's shards and before the commit, resumed
     from step 2; its losses are a single rank's, and its published policy is written stage by stage."""
-    from conftest import write_config
+    from trainer_helpers import write_config
 
     from rstar_hpc.trainer.checkpoint import DIE_IN_SAVE_ENV
     from rstar_hpc.trainer.sft_data import make_samples, write_jsonl

@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from conftest import BACKENDS, run_trainer, write_config
+from trainer_helpers import BACKENDS, run_trainer, write_config
 from transformers import AutoTokenizer
 
 from rstar_hpc.datasets import load_chat_jsonl

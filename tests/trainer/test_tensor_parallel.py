@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import torch
-from conftest import free_port
+from trainer_helpers import free_port
 
 WORKER = Path(__file__).with_name("tp_worker.py")
 

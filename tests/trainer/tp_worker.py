@@ -28,7 +28,7 @@ def fixed_batch(vocab: int) -> list:
 
 
 def run(hf_dir: str, tp: int) -> dict:
-    from conftest import make_optimizer, make_policy
+    from trainer_helpers import make_optimizer, make_policy
 
     from rstar_hpc.trainer.hf_convert import gather_hf_state
     from rstar_hpc.trainer.model import init_distributed
