@@ -48,6 +48,19 @@ def previous_trainer_stage(cfg, name: str):
     return earlier[-1] if earlier else None
 
 
+def warmup_steps(cfg, name: str) -> int:
+    """The linear lr warm-up trainer stage `name` starts with. The optimizer warms up once per phase, as the paper
+    does: in the run's first trainer stage, where the kind changes (sft -> rl: RL's own lr), and where a stage
+    resets the optimizer. A stage that carries on the previous stage's optimizer goes straight to its lr (rl-12k
+    continues rl-8k). `stages[].warmup_steps` overrides either way."""
+    stage = cfg.stage(name)
+    if stage.warmup_steps is not None:
+        return stage.warmup_steps
+    prev = previous_trainer_stage(cfg, name)
+    fresh = prev is None or prev.kind != stage.kind or stage.reset_optimizer
+    return cfg.trainer.optimizer.warmup_steps if fresh else 0
+
+
 def starting_policy(cfg, name: str) -> PolicyNeed:
     """The policy stage `name` starts from: the previous trainer stage's final one, or the base model."""
     prev = previous_trainer_stage(cfg, name)
@@ -113,7 +126,7 @@ def stage_prompts(cfg, stage) -> list[dict]:
 def sample_count(cfg, stage) -> int:
     """Rollouts per prompt: rl the algorithm's group size, hard_subset 8 by default, eval eval.k."""
     if stage.kind == "rl":
-        return cfg.algo.num_samples_per_prompt
+        return cfg.algo.samples_per_prompt
     if stage.kind == "hard_subset":
         return stage.num_samples or 8
     return stage.num_samples or cfg.eval.k

@@ -1,6 +1,6 @@
 """Per-step metrics of GRPO-RoC, as flat `group/name(unit)` keys for the step logger.
 
-roc/*       pass rate before and after down-sampling, groups rejected as all-equal (all correct / all wrong),
+roc/*       pass rate before and after down-sampling, rollouts sampled and trained per group, groups rejected as all-equal (all correct / all wrong),
             groups dropped as too small, and the mean p_err / p_format / p_total of the positives RoC kept vs
             all positives (the gap is what RoC buys; the paper's Fig. 4 tracks the same quantities).
 train/*     clip fractions (low, high, dual), approximate KL to the rollout policy, pg loss, KL and entropy
@@ -30,8 +30,13 @@ def roc_metrics(selection: RoCSelection, rewards: ArrayLike, p_err: ArrayLike | 
     size, n_pos = np.bincount(g), np.bincount(g, weights=pos)
     group_reason = np.full(size.shape, -1)
     group_reason[g] = selection.reason  # any member's reason tells equal-reward / small-group drops
+    trained = np.bincount(g[keep], minlength=size.size)
     out = {
         "roc/num_trajectories": float(r.size), "roc/num_kept": float(keep.sum()), "roc/num_groups": float(size.size),
+        # the ablation's fairness: rollouts sampled per prompt, and trained per prompt that trained at all
+        "roc/groups_trained": float((trained > 0).sum()),
+        "roc/sampled_per_group": _mean(size.astype(float)),
+        "roc/trained_per_group": _mean(trained[trained > 0].astype(float)),
         "roc/pass_rate_before": _mean(pos.astype(float)), "roc/pass_rate_after": _mean(pos[keep].astype(float)),
         "roc/groups_all_correct": float((n_pos == size).sum()), "roc/groups_all_wrong": float((n_pos == 0).sum()),
         "roc/groups_rejected_equal": float((group_reason == RoCReason.DROPPED_EQUAL_REWARD).sum()),

@@ -1,4 +1,4 @@
-"""Resample-on-Correct down-sampling (paper §2.2.3; public code rstar2_agent/down_sample/, reference §1.2).
+"""Resample-on-Correct down-sampling (paper §2.2.3; public code microsoft/rStar rstar2_agent/down_sample/).
 
 For each prompt (group) of 2G rollouts, keep G = `down_sample_to_n`:
   1. `reject_equal_reward`: drop groups whose rewards are all equal (all right or all wrong).
@@ -15,9 +15,12 @@ For each prompt (group) of 2G rollouts, keep G = `down_sample_to_n`:
                  (the paper leaves p_total = 0 open) keeps weights finite. Drawn as Gumbel-top-k, which is
                  exactly sequential weighted sampling without replacement, vectorised over all groups.
        topk      the k_pos lowest penalties, ties in rollout order (stable): the public code.
+The ablation modes (`mode`) share steps 1 and the group-size rules: `random` replaces 2-4 with G drawn uniformly
+from the group, whatever their rewards; `grpo` groups were sampled with G rollouts and are kept whole.
 A group larger than G is selected as above; exactly G is kept whole; smaller than G (rollouts were lost) is
-dropped as in the public code, or kept whole with `keep_small_groups`. `down_sample_to_n <= 0` skips 2-4;
-`do_down_sampling=False` keeps everything. Same inputs and seed give the same selection.
+dropped as in the public code, or kept whole with `keep_small_groups`. `down_sample_to_n <= 0` skips 2-4.
+Same inputs and seed give the same selection: the trainer runs it (trainer/rl.py), and `traj show` reruns it to
+show a trajectory's decision.
 """
 from __future__ import annotations
 
@@ -25,10 +28,13 @@ import enum
 from dataclasses import dataclass
 
 import numpy as np
+import pyarrow as pa
 from numpy.typing import ArrayLike
 
 from rstar_hpc.algo._config import resolve
 from rstar_hpc.config.algo import RoCConfig
+from rstar_hpc.exchange.columns import TrajectoryColumns
+from rstar_hpc.exchange.tool_status import INFRA_TOOL_STATUSES
 
 
 class RoCReason(enum.IntEnum):
@@ -111,7 +117,7 @@ def roc_downsample(group_ids: ArrayLike, rewards: ArrayLike, p_err: ArrayLike | 
     n = rewards.shape[0]
     rewards = _as_1d("rewards", rewards, n)
     for name, x, on in (("p_err", p_err, cfg.roc_error_ratio), ("p_format", p_format, cfg.roc_answer_format)):
-        if on and x is None and cfg.do_down_sampling and cfg.down_sample_to_n > 0:
+        if on and x is None and cfg.mode == "roc" and cfg.down_sample_to_n > 0:
             raise ValueError(f"{name} is needed because roc_{'error_ratio' if name == 'p_err' else 'answer_format'}"
                              " is on; pass it, or turn that switch off")
     penalty = (cfg.roc_error_ratio * _as_1d("p_err", p_err, n)
@@ -133,7 +139,7 @@ def roc_downsample(group_ids: ArrayLike, rewards: ArrayLike, p_err: ArrayLike | 
             keep[sub], reason[sub] = inner.keep, inner.reason
             return RoCSelection(keep, reason, penalty, g)
     reason = np.full(n, RoCReason.KEPT_GROUP, dtype=np.int8)
-    if not cfg.do_down_sampling or n == 0:
+    if n == 0:
         return RoCSelection(reason == RoCReason.KEPT_GROUP, reason, penalty, g)
 
     pos = rewards != 0
@@ -146,23 +152,27 @@ def roc_downsample(group_ids: ArrayLike, rewards: ArrayLike, p_err: ArrayLike | 
         small = ~dropped & (size < target)
         if not cfg.keep_small_groups:
             reason[small[g]] = RoCReason.DROPPED_SMALL_GROUP
-        select = ~dropped & (size > target)
-        k_pos, k_neg = _split(n_pos, size - n_pos, target, cfg.min_zero_reward_trace_num,
-                              cfg.min_non_zero_reward_trace_num)
+        # grpo groups hold G already (the rollout sampled G): nothing to choose
+        select = ~dropped & (size > target) & (cfg.mode != "grpo")
         u = np.random.default_rng(seed).random(n)
-        if cfg.positive_selection == "weighted":
-            gumbel = -np.log(-np.log(np.clip(u, 1e-300, 1.0)))
-            pos_key = -(gumbel - np.log(penalty + cfg.weight_eps))  # ascending key = descending log w + G
+        if cfg.mode == "random":   # G of the group uniformly, rewards ignored
+            seg, key, quota = g, u, np.full(n, target)
         else:
-            pos_key = penalty
-        key = np.where(pos, pos_key, u)  # negatives: a uniformly random order
-        seg = 2 * g + pos
+            k_pos, k_neg = _split(n_pos, size - n_pos, target, cfg.min_zero_reward_trace_num,
+                                  cfg.min_non_zero_reward_trace_num)
+            if cfg.positive_selection == "weighted":
+                gumbel = -np.log(-np.log(np.clip(u, 1e-300, 1.0)))
+                pos_key = -(gumbel - np.log(penalty + cfg.weight_eps))  # ascending key = descending log w + G
+            else:
+                pos_key = penalty
+            key = np.where(pos, pos_key, u)  # negatives: a uniformly random order
+            seg, quota = 2 * g + pos, np.where(pos, k_pos[g], k_neg[g])
         order = np.lexsort((np.arange(n), key, seg))
         seg_sorted = seg[order]
         first = np.r_[True, seg_sorted[1:] != seg_sorted[:-1]]
         rank = np.empty(n, dtype=np.int64)
         rank[order] = np.arange(n) - np.maximum.accumulate(np.where(first, np.arange(n), 0))
-        chosen = rank < np.where(pos, k_pos[g], k_neg[g])
+        chosen = rank < quota
         in_sel = select[g]
         reason[in_sel] = np.select(
             [chosen[in_sel] & pos[in_sel], chosen[in_sel], pos[in_sel]],
@@ -170,3 +180,28 @@ def roc_downsample(group_ids: ArrayLike, rewards: ArrayLike, p_err: ArrayLike | 
             RoCReason.DROPPED_NEGATIVE)
     keep = np.isin(reason, [RoCReason.KEPT_POSITIVE, RoCReason.KEPT_NEGATIVE, RoCReason.KEPT_GROUP])
     return RoCSelection(keep, reason, penalty, g)
+
+
+# --------------------------------------------------------------------------------------------------
+# one committed step, as the trainer sees it
+
+
+def step_seed(run_seed: int, step: int) -> int:
+    """The selection seed of an rl step: the run's seed and the step, so a rerun of the step selects the same."""
+    return run_seed * 1_000_003 + step
+
+
+def tool_infra_failed(table: pa.Table) -> np.ndarray:
+    """Per row: did any of its tool calls fail for the sandbox's reasons (INFRA_TOOL_STATUSES)?"""
+    status, offsets = TrajectoryColumns(table).tool_call_status
+    hits = np.concatenate([[0], np.cumsum(np.isin(status, sorted(INFRA_TOOL_STATUSES)))])
+    return hits[offsets[1:]] > hits[offsets[:-1]]
+
+
+def select_step(table: pa.Table, cfg: RoCConfig, *, run_seed: int, step: int) -> RoCSelection:
+    """RoC over one step's committed rows (a step holds whole groups): what the trainer trains, and what
+    `traj show` reports as a trajectory's decision."""
+    cols = TrajectoryColumns(table)
+    excluded = tool_infra_failed(table) if cfg.drop_tool_infra_failures else None
+    return roc_downsample(cols.prompt_uid, cols.reward, cols.p_err, cols.p_format, cfg,
+                          seed=step_seed(run_seed, step), excluded=excluded)

@@ -4,11 +4,13 @@ cluster, with a report of what was learned.
     1. SFT run       the config's stages up to its first rl stage (base eval, SFT cold start, SFT eval)
     2. RL runs       the remaining stages (rl with growing length, hard subset, rl with the optimizer reset, eval),
                      each starting from the SFT run's final policy, same seed and budget, one per mode:
-                     RoC (the paper's GRPO-RoC, weighted positive selection), GRPO (RoC off: the ablation),
-                     RoC-topk (the public code's lowest-penalty positive selection)
+                     RoC (the paper's GRPO-RoC: sample 2G, keep G, weighted positive selection), GRPO (the paper's
+                     baseline: sample G, train G), Random (sample 2G, keep G uniformly: RoC's oversampling without
+                     its selection), RoC-topk (the public code's lowest-penalty positive selection)
     3. the report    `rstar-hpc report` of the RoC run with the others compared: RUN/report/report.{md,html} + PNGs
 The last stdout line is one JSON object of the figures (pass@1 of base, SFT and RL with standard errors, the
-tool-error ratio of the positives each mode trained on, wall time, the report's path).
+tool-error ratio of the positives each mode trained on, the rollouts each mode sampled and trained per prompt,
+wall time, the report's path).
 """
 from __future__ import annotations
 
@@ -24,11 +26,12 @@ import yaml
 from rstar_hpc.cli.status import EXIT_FAILED
 
 DEMO_CONFIG = "demo"
-# label -> overrides of the RL runs
+# label -> (summary key, overrides of the RL run)
 MODES = {
-    "RoC": [],
-    "GRPO": ["algo.roc.do_down_sampling=false"],
-    "RoC-topk": ["algo.roc.positive_selection=topk"],
+    "RoC": ("roc", []),
+    "GRPO": ("grpo", ["algo.roc.mode=grpo"]),
+    "Random": ("random", ["algo.roc.mode=random"]),
+    "RoC-topk": ("topk", ["algo.roc.positive_selection=topk"]),
 }
 
 
@@ -119,7 +122,7 @@ def command(config: str, overrides: tuple[str, ...], modes: str, state_dir, keep
         for i, label in enumerate(labels):
             _say(f"[3/4] RL run {i + 1}/{len(labels)} ({label}): {', '.join(s.name for s in rl_stages)}")
             name = f"{base}-{label.lower()}"
-            rl = derive(cfg, name, rl_stages, [*MODES[label], f"model.path={latest[1]}"], configs)
+            rl = derive(cfg, name, rl_stages, [*MODES[label][1], f"model.path={latest[1]}"], configs)
             _launch(rl, env, timeout_s)
             runs[label] = RunPaths(rl.run.dir)
         _say("[4/4] report")
@@ -142,16 +145,26 @@ def _report(sft, runs: dict, wall_s: float) -> dict:
            "pass1_sft": sft_head["pass1_sft"], "pass1_sft_stderr": sft_head["pass1_sft_stderr"],
            "pass1_rl": head["pass1_rl"], "pass1_rl_stderr": head["pass1_rl_stderr"],
            "roc_positive_tool_error_ratio": head["positive_tool_error_ratio"]}
+    out["sampled_per_group"], out["trained_per_group"] = {}, {}
     for label in runs:
+        key, mine = MODES[label][0], head if label == "RoC" else head["compare"][label]
         if label != "RoC":
-            key = label.lower().replace("-", "_")
-            out[f"pass1_{key}"] = head["compare"][label]["pass1_rl"]
-            out[f"{key}_positive_tool_error_ratio"] = head["compare"][label]["positive_tool_error_ratio"]
+            out[f"pass1_{key}"] = mine["pass1_rl"]
+            out[f"{key}_positive_tool_error_ratio"] = mine["positive_tool_error_ratio"]
+        out["sampled_per_group"][key] = _round(mine["sampled_per_group"])
+        out["trained_per_group"][key] = _round(mine["trained_per_group"])
     out.update(wall_s=round(wall_s, 1), report=str(report.markdown), html=str(report.html),
                runs={"SFT": str(sft.dir), **{k: str(p.dir) for k, p in runs.items()}})
     click.echo(f"      pass@1: base {_pm(out, 'base')}, SFT {_pm(out, 'sft')}, RL (GRPO-RoC) {_pm(out, 'rl')}", err=True)
+    click.echo("      rollouts per prompt, sampled / trained: " + ", ".join(
+        f"{label} {out['sampled_per_group'][MODES[label][0]]} / {out['trained_per_group'][MODES[label][0]]}"
+        for label in runs), err=True)
     click.echo(f"      report: {report.html}", err=True)
     return out
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 3)
 
 
 def _pm(out: dict, key: str) -> str:

@@ -26,7 +26,8 @@ from rstar_hpc.config.loader import DEFAULT_CONFIG
 @click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=None, help="[eval.top_p: 1]")
 @click.option("--max-turns", type=click.IntRange(min=1), default=None, help="[eval.max_turns: 30]")
 @click.option("--max-tokens", type=click.IntRange(min=16), default=None,
-              help="Response tokens, tool outputs included [eval.max_response_length: 30000].")
+              help="Response tokens, tool outputs included [eval.max_response_length: 30000, or what the model's "
+                   "positions hold past the prompt budget]; more than they hold is refused.")
 @click.option("--launcher", type=click.Choice(["local", "sbatch", "submitit"]), default="local", show_default=True)
 @click.option("--out", type=click.Path(file_okay=False), default=None,
               help="The run directory to write [<run root>/eval-<policy>-<benchmarks>].")

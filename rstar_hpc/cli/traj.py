@@ -87,7 +87,8 @@ def show(run: str, step: int, stage: str | None, uid: str | None, sample_index: 
     if not reader.commits(step):
         raise NotFound(f"step {step} of stage {stage!r} has no committed trajectories; `rstar-hpc traj ls {run}` "
                        f"lists the steps")
-    trajs = from_table(reader.read(step))
+    table = reader.read(step)
+    trajs, decisions = from_table(table), _roc_decisions(paths, stage, step, table)
     if uid is not None:
         trajs = [t for t in trajs if t.prompt_uid == uid]
         if not trajs:
@@ -96,7 +97,7 @@ def show(run: str, step: int, stage: str | None, uid: str | None, sample_index: 
         trajs = [t for t in trajs if t.sample_index == sample_index]
     console = Console(width=120)
     for t in trajs[:limit]:
-        render_trajectory(console, t)
+        render_trajectory(console, t, decisions.get(t.key, decisions.get(None)))
     if len(trajs) > limit:
         console.print(f"... {len(trajs) - limit} more; raise --limit or pick --uid/--sample")
 
@@ -127,7 +128,25 @@ def export(run: str, fmt: str, stage: str | None, step: int | None, out: str | N
         click.echo(f"{target}: {rows} rows")
 
 
-def render_trajectory(console, t) -> None:
+def _roc_decisions(paths, stage: str, step: int, table) -> dict:
+    """key -> the trainer's RoC decision ("kept_positive", ...), rerun from the step's rows with the run's config
+    (the selection is a function of them and the seed); else a default entry (None) that says why there is none."""
+    from rstar_hpc.algo.roc import select_step
+    from rstar_hpc.config import load_config
+    from rstar_hpc.exchange.columns import TrajectoryColumns
+
+    try:
+        cfg = load_config(str(paths.config))
+        if cfg.stage(stage).kind != "rl":
+            return {None: f"none ({stage} is a {cfg.stage(stage).kind} stage: nothing is trained)"}
+    except (KeyError, ValueError, OSError) as e:
+        return {None: f"unknown (the run's config.yaml does not give it: {str(e).splitlines()[0][:100]})"}
+    cols = TrajectoryColumns(table)
+    reasons = select_step(table, cfg.algo.roc, run_seed=cfg.run.seed, step=step).reason_names()
+    return dict(zip(zip(cols.prompt_uid, cols.sample_index.tolist()), reasons))
+
+
+def render_trajectory(console, t, decision: str | None = None) -> None:
     """One trajectory as a conversation; tool results sit under the call that produced them."""
     import json
 
@@ -161,12 +180,10 @@ def render_trajectory(console, t) -> None:
                                 f"[{style}]── result: {c.status} · {c.wall_time_s:.2f}s{cut}[/]\n{escape(c.output)}",
                                 title="tool call", border_style=style, title_align="left"))
     errors = sum(c.is_error for c in t.tool_calls)
-    decision = ("not run" if t.roc_kept is None else "kept" if t.roc_kept else "dropped")
     console.print(f"[bold]answer[/]: {escape(str(t.answer)) if t.answer is not None else '(none)'}   "
                   f"[bold]reward[/]: {t.reward:g}")
     console.print(f"RoC: p_err {t.p_err:.3f} ({errors}/{len(t.tool_calls)} calls failed) · p_format {t.p_format:.3f}"
-                  f" · p_total {t.p_err + t.p_format:.3f} · decision [bold]{decision}[/]"
-                  f"{f' ({escape(t.roc_reason)})' if t.roc_reason else ''}")
+                  f" · p_total {t.p_err + t.p_format:.3f} · decision [bold]{escape(decision or '-')}[/]")
     tm = t.timings
     console.print(f"tokens: prompt {len(t.prompt_ids)}, response {mask.size} (model {int(mask.sum())}, "
                   f"tool/template {int(mask.size - mask.sum())}) · time: generate {tm.generate_s:.2f}s, "

@@ -24,12 +24,17 @@ class RewardConfig(Section):
 
 
 class RoCConfig(Section):
-    """Resample-on-Correct down-sampling (paper §2.2.3; rStar rstar2_agent/down_sample/)."""
+    """Resample-on-Correct down-sampling (paper §2.2.3; microsoft/rStar rstar2_agent/down_sample/)."""
 
-    do_down_sampling: bool = True
-    """Master switch; off keeps every rollout."""
+    mode: Literal["roc", "grpo", "random"] = "roc"
+    """How a group of G trained rollouts is made. `roc`: sample 2G (algo.num_samples_per_prompt), keep G by
+    Resample-on-Correct (the paper). `grpo`: sample G (down_sample_to_n) and train them all: the paper's "GRPO with
+    tool" baseline (§5.3), the fair ablation. `random`: sample 2G and keep G uniformly at random, a control that
+    separates RoC's selection from its oversampling. reject_equal_reward, the small-group rule and
+    drop_tool_infra_failures apply in every mode, so the modes differ only in how the G are chosen."""
     down_sample_to_n: int = Field(16, ge=0)
-    """G: rollouts kept per prompt out of the 2G generated; <= 0 disables selection."""
+    """G: rollouts trained per prompt (roc and random keep G of the 2G generated; grpo generates G); <= 0 disables
+    selection (every one of num_samples_per_prompt is trained)."""
     reject_equal_reward: bool = True
     """Drop prompts whose rollouts all have the same reward (all right or all wrong)."""
     roc_error_ratio: bool = True
@@ -57,6 +62,20 @@ class RoCConfig(Section):
     count_first_turn: bool = True
     """Count the first assistant turn in p_format's turn count (the paper's intent); the public code
     never counts it."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _public_switch(cls, data):
+        """The public recipe's master switch: `true` is the default; `false` trained all 2G there, an ablation that
+        doubles GRPO's data against RoC's, so it is refused with the fair replacement named."""
+        if isinstance(data, dict) and "do_down_sampling" in data:
+            data = dict(data)
+            if not data.pop("do_down_sampling"):
+                raise ValueError("do_down_sampling: false is replaced by mode: grpo, which samples G = "
+                                 "down_sample_to_n rollouts per prompt and trains them all (the paper's GRPO "
+                                 "baseline); to train every one of num_samples_per_prompt, also set "
+                                 "down_sample_to_n: 0")
+        return data
 
     @model_validator(mode="after")
     def _minimums_fit(self) -> "RoCConfig":
@@ -91,7 +110,19 @@ class LossConfig(Section):
 
 class AlgoConfig(Section):
     num_samples_per_prompt: int = Field(32, ge=1)
-    """2G: rollouts generated per prompt before RoC."""
+    """2G: rollouts generated per prompt before RoC (roc and random modes; grpo generates G)."""
     reward: RewardConfig = RewardConfig()
     roc: RoCConfig = RoCConfig()
     loss: LossConfig = LossConfig()
+
+    @property
+    def samples_per_prompt(self) -> int:
+        """Rollouts an rl step generates per prompt: 2G, or G in grpo mode."""
+        g = self.roc.down_sample_to_n
+        return g if self.roc.mode == "grpo" and g > 0 else self.num_samples_per_prompt
+
+    @property
+    def trained_per_prompt(self) -> int:
+        """Rollouts an rl step trains per kept prompt: G (every sample where selection is off)."""
+        g = self.roc.down_sample_to_n
+        return g if 0 < g <= self.samples_per_prompt else self.samples_per_prompt

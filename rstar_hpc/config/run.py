@@ -111,11 +111,15 @@ class StageConfig(Section):
     12K, 12K)."""
     max_turns: int | None = Field(None, ge=1)
     """Overrides rollout.agent.max_turns (eval: eval.max_turns) in this stage (paper: 10, 10, 15; eval 30)."""
+    max_model_len: int | None = Field(None, ge=64)
+    """rl, hard_subset, eval: the engine context this stage needs, when it is more than rollout.engine.max_model_len
+    (an eval with the paper's 30K-token budget). A rollout job builds its engines with the largest context of the
+    stages it runs; vLLM reserves nothing per token of context, only checks that one sequence fits the KV cache."""
     lr: float | None = Field(None, gt=0)
     """Overrides trainer.optimizer.lr in this stage."""
     warmup_steps: int | None = Field(None, ge=0)
-    """Overrides trainer.optimizer.warmup_steps in this stage (an SFT from scratch wants a warm-up; a short RL
-    stage from a trained policy does not)."""
+    """Linear lr warm-up steps of this stage. Default: trainer.optimizer.warmup_steps where the optimizer starts a
+    phase (the first trainer stage, sft -> rl, reset_optimizer), else none (pipeline.warmup_steps)."""
     reset_optimizer: bool = False
     """Start this stage with fresh optimizer state (the paper's stage 3)."""
     num_samples: int | None = Field(None, ge=1)
@@ -190,10 +194,12 @@ class RunConfig(Section):
                 if ref not in earlier:
                     raise ValueError(f"stage {s.name!r}: data={s.data!r} must name an earlier hard_subset stage; "
                                      f"earlier hard_subset stages: {', '.join(earlier) or 'none'}")
-            if s.kind == "rl" and self.algo.roc.do_down_sampling and self.algo.roc.down_sample_to_n > \
+            self._check_context(s)
+            if s.kind == "rl" and self.algo.roc.mode != "grpo" and self.algo.roc.down_sample_to_n > \
                     self.algo.num_samples_per_prompt:
                 raise ValueError(f"algo.roc.down_sample_to_n ({self.algo.roc.down_sample_to_n}) must be <= "
-                                 f"algo.num_samples_per_prompt ({self.algo.num_samples_per_prompt})")
+                                 f"algo.num_samples_per_prompt ({self.algo.num_samples_per_prompt}): mode "
+                                 f"{self.algo.roc.mode} keeps G of the 2G it samples")
         return self
 
     @model_validator(mode="after")
@@ -205,6 +211,30 @@ class RunConfig(Section):
         if problems:
             raise ValueError("\n".join(problems))
         return self
+
+    def response_budget(self, stage: StageConfig) -> int:
+        """Response tokens (tool outputs included) one trajectory of a rollout stage may hold."""
+        default = self.eval.max_response_length if stage.kind == "eval" else self.rollout.agent.max_response_length
+        return stage.max_response_length or default
+
+    def engine_context(self, stage: StageConfig) -> int:
+        """The engine context (vLLM max_model_len) a rollout stage runs with."""
+        return stage.max_model_len or self.rollout.engine.max_model_len
+
+    def _check_context(self, s: StageConfig) -> None:
+        if s.kind == "sft":
+            return
+        prompt, response, context = self.rollout.agent.max_prompt_length, self.response_budget(s), \
+            self.engine_context(s)
+        if prompt + response > context:
+            where = f"stages[{s.name}].max_model_len" if s.max_model_len else "rollout.engine.max_model_len"
+            budget = f"stages[{s.name}].max_response_length" if s.max_response_length else \
+                ("eval.max_response_length" if s.kind == "eval" else "rollout.agent.max_response_length")
+            raise ValueError(
+                f"stage {s.name!r} ({s.kind}): a trajectory may need rollout.agent.max_prompt_length {prompt} + "
+                f"{budget} {response} = {prompt + response} tokens, but the engine holds {where} {context}; the "
+                f"engine would cut responses short without a word. Raise {where} (or set stages[{s.name}]."
+                f"max_model_len) to at least {prompt + response}, or lower the budget")
 
     def stage(self, name: str) -> StageConfig:
         for s in self.stages:

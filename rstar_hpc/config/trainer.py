@@ -18,7 +18,8 @@ class OptimizerConfig(Section):
     betas: tuple[float, float] = (0.9, 0.999)
     weight_decay: float = Field(0.01, ge=0)
     warmup_steps: int = Field(20, ge=0)
-    """Linear warm-up; then `schedule`."""
+    """Linear warm-up, then `schedule`: once per phase, in the stage where the optimizer starts it (the first trainer
+    stage, the first rl stage after sft, a stage with reset_optimizer); later stages of the phase carry on."""
     schedule: Literal["constant", "cosine"] = "constant"
     """`constant` after warm-up (paper's RL); `cosine` decay (paper's SFT)."""
     min_lr_ratio: float = Field(0.0, ge=0, le=1)

@@ -121,10 +121,21 @@ def compose(config: str, overrides: list[str], policy: Policy, benchmarks: dict[
     tree["model"] = {"path": str(policy.hf_dir)}
     tree["eval"].update({k: v for k, v in protocol.items() if v is not None})
     tree["stages"] = [{"name": STAGE, "kind": "eval", "benchmarks": benchmarks, "prompts_per_step": prompts_per_step}]
-    # room for the prompt and the whole response budget, as far as the model's positions allow (vLLM refuses more)
-    engine, need = tree["rollout"]["engine"], tree["rollout"]["agent"]["max_prompt_length"] + \
-        tree["eval"]["max_response_length"]
-    engine["max_model_len"] = max(engine["max_model_len"], min(need, _max_positions(policy.hf_dir)))
+    # room for the prompt and the whole response budget; vLLM refuses a context past the model's positions, and a
+    # shorter one would cut responses short without a word
+    engine, prompt = tree["rollout"]["engine"], tree["rollout"]["agent"]["max_prompt_length"]
+    positions = _max_positions(policy.hf_dir)
+    if protocol.get("max_response_length") is None and prompt + tree["eval"]["max_response_length"] > positions:
+        # the config's default budget (the paper's 30K): as much as the model holds; the CLI prints the budget and
+        # results.json records it
+        tree["eval"]["max_response_length"] = positions - prompt
+    need = prompt + tree["eval"]["max_response_length"]
+    if need > positions:
+        raise ConfigError(f"the eval budget needs rollout.agent.max_prompt_length {prompt} + --max-tokens "
+                          f"{tree['eval']['max_response_length']} = {need} positions, but the model "
+                          f"{policy.hf_dir} has max_position_embeddings {positions}: pass --max-tokens "
+                          f"{positions - prompt} or less")
+    engine["max_model_len"] = max(engine["max_model_len"], need)
     return build_config(tree, source=f"rstar-hpc eval (--config {config})")
 
 

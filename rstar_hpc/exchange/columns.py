@@ -169,7 +169,6 @@ class TrajectoryColumns:
         cols.reward                      # float32, one per row
         cols.prompt_uid                  # str
         ids, offsets = cols.response_ids # TokenColumn
-        cols.roc_kept, cols.roc_decided  # bool: kept (False where undecided), and whether RoC decided at all
     """
 
     run = _Texts()
@@ -189,7 +188,6 @@ class TrajectoryColumns:
     reward = _Numbers()
     p_err = _Numbers()
     p_format = _Numbers()
-    roc_reason = _Texts()
     token_policy_versions = _Tokens()
     """Null rows (the trajectory was never paused) come back empty: see token_versions()."""
 
@@ -211,16 +209,6 @@ class TrajectoryColumns:
             for i in np.flatnonzero(np.diff(voff)):
                 out[offsets[i]:offsets[i + 1]] = vals[voff[i]:voff[i + 1]]
         return TokenColumn(out, offsets)
-
-    @property
-    def roc_kept(self) -> np.ndarray:
-        """Whether Resample-on-Correct kept each row; False where it has not decided (see roc_decided)."""
-        return pc.fill_null(self.table.column("roc_kept"), False).to_numpy(zero_copy_only=False).astype(bool)
-
-    @property
-    def roc_decided(self) -> np.ndarray:
-        """Whether each row carries a RoC decision (roc_kept is null until one is made)."""
-        return pc.is_valid(self.table.column("roc_kept")).to_numpy(zero_copy_only=False).astype(bool)
 
     @property
     def tool_call_status(self) -> TokenColumn:

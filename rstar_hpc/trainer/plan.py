@@ -116,8 +116,7 @@ def _stage_plans(cfg, dp: int, pp: int, vpp: int | None) -> list[StagePlan]:
         if st.kind == "sft":
             n, longest = st.prompts_per_step, budget
         elif st.kind == "rl":
-            roc = cfg.algo.roc
-            n = st.prompts_per_step * (roc.down_sample_to_n if roc.do_down_sampling else cfg.algo.num_samples_per_prompt)
+            n = st.prompts_per_step * cfg.algo.trained_per_prompt
             longest = cfg.rollout.agent.max_prompt_length + (st.max_response_length or cfg.rollout.agent.max_response_length)
         else:
             continue

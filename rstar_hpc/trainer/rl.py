@@ -6,8 +6,8 @@
     ...save a checkpoint holding source.state_dict()...
     source.commit(checkpoint_name)                      # only now is the step acked
 
-Per step: read every committed shard of the step (all ranks read it, the files are memory-mapped), keep what
-Resample-on-Correct kept (the rollout's decision when it made one, else RoC here, seeded by the step), give each
+Per step: read every committed shard of the step (all ranks read it, the files are memory-mapped), run
+Resample-on-Correct (algo.roc.select_step: the one place it runs, seeded by the run and the step), give each
 kept trajectory its group-normalised advantage over the kept rollouts of its prompt, spread the kept ones over
 data-parallel ranks (token-balanced, deterministic), pack them into micro-batches of `trainer.micro_batch_tokens`,
 optionally recompute pi_old with the trainer (logging its gap to the engine's logprobs), then the GRPO-RoC loss,
@@ -39,14 +39,13 @@ from megatron.core import parallel_state
 from rstar_hpc.algo.advantage import group_advantages
 from rstar_hpc.algo.loss import LossStats, policy_loss
 from rstar_hpc.algo.metrics import loss_metrics, response_length_metrics, roc_metrics
-from rstar_hpc.algo.roc import RoCReason, RoCSelection, roc_downsample
+from rstar_hpc.algo.roc import select_step
 from rstar_hpc.config.run import RunConfig
 from rstar_hpc.exchange.columns import TrajectoryColumns
 from rstar_hpc.exchange.errors import ExchangeError, StepNotReadyError
 from rstar_hpc.exchange.reader import Consumer
 from rstar_hpc.exchange.rundir import RunPaths
 from rstar_hpc.exchange.state import silence_s, write_heartbeat
-from rstar_hpc.exchange.tool_status import INFRA_TOOL_STATUSES
 from rstar_hpc.trainer.parallel import from_last_stage
 from rstar_hpc.trainer.step import MicroBatch, forward_logprobs, pack, train_step
 
@@ -73,38 +72,6 @@ class RLBatch:
 
 # --------------------------------------------------------------------------------------------------
 # trajectories -> kept samples
-
-
-def tool_infra_failed(table: pa.Table) -> np.ndarray:
-    """Per row: did any of its tool calls fail for the sandbox's reasons (INFRA_TOOL_STATUSES)?"""
-    status, offsets = TrajectoryColumns(table).tool_call_status
-    hits = np.concatenate([[0], np.cumsum(np.isin(status, sorted(INFRA_TOOL_STATUSES)))])
-    return hits[offsets[1:]] > hits[offsets[:-1]]
-
-
-def _selection(table: pa.Table, cfg: RunConfig, seed: int) -> RoCSelection:
-    """The rollout's RoC decision when the shards carry one, else RoC run here (same inputs, same result)."""
-    cols = TrajectoryColumns(table)
-    uids, rewards, p_err, p_format = cols.prompt_uid, cols.reward, cols.p_err, cols.p_format
-    decided = cols.roc_decided
-    if not decided.any():
-        excluded = tool_infra_failed(table) if cfg.algo.roc.drop_tool_infra_failures else None
-        return roc_downsample(uids, rewards, p_err, p_format, cfg.algo.roc, seed=seed, excluded=excluded)
-    if not decided.all():
-        raise ValueError(f"{int((~decided).sum())} of {len(decided)} trajectories have no RoC decision (roc_kept "
-                         f"null) and the others do; a step is down-sampled as a whole, by the rollout or by the "
-                         f"trainer")
-    roc = cfg.algo.roc
-    try:
-        reasons = [RoCReason[str(r).upper()] for r in cols.roc_reason]
-    except KeyError as e:
-        raise ValueError(f"roc_reason {e.args[0].lower()!r} is not one of {[r.name.lower() for r in RoCReason]}; "
-                         f"the rollout records a reason with every roc_kept") from None
-    _, group = np.unique(uids, return_inverse=True)
-    return RoCSelection(keep=cols.roc_kept,
-                        reason=np.asarray(reasons, dtype=np.int8),
-                        penalty=roc.roc_error_ratio * p_err + roc.roc_answer_format * p_format,
-                        group=group.reshape(-1))
 
 
 def _dp_share(lengths: np.ndarray, dp: int, dp_rank: int) -> list[int]:
@@ -134,7 +101,7 @@ def build_batch(table: pa.Table, cfg: RunConfig, step: int) -> RLBatch:
     if n == 0:
         raise ValueError(f"step {step}: the committed shards hold no trajectories; the producer committed an "
                          f"empty step")
-    selection = _selection(table, cfg, seed=cfg.run.seed * 1_000_003 + step)
+    selection = select_step(table, cfg.algo.roc, run_seed=cfg.run.seed, step=step)
     cols = TrajectoryColumns(table)
     rewards = cols.reward.astype(np.float64)
     uids = cols.prompt_uid

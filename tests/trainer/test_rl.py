@@ -23,7 +23,7 @@ def _cfg(tmp_path, hf_dir, *extra):
                                     *extra])
 
 
-def _traj(step: int, uid: str, i: int, reward: float, gen: torch.Generator, *, roc_kept=None) -> Trajectory:
+def _traj(step: int, uid: str, i: int, reward: float, gen: torch.Generator) -> Trajectory:
     """Correct answers draw response tokens from one half of the vocabulary, wrong ones from the other, so
     the two classes are told apart by the tokens themselves. Responses: model turn, tool turn, model turn."""
     lo, hi = (10, 200) if reward else (200, 390)
@@ -35,8 +35,7 @@ def _traj(step: int, uid: str, i: int, reward: float, gen: torch.Generator, *, r
                       engine_rank=0, prompt_ids=prompt.tolist(), response_ids=resp.tolist(), loss_mask=mask,
                       logprobs=[0.0] * len(mask),
                       turns=[Turn("assistant", 0, n1), Turn("tool", n1, n1 + n2), Turn("assistant", n1 + n2, n1 + n2 + n3)],
-                      reward=reward, p_err=0.0, p_format=0.0, roc_kept=roc_kept,
-                      roc_reason=None if roc_kept is None else ("kept_positive" if reward else "kept_negative"))
+                      reward=reward, p_err=0.0, p_format=0.0)
 
 
 def _write(paths: RunPaths, step: int, trajs: list[Trajectory]) -> None:
@@ -110,14 +109,23 @@ def test_engine_logprobs_are_pi_old_without_recompute(dist1, tiny_hf_dir, tmp_pa
     assert m["train/clip_frac_low"] > 0.4 and m["train/approx_kl"] > 1.0
 
 
-def test_rollout_roc_decisions_are_used_and_an_all_dropped_step_is_skipped(dist1, tiny_hf_dir, tmp_path):
-    cfg = _cfg(tmp_path, tiny_hf_dir)
+def test_the_trainer_runs_each_ablation_mode_and_an_all_dropped_step_is_skipped(dist1, tiny_hf_dir, tmp_path):
+    from rstar_hpc.algo.roc import select_step
+
     gen = torch.Generator().manual_seed(0)
-    kept = [_traj(0, "a", i, float(i % 2), gen, roc_kept=i < 4) for i in range(8)]
-    for t in kept[4:]:
-        t.roc_reason = "dropped_positive" if t.reward else "dropped_negative"
-    table_batch = build_batch(_table(kept), cfg, 0)
-    assert table_batch.num_kept == 4  # the rollout's choice, not a fresh RoC (which would keep others)
+    two_g = _table([_traj(0, "a", i, float(i % 2), gen) for i in range(8)])
+    for mode in ("roc", "random"):
+        cfg = _cfg(tmp_path, tiny_hf_dir, f"algo.roc.mode={mode}")
+        batch = build_batch(two_g, cfg, 0)
+        assert batch.num_kept == 4 and len(batch.samples) == 4   # G = 4 of the 2G = 8 sampled
+        assert (batch.metrics["roc/sampled_per_group"], batch.metrics["roc/trained_per_group"]) == (8, 4)
+        assert batch.num_kept == select_step(two_g, cfg.algo.roc, run_seed=cfg.run.seed, step=0).keep.sum()
+    cfg = _cfg(tmp_path, tiny_hf_dir, "algo.roc.mode=grpo")
+    assert cfg.algo.samples_per_prompt == 4        # the rollout samples G in grpo mode ...
+    batch = build_batch(_table([_traj(0, "g", i, float(i % 2), gen) for i in range(4)]), cfg, 0)
+    assert batch.num_kept == 4 and batch.metrics["roc/trained_per_group"] == 4   # ... and all of them train
+
+    cfg = _cfg(tmp_path, tiny_hf_dir)
 
     same = [_traj(0, "b", i, 1.0, gen) for i in range(8)]  # all correct: RoC drops the group
     model = _model(tiny_hf_dir)
@@ -129,14 +137,10 @@ def test_rollout_roc_decisions_are_used_and_an_all_dropped_step_is_skipped(dist1
     assert m["train/skipped_empty_step"] == 1.0
     assert all(torch.equal(a, b) for a, b in zip(w, model.parameters()))
 
-    mixed = kept[:4] + [_traj(0, "c", i, float(i % 2), gen) for i in range(4)]
-    with pytest.raises(ValueError, match="no RoC decision"):
-        build_batch(_table(mixed), cfg, 0)
-
 
 def test_rollouts_with_a_tool_call_lost_to_the_sandbox_are_not_trained(dist1, tiny_hf_dir, tmp_path):
     from rstar_hpc.exchange.schema import ToolCall
-    from rstar_hpc.trainer.rl import tool_infra_failed
+    from rstar_hpc.algo.roc import tool_infra_failed
 
     gen = torch.Generator().manual_seed(0)
     trajs = [_traj(0, "a", i, float(i % 2), gen) for i in range(8)]
@@ -267,12 +271,7 @@ def test_two_ranks_take_the_same_step_as_one(dist1, tiny_hf_dir, tmp_path, pp):
         torch.testing.assert_close(dp2["grads"][name], g, rtol=1e-4, atol=1e-7, msg=name)
 
 
-def test_bad_roc_records_and_cursors_are_named(dist1, tiny_hf_dir, tmp_path):
+def test_bad_cursors_are_named(dist1, tiny_hf_dir, tmp_path):
     cfg = _cfg(tmp_path, tiny_hf_dir)
-    gen = torch.Generator().manual_seed(0)
-    trajs = [_traj(0, "a", i, float(i % 2), gen, roc_kept=True) for i in range(4)]
-    trajs[0].roc_reason = None
-    with pytest.raises(ValueError, match="roc_reason 'none'"):
-        build_batch(_table(trajs), cfg, 0)
     with pytest.raises(ValueError, match="not an RL stage's"):
         TrajectorySource(RunPaths(cfg.run.dir), STAGE, cfg).load_state_dict({"epoch": 0, "pos": 3})

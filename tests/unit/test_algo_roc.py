@@ -115,8 +115,11 @@ def test_group_sizes_at_and_below_target():
 
 def test_switches_off():
     rewards = [1, 1, 0, 0, 0, 1, 1, 1]
-    off = roc_downsample(np.zeros(8), rewards, seed=0, do_down_sampling=False)
+    off = roc_downsample(np.zeros(8), rewards, seed=0, mode="grpo", down_sample_to_n=8)
     assert off.keep.all() and set(reasons(off)) == {RoCReason.KEPT_GROUP}
+    same = roc_downsample(np.zeros(4), [1, 1, 1, 1], seed=0, mode="grpo", down_sample_to_n=4,
+                          reject_equal_reward=False)
+    assert same.keep.all()
     ids = [0] * 4 + [1] * 4
     only_reject = roc_downsample(ids, [1, 1, 1, 1, 0, 1, 0, 1], seed=0, down_sample_to_n=0)
     assert only_reject.keep.tolist() == [False] * 4 + [True] * 4
@@ -244,7 +247,54 @@ def test_excluded_rollouts_are_dropped_before_selection():
 
 
 def test_excluded_apply_with_down_sampling_off():
-    sel = roc_downsample(["a", "a", "b"], [1.0, 0.0, 1.0], seed=0, do_down_sampling=False,
-                         roc_error_ratio=False, roc_answer_format=False, excluded=[False, True, False])
+    sel = roc_downsample(["a", "a", "b"], [1.0, 0.0, 1.0], seed=0, mode="grpo", down_sample_to_n=0,
+                         reject_equal_reward=False, excluded=[False, True, False])
     assert sel.keep.tolist() == [True, False, True]
     assert sel.group.tolist() == [0, 0, 1]
+
+
+# --------------------------------------------------------------------------------------------------
+# the ablation modes: what each samples and trains per prompt
+
+
+@pytest.mark.parametrize("mode, sampled, trained", [("roc", 8, 4), ("random", 8, 4), ("grpo", 4, 4)])
+def test_each_mode_samples_and_trains_its_counts(mode, sampled, trained):
+    from rstar_hpc.algo.metrics import roc_metrics
+    from rstar_hpc.config import load_config
+
+    cfg = load_config("demo", [f"algo.roc.mode={mode}"])
+    assert (cfg.algo.samples_per_prompt, cfg.algo.trained_per_prompt) == (sampled, trained)
+    rng = np.random.default_rng(0)
+    groups = 64
+    ids = np.repeat(np.arange(groups), sampled)
+    rewards = (rng.random(ids.size) < 0.5).astype(float)
+    p_err = rng.random(ids.size) * 0.5
+    sel = roc_downsample(ids, rewards, p_err, np.zeros(ids.size), cfg.algo.roc, seed=1)
+    per_group = np.bincount(ids[sel.keep], minlength=groups)
+    mixed = np.bincount(ids, weights=rewards) % sampled != 0   # groups with both right and wrong answers
+    assert (per_group[mixed] == trained).all() and (per_group[~mixed] == 0).all()
+    m = roc_metrics(sel, rewards, p_err)
+    assert m["roc/sampled_per_group"] == sampled and m["roc/trained_per_group"] == trained
+    assert m["roc/groups_trained"] == mixed.sum()
+
+
+def test_random_mode_ignores_rewards_and_penalties():
+    """RoC keeps clean positives first; random keeps each rollout with probability G / 2G whatever it is."""
+    rewards, p_err = np.array([1.0] * 4 + [0.0] * 4), np.array([0.0, 0.0, 1.0, 1.0] + [0.5] * 4)
+    picks = {m: np.zeros(8) for m in ("roc", "random")}
+    for seed in range(400):
+        for m in picks:
+            picks[m] += roc_downsample(np.zeros(8), rewards, p_err, np.zeros(8), mode=m, down_sample_to_n=4,
+                                       min_zero_reward_trace_num=0, min_non_zero_reward_trace_num=0,
+                                       seed=seed).keep
+    rate = picks["random"] / 400
+    assert np.all(np.abs(rate - 0.5) < 0.1), rate
+    assert picks["roc"][:2].mean() > 1.5 * picks["roc"][2:4].mean()   # RoC prefers the error-free positives
+
+
+def test_public_switch_off_names_the_fair_replacement():
+    from rstar_hpc.config.algo import RoCConfig
+
+    assert RoCConfig.model_validate({"do_down_sampling": True}).mode == "roc"
+    with pytest.raises(pydantic.ValidationError, match="mode: grpo"):
+        RoCConfig.model_validate({"do_down_sampling": False})

@@ -190,3 +190,34 @@ def test_demo_holds_the_recipe_in_miniature():
     assert rl[2].data == "@hard" and rl[2].reset_optimizer and cfg.stage("hard").data.startswith("demo")
     assert all(s.benchmarks == {"demo": "demo-eval"} for s in cfg.stages if s.kind == "eval")
     assert cfg.rollout.engine.enable_chunked_prefill is False
+
+
+def test_a_stage_whose_prompt_and_response_overflow_the_engine_is_refused():
+    """The engine would otherwise cut responses at its context without a word (rollout/engine.py)."""
+    import subprocess
+    import sys
+
+    def validate(*args):
+        return subprocess.run([sys.executable, "-m", "rstar_hpc", "config", "validate", *args], capture_output=True,
+                              text=True, timeout=120)
+
+    r = validate("tiny-cpu", "rollout.engine.max_model_len=2048", "stages.eval.max_response_length=4096")
+    assert r.returncode == 3, r.stderr
+    assert "stage 'eval'" in r.stderr and "768" in r.stderr and "4096" in r.stderr and "2048" in r.stderr
+    assert "4864" in r.stderr   # the context it needs
+    ok = validate("tiny-cpu", "rollout.engine.max_model_len=2048", "stages.eval.max_response_length=4096",
+                  "stages.eval.max_model_len=4864")
+    assert ok.returncode == 0, ok.stderr
+    assert validate("qwen3-14b").returncode == 0
+    with pytest.raises(ConfigError, match=r"stage 'rl-12k' \(rl\).*2048.*12288.*14336 tokens.*max_model_len 12000"):
+        load_config("qwen3-14b", ["rollout.engine.max_model_len=12000"])   # training stages are checked too
+
+
+def test_the_14b_eval_gets_the_papers_budget_and_its_own_engine_context():
+    from rstar_hpc.rollout.job import engine_context
+
+    cfg = load_config("qwen3-14b")
+    ev = cfg.stage("eval")
+    assert cfg.response_budget(ev) == 30000 and cfg.engine_context(ev) == 32768
+    assert cfg.engine_context(cfg.stage("rl-12k")) == 14336
+    assert engine_context(cfg, None) == 32768 and engine_context(cfg, "rl-8k") == 14336

@@ -113,12 +113,19 @@ def test_a_run_directory_holds_one_evaluation(tmp_path):
 
     def cfg(k):
         return c.compose("tiny-cpu", [], c.resolve_policy(str(hf)), c.parse_benchmarks([str(a)]), out,
-                         protocol={"k": k}, prompts_per_step=8)
+                         protocol={"k": k, "max_response_length": 2048}, prompts_per_step=8)
     prepare_run_dir(cfg(2))
     c.check_resumable(cfg(2), RunPaths(out))   # the same evaluation: a rerun resumes it
     with pytest.raises(ConfigError, match=r"another evaluation \(its eval differ"):
         c.check_resumable(cfg(4), RunPaths(out))
     shutil.rmtree(out)
+    with pytest.raises(ConfigError, match=r"768 \+ --max-tokens 30000 = 30768 positions.*max_position_embeddings "
+                                          r"4096: pass --max-tokens 3328 or less"):
+        c.compose("tiny-cpu", [], c.resolve_policy(str(hf)), c.parse_benchmarks([str(a)]), out,
+                  protocol={"k": 2, "max_response_length": 30000}, prompts_per_step=8)
+    fitted = c.compose("tiny-cpu", [], c.resolve_policy(str(hf)), c.parse_benchmarks([str(a)]), out,
+                       protocol={"k": 2}, prompts_per_step=8)   # no --max-tokens: the 30K default, as the model holds
+    assert fitted.eval.max_response_length == 3328 and fitted.rollout.engine.max_model_len == 4096
 
 
 def test_sbatch_and_submitit_go_through_launch_run(tmp_path, capsys, monkeypatch):

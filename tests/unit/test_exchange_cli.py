@@ -55,8 +55,27 @@ def test_traj_show_renders_a_conversation(run):
     assert with_tool.prompt_uid in out and "assistant · turn 0" in out and "tool call" in out
     assert f"result: {with_tool.tool_calls[0].status}" in out and "python_code_with_standard_io" in out
     assert "answer" in out and f"reward: {with_tool.reward:g}" in out
-    assert f"p_err {with_tool.p_err:.3f}" in out and "decision" in out and (with_tool.roc_reason or "") in out
+    assert f"p_err {with_tool.p_err:.3f}" in out and "decision unknown (the run's config.yaml" in out
     assert "This is the problem" in out
+
+
+def test_traj_show_gives_the_trainers_roc_decision(run):
+    """The decision is the trainer's own selection (algo.roc.select_step), rerun from the run's config and step."""
+    from rstar_hpc.algo.roc import select_step
+    from rstar_hpc.config import load_config
+    from rstar_hpc.config.loader import dump_config
+    from rstar_hpc.exchange.columns import from_table
+    from rstar_hpc.exchange.reader import StepReader
+
+    cfg = load_config("qwen3-14b", ["algo.roc.down_sample_to_n=2", "algo.roc.min_zero_reward_trace_num=1",
+                                    "algo.roc.min_non_zero_reward_trace_num=1"])   # its stages include rl-8k
+    run.config.write_text(dump_config(cfg))
+    table = StepReader(run, "rl-8k").read(1)
+    reasons = select_step(table, cfg.algo.roc, run_seed=cfg.run.seed, step=1).reason_names()
+    for t, reason in zip(from_table(table), reasons):
+        r = _invoke("traj", "show", str(run.dir), "--step", "1", "--uid", t.prompt_uid, "--sample", str(t.sample_index))
+        assert f"decision {reason}" in r.output, (reason, r.output[-300:])
+    assert len(set(reasons)) > 1   # the step shows more than one kind of decision
 
 
 def test_traj_show_errors_name_the_fix(run):

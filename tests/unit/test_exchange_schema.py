@@ -32,8 +32,7 @@ def test_schema_is_explicit_and_versioned():
                                   "invalid_request", "parse_error", "internal_error", "unavailable"}
     names = SCHEMA.names
     for required in ("run", "stage", "step", "prompt_uid", "sample_index", "policy_version", "engine_rank",
-                     "turns", "tool_calls", "finish_reason", "reward", "p_err", "p_format", "roc_kept",
-                     "roc_reason", "timings"):
+                     "turns", "tool_calls", "finish_reason", "reward", "p_err", "p_format", "timings"):
         assert required in names
 
 
@@ -71,8 +70,11 @@ def test_tool_call_error_and_truncation_flags():
 
 def test_conform_fills_columns_added_later_and_rejects_type_changes():
     table = to_table([_traj()])
-    old = table.drop_columns(["roc_reason"]).to_batches()[0]   # a shard from before roc_reason existed
-    assert conform(old).column(SCHEMA.get_field_index("roc_reason")).null_count == 1
+    old = table.drop_columns(["token_policy_versions"]).to_batches()[0]   # a v1 shard
+    assert conform(old).column(SCHEMA.get_field_index("token_policy_versions")).null_count == 1
+    v2 = pa.RecordBatch.from_arrays([*table.to_batches()[0].columns, pa.array([True]), pa.array(["kept_positive"])],
+                                    names=[*table.column_names, "roc_kept", "roc_reason"])   # columns v3 removed
+    assert conform(v2).schema.equals(SCHEMA, check_metadata=False)
     with pytest.raises(pa.ArrowInvalid, match="required column 'reward'"):
         conform(table.drop_columns(["reward"]).to_batches()[0])
     changed = table.set_column(table.schema.get_field_index("step"), "step", pa.array(["0"])).to_batches()[0]
@@ -84,7 +86,6 @@ def test_trajectory_columns_read_every_named_column_as_typed_arrays():
     from rstar_hpc.exchange.columns import TrajectoryColumns
 
     trajs = make_step("run", "rl", 3, num_prompts=3, samples_per_prompt=2, mean_tokens=40)
-    trajs[1].roc_kept, trajs[1].roc_reason = None, None
     table = to_table(trajs)
     cols = TrajectoryColumns(table.slice(1))   # a slice: offsets of list columns do not start at 0
     rows = trajs[1:]
@@ -92,9 +93,6 @@ def test_trajectory_columns_read_every_named_column_as_typed_arrays():
     assert cols.prompt_uid.tolist() == [t.prompt_uid for t in rows]
     assert cols.reward.dtype == np.float32 and cols.reward.tolist() == [t.reward for t in rows]
     assert cols.policy_version.tolist() == [t.policy_version for t in rows]
-    assert cols.roc_reason.tolist() == [t.roc_reason for t in rows]
-    assert cols.roc_decided.tolist() == [t.roc_kept is not None for t in rows]
-    assert cols.roc_kept.tolist() == [bool(t.roc_kept) for t in rows]
     values, offsets = cols.response_ids
     assert [values[offsets[i]:offsets[i + 1]].tolist() for i in range(len(rows))] == \
         [list(t.response_ids) for t in rows]

@@ -88,7 +88,7 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("runs")
     roc = RoCConfig(down_sample_to_n=4, min_zero_reward_trace_num=1, min_non_zero_reward_trace_num=1)
     return (_write_run(root, "roc", roc, seed=0),
-            _write_run(root, "grpo", RoCConfig(do_down_sampling=False), seed=1, evals=False))
+            _write_run(root, "grpo", RoCConfig(mode="grpo", down_sample_to_n=8), seed=1, evals=False))
 
 
 def test_the_sink_keeps_the_jsonl_exactly(tmp_path):
@@ -155,6 +155,9 @@ def test_report_renders_plots_table_and_compared_run(runs, tmp_path):
     assert head["rl_steps"] == STEPS and head["report"] == str(out / "report.md")
     assert head["compare"]["GRPO"]["positive_tool_error_ratio"] is not None
     assert head["compare"]["GRPO"]["pass1_rl"] is None
+    # counted from what each step sampled and trained: RoC keeps 4 of 8, this GRPO run trains its 8 whole
+    assert (head["sampled_per_group"], head["trained_per_group"]) == (8, 4)
+    assert (head["compare"]["GRPO"]["sampled_per_group"], head["compare"]["GRPO"]["trained_per_group"]) == (8, 8)
 
 
 def test_report_skips_what_is_missing_with_a_note(tmp_path):
