@@ -1,5 +1,6 @@
 """The shape of the code, checked: no import cycles, the exchange is a leaf, the sandbox's shared modules are
-stdlib only, and no module or function grows past a reader's budget without saying why.
+stdlib only, no module or function grows past a reader's budget without saying why, no script shadows a package,
+no test module imports another, and no comment points outside the repository.
 
 Imports are read from the source (every import statement, function-level and TYPE_CHECKING ones included), not
 executed, so the walk is fast and sees imports that only run on some paths.
@@ -7,9 +8,12 @@ executed, so the walk is fast and sees imports that only run on some paths.
 from __future__ import annotations
 
 import ast
+import io
 import json
+import re
 import subprocess
 import sys
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -176,3 +180,147 @@ def test_the_size_check_honours_long_markers(tmp_path):
     marked.write_text(f"# long: one table, reads better whole\ndef f():\n{body}\n")
     assert _oversized(plain, "plain.py") == ["plain.py:1 f(): 81 lines"]
     assert _oversized(marked, "marked.py") == []
+
+
+# -- script folders, test modules and comments ---------------------------------------------------------------------
+
+SCRIPT_DIRS = ("bench", "scripts", "jobs")
+"""Folders of scripts run as `python DIR/x.py`: Python puts DIR first on sys.path, so a script named like a module
+that anything imports (directly or through a library) is imported in its place."""
+
+
+def _project_top_level() -> set[str]:
+    """The repository's own top-level packages and modules."""
+    return ({p.parent.name for p in REPO.glob("*/__init__.py")} | {p.stem for p in REPO.glob("*.py")})
+
+
+def _importable_elsewhere(names: list[str]) -> set[str]:
+    """Those of `names` that an interpreter finds without the repository's folders on sys.path (`-I`: stdlib,
+    site-packages with the editable install, nothing from the working directory)."""
+    code = ("import importlib.util, json, sys\n"
+            f"names = {names!r}\n"
+            "print(json.dumps([n for n in names if n in sys.stdlib_module_names or importlib.util.find_spec(n)]))")
+    out = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True, timeout=60, check=True,
+                         cwd="/")
+    return set(json.loads(out.stdout))
+
+
+def _shadowing(root: Path) -> list[str]:
+    """`dir/x.py` for each script folder module whose name is a package or module found elsewhere."""
+    scripts = sorted(p for d in SCRIPT_DIRS for p in (root / d).glob("*.py") if p.stem != "__init__")
+    taken = _project_top_level() | _importable_elsewhere(sorted({p.stem for p in scripts}))
+    return [f"{p.relative_to(root).as_posix()} shadows `{p.stem}`" for p in scripts if p.stem in taken]
+
+
+def test_no_script_shadows_a_package():
+    found = _shadowing(REPO)
+    assert not found, ("a script folder is first on sys.path when its script runs: rename these so that `import "
+                       "<name>` still finds the package or module: " + "; ".join(found))
+
+
+def test_the_shadow_check_sees_a_shadow(tmp_path, monkeypatch):
+    (tmp_path / "bench").mkdir()
+    for name in ("sandbox", "json", "fine_name"):
+        (tmp_path / "bench" / f"{name}.py").write_text("")
+    (tmp_path / "sandbox").mkdir()
+    (tmp_path / "sandbox" / "__init__.py").write_text("")
+    monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
+    assert _shadowing(tmp_path) == ["bench/json.py shadows `json`", "bench/sandbox.py shadows `sandbox`"]
+
+
+def _is_test_module(dotted: str) -> bool:
+    last = dotted.rpartition(".")[2]
+    return last.startswith("test_") or last == "conftest"
+
+
+def _test_module_imports(path: Path, rel: str) -> list[str]:
+    """`rel:line imports X` for every import of a test module (test_*.py) or a conftest.py in the file at `path`."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), rel)):
+        if isinstance(node, ast.Import):
+            bad = [a.name for a in node.names if any(_is_test_module(p) for p in a.name.split("."))]
+        elif isinstance(node, ast.ImportFrom):
+            module = "." * node.level + (node.module or "")
+            if node.module and any(_is_test_module(p) for p in node.module.split(".")):
+                bad = [module]
+            else:   # `from . import test_foo`, `from tests.rollout import test_e2e`
+                bad = [f"{module}.{a.name}".replace("..", ".") for a in node.names if _is_test_module(a.name)]
+        else:
+            continue
+        out += [f"{rel}:{node.lineno} imports {b}" for b in bad]
+    return out
+
+
+def test_no_test_module_imports_another():
+    found = [hit for path in sorted((REPO / "tests").rglob("*.py"))
+             for hit in _test_module_imports(path, path.relative_to(REPO).as_posix())]
+    assert not found, ("a test module or conftest.py imported as a module runs twice or shadows another (every "
+                       "folder has a conftest); move what is shared into a helper module (not test_*.py, not "
+                       "conftest.py), as tests/integration/launching.py: " + "; ".join(found))
+
+
+def test_the_test_import_check_sees_each_form(tmp_path):
+    f = tmp_path / "t.py"
+    f.write_text("from tests.rollout.test_e2e import x\nimport test_foo\nfrom test_foo import y\n"
+                 "from .test_foo import z\nfrom conftest import w\nfrom tests.rollout import test_agent\n"
+                 "from launching import rstar\nimport tests.sandbox.pools\nfrom tests.sandbox.conftest import s\n")
+    assert _test_module_imports(f, "t.py") == [
+        "t.py:1 imports tests.rollout.test_e2e", "t.py:2 imports test_foo", "t.py:3 imports test_foo",
+        "t.py:4 imports .test_foo", "t.py:5 imports conftest", "t.py:6 imports tests.rollout.test_agent",
+        "t.py:9 imports tests.sandbox.conftest"]
+
+
+OUTSIDE = re.compile(r"\.\./shared|\breference\s*§|\breference/|\bissues?\s*#?\d+|\b(?:kv-balancing|hpc-conventions)"
+                     r"\b", re.IGNORECASE)
+"""What points outside the repository: the notes folder beside the checkout and its documents, and the issue
+tracker. Cite the paper by section ("rStar2-Agent paper §2.2.3") and public code by repository and path
+("microsoft/rStar rstar2_agent/down_sample/reject_sampling.py"); history belongs in commit messages."""
+COMMENT_TREES = ("rstar_hpc", "sandbox", "jobs", "bench", "scripts", "tests", "sbatch", "configs", "modules", ".ci")
+COMMENTED = {".py", ".sh", ".sbatch", ".yaml", ".yml", ".toml", ".lua", ""}   # "" : Makefile, .ci/run, modulefiles
+
+
+def _comments(path: Path, text: str):
+    """(line, text) of every comment and docstring (any statement that is a bare string) of a Python file; of
+    every `#` or `--` comment of another."""
+    if path.suffix != ".py":
+        for n, line in enumerate(text.splitlines(), 1):
+            for mark in ("#", "--"):
+                if mark in line:
+                    yield n, line[line.index(mark):]
+        return
+    for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+        if tok.type == tokenize.COMMENT:
+            yield tok.start[0], tok.string
+    for node in ast.walk(ast.parse(text, str(path))):
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            lines = text.splitlines()
+            for n in range(node.lineno, node.end_lineno + 1):
+                yield n, lines[n - 1]
+
+
+def _outside_pointers(path: Path, rel: str) -> list[str]:
+    return sorted({f"{rel}:{n}: {OUTSIDE.search(s).group(0)}" for n, s in _comments(path, path.read_text())
+                   if OUTSIDE.search(s)}, key=lambda s: int(s.split(":")[1]))
+
+
+def _commented_files() -> list[Path]:
+    files = [p for t in COMMENT_TREES for p in (REPO / t).rglob("*") if p.is_file() and p.suffix in COMMENTED
+             and "__pycache__" not in p.parts]
+    return sorted(files + [REPO / f for f in ("Makefile", "setup.py", "pyproject.toml") if (REPO / f).exists()])
+
+
+def test_no_comment_points_outside_the_repository():
+    found = [hit for p in _commented_files() for hit in _outside_pointers(p, p.relative_to(REPO).as_posix())]
+    assert not found, ("comments and docstrings a reader of this repository cannot follow (notes beside the "
+                       "checkout, issue numbers): cite the paper by section or public code by repository and path, "
+                       "and describe the thing instead of its history: " + "; ".join(found))
+
+
+def test_the_comment_check_reads_comments_and_docstrings_only(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text('"""Module (see the notes: Reference §2.1)."""\nX = "issue 21"   # a string, not a comment\n'
+                 "def f():\n    '''Text.\n\n    From ../shared/notes.'''\n    return 'reference/x.md'  # ISSUE #3\n")
+    assert _outside_pointers(f, "m.py") == ["m.py:1: Reference §", "m.py:6: ../shared", "m.py:7: ISSUE #3"]
+    y = tmp_path / "c.yaml"
+    y.write_text("a: issue 4  # see issue 5\n")
+    assert _outside_pointers(y, "c.yaml") == ["c.yaml:1: issue 5"]
