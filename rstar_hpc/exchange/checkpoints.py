@@ -1,6 +1,7 @@
 """CommittedDirs: numbered directories (checkpoints, published policies) with a `latest` pointer.
 
-Commit protocol (hpc-conventions §4.3), for `<root>/<prefix>-00000123/`:
+Commit protocol (write into a temporary directory, fsync, publish by rename, then move `latest`), for
+`<root>/<prefix>-00000123/`:
   1. `begin(123)` makes `<root>/.<prefix>-00000123.tmp-<host>-<pid>/`; it inherits the root's Lustre layout.
   2. The caller's ranks write (and fsync) their files into it.
   3. `commit(123, tmp)` fsyncs every file, writes the marker COMMITTED.json (file sizes + caller metadata)

@@ -1,4 +1,5 @@
-"""The rStar2-Agent conversation format (reference §2.1-2.4), the one place it is written down.
+"""The rStar2-Agent conversation format (rStar2-Agent paper §2.1, Fig. 3; microsoft/rStar
+rstar2_agent/config/rstar2_agent_trainer.yaml `custom_chat_template`), the one place it is written down.
 
 ChatML with a Hermes "# Tools" system section; reasoning in <reason>, the final answer in <answer> with
 \\boxed{}; tool calls as <tool_call>{"name": ..., "arguments": {...}}</tool_call>; tool results rendered

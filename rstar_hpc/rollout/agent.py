@@ -1,4 +1,5 @@
-"""The multi-turn agent loop in the rStar2 format (reference §2), over token ids.
+"""The multi-turn agent loop in the rStar2 format (rStar2-Agent paper §2.1; microsoft/rStar
+rstar2_agent/rollout/rstar2_agent_loop.py), over token ids.
 
 One trajectory is one coroutine:
 
@@ -151,8 +152,9 @@ class ParsedCall:
 
 
 def parse_tool_calls(text: str) -> list[ParsedCall] | None:
-    """The calls of one assistant turn (reference §2.2). None: no complete <tool_call> block, the model answered.
-    A call that does not decode comes back with `error` set; it is answered as a tool response, not dropped."""
+    """The calls of one assistant turn (rStar2-Agent paper §2.1; microsoft/rStar rstar2_agent/tools/tool_parser.py).
+    None: no complete <tool_call> block, the model answered. A call that does not decode comes back with `error`
+    set; it is answered as a tool response, not dropped."""
     if "<tool_call>" not in text or "</tool_call>" not in text:
         return None
     calls = []
@@ -197,7 +199,8 @@ def _failure_text(message: str) -> str:
 
 
 def encode_prompt(tokenizer: Tokenizer, question: str, cfg: AgentConfig) -> tuple[list[int], str]:
-    """The rStar2 prompt's ids; PromptTooLong past the limit (the tool schema counts, as in the reference)."""
+    """The rStar2 prompt's ids; PromptTooLong past the limit (the tool schema counts, as in microsoft/rStar's
+    prompt-length filter)."""
     text = render_prompt(question, tools=[SESSION_TOOL_SCHEMA] if cfg.tool_state == "session" else None,
                          system=cfg.system_prompt)
     ids = tokenizer.encode(text, add_special_tokens=False)
@@ -426,5 +429,5 @@ async def _unless_paused(task: asyncio.Future, pause: Pause):
 
 
 def worst_case_tokens(num_prompt_tokens: int, max_response_length: int) -> int:
-    """The KV tokens a trajectory can ever hold: the scheduler's admission budget (rStar2 §4.3)."""
+    """The KV tokens a trajectory can ever hold: the scheduler's admission budget (rStar2-Agent paper §3.2)."""
     return num_prompt_tokens + max_response_length

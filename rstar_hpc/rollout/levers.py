@@ -1,4 +1,4 @@
-"""Rank 0's long-tail levers (issue 21; bench/rollout_balance.py measures them): turn-boundary migration and
+"""Rank 0's long-tail levers (bench/rollout_balance.py measures them): turn-boundary migration and
 partial rollouts, each a rollout.scheduler knob, off by default.
 
 Migration (`migrate_on_tool_call`): engine ranks list in their heartbeats the trajectories that may move

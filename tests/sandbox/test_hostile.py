@@ -1,4 +1,5 @@
-"""The hostile-input catalogue (../shared/reference/sandboxes.md section 7), one property per test.
+"""The hostile-input catalogue: what sandboxed code may try against its host and its neighbours, one property per
+test.
 
 Every test uses the `healthy` fixture: after the hostile call, both sandboxes are alive, an ordinary call is
 correct and fast, and no process the hostile code started survives on the host.
@@ -463,7 +464,7 @@ raise ValueError("the real error")
 
 @BOTH
 def test_a_cell_cannot_forge_its_result_through_any_descriptor(healthy, kind):
-    """The security property of issue 23: nothing a cell writes, anywhere it can reach, turns its failure
+    """The security property against forged results: nothing a cell writes, anywhere it can reach, turns its failure
     into `ok`. Its only descriptors are its own stdin, stdout and stderr."""
     r = run(healthy, FORGER, kind=kind)
     assert r["status"] == "error" and r["exc_type"] == "ValueError" and r["exit_code"] == 1, r
