@@ -86,13 +86,9 @@ def rollout_steps(stage, num_prompts: int | None = None) -> int:
     return max(1, math.ceil((num_prompts or 0) / stage.prompts_per_step))
 
 
-def trainer_done(paths: RunPaths, stage: str) -> bool:
-    return read_stage_state(paths, stage).status == "DONE"
-
-
-def stage_done(cfg, paths: RunPaths, stage: str) -> bool:
-    """Whether a stage is over for every role: trainer stages by their state; a hard_subset stage once its subset
-    is written, an eval stage once its results are (both set DONE right after)."""
+def stage_done(paths: RunPaths, stage: str) -> bool:
+    """Whether a stage is over for every role: its owner marks it DONE (the trainer at an sft or rl stage's last
+    checkpoint; the rollout once a hard_subset stage's subset or an eval stage's results are written)."""
     return read_stage_state(paths, stage).status == "DONE"
 
 
@@ -103,9 +99,9 @@ def rollout_done(cfg, paths: RunPaths, stage: str) -> bool:
         return True
     if s.kind == "rl":
         from rstar_hpc.exchange.writer import ShardWriter
-        return stage_done(cfg, paths, stage) or all(
+        return stage_done(paths, stage) or all(
             ShardWriter.is_committed(paths, stage, n, PRODUCER) for n in range(s.num_steps))
-    return stage_done(cfg, paths, stage)
+    return stage_done(paths, stage)
 
 
 def stage_prompts(cfg, stage) -> list[dict]:
@@ -124,9 +120,10 @@ def stage_prompts(cfg, stage) -> list[dict]:
 
 
 def sample_count(cfg, stage) -> int:
-    """Rollouts per prompt: rl the algorithm's group size, hard_subset 8 by default, eval eval.k."""
+    """Rollouts per prompt: rl the algorithm's group size (2G, or G in grpo mode), hard_subset its num_samples,
+    eval its num_samples or eval.k."""
     if stage.kind == "rl":
         return cfg.algo.samples_per_prompt
     if stage.kind == "hard_subset":
-        return stage.num_samples or 8
+        return stage.num_samples
     return stage.num_samples or cfg.eval.k

@@ -63,7 +63,7 @@ def command(policy, data, k, temperature, top_p, max_turns, max_tokens, launcher
     click.echo(f"rstar-hpc eval: {pol.what}; benchmarks {', '.join(benchmarks)}; avg@{cfg.eval.k}, T "
                f"{cfg.eval.temperature}, top-p {cfg.eval.top_p}, {cfg.eval.max_turns} turns, "
                f"{cfg.eval.max_response_length} tokens; run directory {paths.dir}", err=True)
-    if pipeline.stage_done(cfg, paths, c.STAGE):
+    if pipeline.stage_done(paths, c.STAGE):
         rc = 0   # finished by an earlier run of this command: nothing to sample
     elif launcher == "local":
         rc = _local(cfg, paths, engines, mpirun)

@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from rstar_hpc.config.run import ALIASES, RunConfig
+from rstar_hpc.config.stages import STAGE_KINDS
 from rstar_hpc.exchange.atomic import atomic_write_text
 from rstar_hpc.exchange.rundir import RunPaths
 
@@ -116,8 +117,11 @@ def _apply_aliases(tree: dict) -> dict:
     return out
 
 
-def _model_at(path: tuple) -> type[BaseModel] | None:
-    """The section model found at a location of a validation error (for listing allowed keys)."""
+def _model_at(path: tuple, kind: str | None = None) -> type[BaseModel] | None:
+    """The section model found at a location of a validation error (for listing allowed keys); `kind`: the stage
+    kind whose spec a `stages.<i>` location holds."""
+    if kind is not None and len(path) == 2 and path[0] == "stages":
+        return STAGE_KINDS[kind]
     model: Any = RunConfig
     for part in path:
         if isinstance(part, int):
@@ -150,18 +154,32 @@ def _constraints(model: type[BaseModel] | None, field: str) -> str:
     return f"allowed: {' and '.join(bits)}" if bits else ""
 
 
+def _stage_kind(loc: tuple) -> tuple[tuple, str | None]:
+    """pydantic puts a stage's kind in the location (stages.5.eval.lr): take it out, and say it."""
+    if len(loc) >= 3 and loc[0] == "stages" and isinstance(loc[1], int) and loc[2] in STAGE_KINDS:
+        return (loc[0], loc[1], *loc[3:]), loc[2]
+    return loc, None
+
+
 def format_validation_error(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
-        loc = tuple(e["loc"])
+        loc, kind = _stage_kind(tuple(e["loc"]))
         key = ".".join(str(p) for p in loc)
         if e["type"] == "extra_forbidden":
-            parent = _model_at(loc[:-1])
+            parent = _model_at(loc[:-1], kind)
             allowed = sorted(parent.model_fields) if parent else []
             near = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
             hint = f"did you mean {near[0]!r}? " if near else ""
-            lines.append(f"{key}: unknown key; {hint}allowed: {', '.join(allowed)}")
+            if kind is not None and len(loc) == 3:
+                a = "an" if kind[0] in "aeiou" else "a"
+                lines.append(f"{key}: not a field of {a} {kind} stage; {hint}{a} {kind} stage takes: "
+                             f"{', '.join(allowed)}")
+            else:
+                lines.append(f"{key}: unknown key; {hint}allowed: {', '.join(allowed)}")
             continue
+        if kind is not None:
+            key = f"{key} ({kind} stage)"
         if not loc:  # a whole-config check (schema.RunConfig's validators): its message names the keys
             lines.append(e["msg"].removeprefix("Value error, "))
             continue
@@ -171,7 +189,7 @@ def format_validation_error(err: ValidationError) -> str:
         given = e.get("input")
         given_s = "" if isinstance(given, dict) else f" (got {given!r})"
         msg = f"{key}: {e['msg']}{given_s}"
-        parent = _model_at(loc[:-1]) if loc else None
+        parent = _model_at(loc[:-1], kind) if loc else None
         extra = _constraints(parent, str(loc[-1])) if loc else ""
         if extra and extra not in msg:
             msg += f"; {extra}"

@@ -8,7 +8,7 @@
     algo:      reward, RoC, advantages, loss                    (config/algo.py)
     trainer:   Megatron trainer, optimizer, checkpoints         (config/trainer.py)
     eval:      the evaluation protocol (k, temperature, turns)
-    stages:    the pipeline, in order (SFT -> RL 8K -> RL 12K -> hard subset -> RL hard -> eval)
+    stages:    the pipeline, in order (SFT -> RL 8K -> RL 12K -> hard subset -> RL hard -> eval)   (config/stages.py)
 
 Aliases: `augmentation.down_sampling_config.*` (the public rStar recipe's path) is read as `algo.roc.*`.
 """
@@ -25,6 +25,7 @@ from rstar_hpc.config.base import Section
 from rstar_hpc.config.launch import LaunchConfig
 from rstar_hpc.config.rollout import RolloutConfig
 from rstar_hpc.config.sandbox import SandboxConfig
+from rstar_hpc.config.stages import STAGE_OUTPUT, StageConfig
 from rstar_hpc.config.trainer import TrainerConfig, layout_problems
 from rstar_hpc.exchange.rundir import default_run_root
 
@@ -84,78 +85,6 @@ class ModelConfig(Section):
         if self.path is None and self.tiny is None:
             raise ValueError("set model.path to a Hugging Face model directory, or model.tiny to build a tiny model")
         return self
-
-
-STAGE_KINDS = ("sft", "rl", "hard_subset", "eval")
-STAGE_OUTPUT = "@"   # `data: "@<stage>"`: the data set an earlier hard_subset stage wrote
-
-
-class StageConfig(Section):
-    """One stage of the pipeline. The kinds: `sft` (trainer: chat samples), `rl` (trainer + rollout: GRPO-RoC on
-    prompts), `hard_subset` (rollout: sample `num_samples` rollouts per prompt of `data` with the current policy and
-    keep the prompts it does not solve every time; later stages use it as `data: "@<this stage>"`), `eval`
-    (rollout: the `eval` section's protocol on `benchmarks`)."""
-
-    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_-]+$")
-    kind: Literal["sft", "rl", "hard_subset", "eval"]
-    num_steps: int = Field(1, ge=1)
-    """Optimizer steps (sft, rl). A hard_subset or eval stage takes as many rollout steps as its prompts need."""
-    data: str | None = None
-    """Dataset: a JSONL or Parquet file of prompts with ground truth (rl, hard_subset), chat samples (sft), 'demo'
-    (the built-in demo set), or "@<stage>" for the subset an earlier hard_subset stage built (rl)."""
-    prompts_per_step: int = Field(512, ge=1)
-    """Prompts per RL step (paper: 512); for SFT, samples per step; for hard_subset and eval, prompts per rollout
-    step (the unit of progress that survives a restart)."""
-    max_response_length: int | None = Field(None, ge=16)
-    """Overrides rollout.agent.max_response_length (eval: eval.max_response_length) in this stage (paper: 8K,
-    12K, 12K)."""
-    max_turns: int | None = Field(None, ge=1)
-    """Overrides rollout.agent.max_turns (eval: eval.max_turns) in this stage (paper: 10, 10, 15; eval 30)."""
-    max_model_len: int | None = Field(None, ge=64)
-    """rl, hard_subset, eval: the engine context this stage needs, when it is more than rollout.engine.max_model_len
-    (an eval with the paper's 30K-token budget). A rollout job builds its engines with the largest context of the
-    stages it runs; vLLM reserves nothing per token of context, only checks that one sequence fits the KV cache."""
-    lr: float | None = Field(None, gt=0)
-    """Overrides trainer.optimizer.lr in this stage."""
-    warmup_steps: int | None = Field(None, ge=0)
-    """Linear lr warm-up steps of this stage. Default: trainer.optimizer.warmup_steps where the optimizer starts a
-    phase (the first trainer stage, sft -> rl, reset_optimizer), else none (pipeline.warmup_steps)."""
-    reset_optimizer: bool = False
-    """Start this stage with fresh optimizer state (the paper's stage 3)."""
-    num_samples: int | None = Field(None, ge=1)
-    """Rollouts per prompt: hard_subset (default 8, the paper's), eval (default eval.k)."""
-    max_prompts: int | None = Field(None, ge=1)
-    """Use only the first N prompts of `data` (of each benchmark, in eval): a quick eval, a hard subset mined from
-    part of a large set, a CI-sized run. Null: all of them."""
-    drop_unsolved: bool = False
-    """hard_subset: also drop the prompts solved in none of the rollouts (the paper keeps them)."""
-    benchmarks: dict[str, str] = Field(default_factory=dict)
-    """eval: benchmark name -> JSONL or Parquet file of problems with answers ('demo': the demo's eval set). With
-    none, `data` is the one benchmark, named after its file."""
-    temperature: float | None = Field(None, ge=0)
-    """eval: sampling temperature (default eval.temperature)."""
-    top_p: float | None = Field(None, gt=0, le=1)
-    """eval: nucleus sampling (default eval.top_p)."""
-    hard_subset_of: str | None = None
-    """Replaced by the hard_subset stage kind (an error names the fix)."""
-
-    @model_validator(mode="after")
-    def _kind_fields(self) -> "StageConfig":
-        if self.hard_subset_of is not None:
-            raise ValueError(f"stage {self.name!r}: hard_subset_of is gone; add a stage {{name: hard, kind: "
-                             f"hard_subset, data: <the source data>}} before this one and set this stage's data: "
-                             f"\"@hard\"")
-        if self.kind == "eval" and not self.benchmarks and not self.data:
-            raise ValueError(f"stage {self.name!r} (eval): name its benchmarks ({{name: file}}) or its data file")
-        if self.kind == "hard_subset" and (not self.data or self.data.startswith(STAGE_OUTPUT)):
-            raise ValueError(f"stage {self.name!r} (hard_subset): data must be the source data file (or 'demo')")
-        return self
-
-    def benchmark_files(self) -> dict[str, str]:
-        """eval: name -> file of each benchmark."""
-        if self.benchmarks:
-            return dict(self.benchmarks)
-        return {Path(self.data).stem if self.data != "demo" else "demo": self.data}
 
 
 class EvalConfig(Section):

@@ -52,7 +52,7 @@ def roles_needed(cfg) -> list[str]:
 def role_done(cfg, paths: RunPaths, role: str) -> bool:
     """Whether a role has nothing left in the run (the sandbox is done when the rollout is)."""
     if role == "trainer":
-        return all(pipeline.trainer_done(paths, s.name) for s in cfg.stages if s.kind in pipeline.TRAINER_KINDS)
+        return all(pipeline.stage_done(paths, s.name) for s in cfg.stages if s.kind in pipeline.TRAINER_KINDS)
     return all(pipeline.rollout_done(cfg, paths, s.name) for s in cfg.stages if s.kind in pipeline.ROLLOUT_KINDS)
 
 

@@ -41,6 +41,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
+from rstar_hpc import pipeline
 from rstar_hpc.config.rollout import SchedulerConfig
 from rstar_hpc.exchange.rundir import RunPaths
 from rstar_hpc.exchange.schema import Trajectory
@@ -54,7 +55,6 @@ from rstar_hpc.rollout.policy import make_policy
 from rstar_hpc.rollout.step import Scorer, StageLimits, WorkItem, wait_for_policy
 
 log = logging.getLogger("rstar_hpc.rollout")
-PRODUCER = "rollout"
 
 
 class StopRequested(Exception):
@@ -88,7 +88,7 @@ class StepScheduler:
     def run(self) -> dict:
         """The step, stage by stage; returns its summary (also appended to metrics/rollout.jsonl)."""
         engines = self.live_engines()
-        if ShardWriter.is_committed(self.paths, self.stage, self.step, PRODUCER):
+        if ShardWriter.is_committed(self.paths, self.stage, self.step, pipeline.PRODUCER):
             return self.skip(engines)
         policy_ref = wait_for_policy(self.sc, self.paths, self.need, what=f"step {self.step} of stage {self.stage}",
                                      beat=lambda text: self.waiting(engines, text))
@@ -338,7 +338,7 @@ class StepScheduler:
         """The step's trajectories, in item order, written as one committed shard set (with partial rollouts, its
         complete groups' only: the rest is carried, saved first)."""
         trajs = self.levers.commit_split()
-        with ShardWriter(self.paths, self.stage, self.step, PRODUCER) as w:
+        with ShardWriter(self.paths, self.stage, self.step, pipeline.PRODUCER) as w:
             w.write(trajs)
         self.journal.clear()
         return trajs

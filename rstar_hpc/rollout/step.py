@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 from rstar_hpc.config.algo import RewardConfig, RoCConfig
 from rstar_hpc.config.rollout import AgentConfig, SchedulerConfig
-from rstar_hpc.config.run import StageConfig
+from rstar_hpc.config.stages import StageConfig
 from rstar_hpc.exchange.rundir import RunPaths
 from rstar_hpc.exchange.schema import Timings, ToolCall, Trajectory, Turn
 

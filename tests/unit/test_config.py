@@ -52,7 +52,7 @@ def test_stage_items_are_reached_by_name_or_index():
     assert cfg.stage("rl-8k").max_turns == 10                    # the others are untouched
     with pytest.raises(ConfigError, match=r"no item 'rl-16k' in stages; items: sft, rl-8k, rl-12k, hard, rl-hard, eval"):
         load_config("qwen3-14b", ["stages.rl-16k.max_turns=3"])
-    with pytest.raises(ConfigError, match=r"stages.4.max_turn: unknown key; did you mean 'max_turns'"):
+    with pytest.raises(ConfigError, match=r"stages.4.max_turn: not a field of a rl stage; did you mean .max_turns."):
         load_config("qwen3-14b", ["stages.rl-hard.max_turn=3"])
 
 
@@ -107,7 +107,7 @@ def test_stage_names_unique_and_a_stage_output_must_be_an_earlier_hard_subset():
     with pytest.raises(ConfigError, match="data='@later' must name an earlier hard_subset stage"):
         load_config("tiny-cpu", ["stages=[{name: a, kind: rl, data: '@later'}, "
                                  "{name: later, kind: hard_subset, data: demo}]"])
-    with pytest.raises(ConfigError, match="hard_subset_of is gone; add a stage"):
+    with pytest.raises(ConfigError, match="hard_subset_of: not a field of a rl stage"):
         load_config("tiny-cpu", ["stages=[{name: a, kind: rl, hard_subset_of: b}]"])
     with pytest.raises(ConfigError, match="name its benchmarks"):
         load_config("tiny-cpu", ["stages=[{name: e, kind: eval}]"])
@@ -221,3 +221,31 @@ def test_the_14b_eval_gets_the_papers_budget_and_its_own_engine_context():
     assert cfg.response_budget(ev) == 30000 and cfg.engine_context(ev) == 32768
     assert cfg.engine_context(cfg.stage("rl-12k")) == 14336
     assert engine_context(cfg, None) == 32768 and engine_context(cfg, "rl-8k") == 14336
+
+
+def test_each_stage_kind_takes_only_its_own_fields():
+    from rstar_hpc.config.stages import EvalStage, HardSubsetStage, RLStage, SFTStage
+
+    cfg = load_config("qwen3-14b")
+    assert [type(s) for s in cfg.stages] == [SFTStage, RLStage, RLStage, HardSubsetStage, RLStage, EvalStage]
+    assert cfg.stage("hard").num_samples == 8     # the paper's, as the kind's own default
+    with pytest.raises(ConfigError, match=r"stages\.5\.lr: not a field of an eval stage; an eval stage takes: "
+                                          r"benchmarks, data"):
+        load_config("tiny-cpu", ["stages.eval.lr=0.1"])
+    with pytest.raises(ConfigError, match=r"stages\.1\.max_turn: not a field of a rl stage; did you mean 'max_turns'"):
+        load_config("tiny-cpu", ["stages.rl-short.max_turn=3"])
+    with pytest.raises(ConfigError, match=r"stages\.0\.benchmarks: not a field of a sft stage"):
+        load_config("tiny-cpu", ["stages.sft.benchmarks={a: b.jsonl}"])
+    with pytest.raises(ConfigError, match=r"stages\.5\.num_samples \(eval stage\): .*>= 1"):
+        load_config("tiny-cpu", ["stages.eval.num_samples=0"])
+    with pytest.raises(ConfigError, match=r"stages\.5: .*'foo'.*'sft', 'rl', 'hard_subset', 'eval'"):
+        load_config("tiny-cpu", ["stages.eval.kind=foo"])
+
+
+def test_explain_lists_every_stage_kind():
+    from rstar_hpc.config.explain import explain_section
+
+    text = explain_section("stages")
+    for kind in ("sft", "rl", "hard_subset", "eval"):
+        assert f"[stages.{kind}]" in text
+    assert "drop_unsolved" in explain_section("stages.hard_subset") and "lr" not in explain_section("stages.eval")
