@@ -1,6 +1,6 @@
 """`make demo`'s command, `rstar-hpc demo`, end to end on the local Slurm cluster with configs/demo.yaml shortened
 for CI (fewer steps and problems; the real figures are in the README): an SFT run, RL runs from its policy (RoC and
-the plain-GRPO ablation), and the report, with the last stdout line one JSON object of the figures."""
+the paper's GRPO baseline, which samples and trains G per prompt), and the report, with the last stdout line one JSON object of the figures."""
 from __future__ import annotations
 
 import json
@@ -33,6 +33,9 @@ def test_demo_trains_through_launch_and_reports(slurm_cluster, tmp_path):
                 "grpo_positive_tool_error_ratio", "wall_s", "report"):
         assert key in out, key
     assert all(0.0 <= out[k] <= 1.0 for k in ("pass1_base", "pass1_sft", "pass1_rl"))
+    # the fair ablation: GRPO samples G = 4 and trains them; RoC samples 2G = 8 and keeps G (configs/demo.yaml)
+    assert out["sampled_per_group"] == {"roc": 8, "grpo": 4}
+    assert out["trained_per_group"]["roc"] == out["trained_per_group"]["grpo"] == 4
     report = Path(out["report"])
     assert report.is_file() and "GRPO" in report.read_text() and list(report.parent.glob("*.png"))
     for label, run in out["runs"].items():
