@@ -11,8 +11,23 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
+def read_hf_config(config: dict | Path | str) -> dict:
+    """A Hugging Face `config.json` as a dict (given the dict, the file, or its directory)."""
+    if isinstance(config, dict):
+        return config
+    path = Path(config)
+    path = path / "config.json" if path.is_dir() else path
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no Hugging Face config.json; point model.path at a directory written by "
+                                f"save_pretrained (config.json + *.safetensors)")
+    return json.loads(path.read_text())
+
+
 @dataclass(frozen=True)
 class ModelShape:
+    """The architecture numbers of a checkpoint's config.json: the one parser of it (the trainer's Qwen3Arch adds
+    the checks that make it a Qwen3)."""
+
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -21,15 +36,23 @@ class ModelShape:
     num_kv_heads: int
     head_dim: int
     tie_word_embeddings: bool = False
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    max_position_embeddings: int = 40960
 
     @classmethod
-    def from_hf_config(cls, c: dict) -> ModelShape:
+    def from_hf_config(cls, config: dict | Path | str):
+        c = read_hf_config(config)
         heads = c["num_attention_heads"]
+        rope = c.get("rope_scaling") or c.get("rope_parameters") or {}
         return cls(vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
                    intermediate_size=c["intermediate_size"], num_layers=c["num_hidden_layers"], num_heads=heads,
                    num_kv_heads=c.get("num_key_value_heads", heads),
                    head_dim=c.get("head_dim") or c["hidden_size"] // heads,
-                   tie_word_embeddings=c.get("tie_word_embeddings", False))
+                   tie_word_embeddings=c.get("tie_word_embeddings", False),
+                   rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+                   rope_theta=float(c.get("rope_theta", rope.get("rope_theta", 1_000_000.0))),
+                   max_position_embeddings=c.get("max_position_embeddings", 40960))
 
     @property
     def num_params(self) -> int:
@@ -65,7 +88,7 @@ def model_shape(model) -> tuple[ModelShape, str] | None:
                           head_dim=t.head_dim), "model.tiny"
     path = Path(model.path).expanduser()
     if (path / "config.json").is_file():
-        return ModelShape.from_hf_config(json.loads((path / "config.json").read_text())), str(path / "config.json")
+        return ModelShape.from_hf_config(path), str(path / "config.json")
     name = path.name.lower()
     for key in sorted(PUBLISHED, key=len, reverse=True):  # qwen3-14b before qwen3-1...
         if name.startswith(key) and not name[len(key):len(key) + 1].isdigit():

@@ -17,7 +17,6 @@ columns, so the numbers match the Hugging Face model exactly.
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import math
 from dataclasses import asdict, dataclass
@@ -35,36 +34,21 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from rstar_hpc.models.shapes import ModelShape, read_hf_config
+
 Backend = Literal["cpu", "cuda"]
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class Qwen3Arch:
-    """The architecture numbers of a Qwen3 checkpoint (its config.json), nothing else."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 1_000_000.0
-    max_position_embeddings: int = 40960
-    tie_word_embeddings: bool = False
+class Qwen3Arch(ModelShape):
+    """The architecture numbers of a Qwen3 checkpoint (its config.json, parsed by models.shapes), checked to be a
+    dense Qwen3 with plain RoPE: what the trainer builds."""
 
     @classmethod
     def from_hf_config(cls, config: dict | Path | str) -> Qwen3Arch:
         """Read a Hugging Face `config.json` (a dict, the file, or its directory)."""
-        if not isinstance(config, dict):
-            path = Path(config)
-            path = path / "config.json" if path.is_dir() else path
-            if not path.is_file():
-                raise FileNotFoundError(f"{path}: no Hugging Face config.json; point model.path at a directory "
-                                        f"written by save_pretrained (config.json + *.safetensors)")
-            config = json.loads(path.read_text())
+        config = read_hf_config(config)
         arch = config.get("architectures") or []
         if config.get("model_type") != "qwen3" and "Qwen3ForCausalLM" not in arch:
             raise ValueError(f"model_type={config.get('model_type')!r}, architectures={arch}: the trainer builds "
@@ -73,23 +57,9 @@ class Qwen3Arch:
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", None):
             raise ValueError(f"rope type {rope_type!r} is not supported by the trainer (plain RoPE only)")
-        theta = config.get("rope_theta", rope.get("rope_theta", 1_000_000.0))
         if config.get("attention_bias", False):
             raise ValueError("attention_bias=true: Qwen3 has no attention biases; this checkpoint is not Qwen3")
-        heads = config["num_attention_heads"]
-        return cls(
-            vocab_size=config["vocab_size"],
-            hidden_size=config["hidden_size"],
-            intermediate_size=config["intermediate_size"],
-            num_layers=config["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=config.get("num_key_value_heads", heads),
-            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
-            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
-            rope_theta=float(theta),
-            max_position_embeddings=config.get("max_position_embeddings", 40960),
-            tie_word_embeddings=config.get("tie_word_embeddings", False),
-        )
+        return super().from_hf_config(config)
 
     def to_dict(self) -> dict:
         return asdict(self)
