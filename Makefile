@@ -1,15 +1,20 @@
 # The two commands of the README. Both are idempotent: once installed, set-up takes about a second.
 #   make demo   set up, then run the main job on the embedded default (configs/tiny-cpu.yaml)
 #   make test   set up, then run the whole test suite
+#   make check  set up, then the fast tier (< 5 min): ruff, and tests/unit + tests/rollout not marked slurm/vllm/slow
 VENV  ?= .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test setup system
+.PHONY: demo test check setup system
 demo: setup
 	$(VENV)/bin/rstar-hpc demo
 
 test: setup
 	$(VENV)/bin/python -m pytest
+
+check: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/python -m pytest -q -m "not slurm and not vllm and not slow" tests/unit tests/rollout
 
 setup: system $(STAMP)
 

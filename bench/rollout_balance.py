@@ -64,8 +64,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rollout_sim import (C0, C1, C2, CHUNK, KV_TOKENS, MAX_NUM_SEQS, MAX_RESPONSE, MAX_TURNS, PREFILL, REPORT_S,
-                         Sim, Traj, run_partial, step_cost)
+from rollout_sim import (C0, C1, C2, KV_TOKENS, MAX_NUM_SEQS, MAX_RESPONSE, MAX_TURNS, PREFILL, Sim, Traj, run_partial,
+                         step_cost)
 
 
 def make_trace(n: int, rng: random.Random, group_size: int = 1) -> list[Traj]:

@@ -44,8 +44,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from sandbox.client import SandboxClient
-from sandbox.limits import Limits
+from sandbox.client import SandboxClient  # noqa: E402 (the checkout first on sys.path)
+from sandbox.limits import Limits  # noqa: E402
 
 WORKLOADS = {
     "trivial": "print(1 + 1)",

@@ -42,8 +42,7 @@ from typing import Protocol
 from rstar_hpc.config.rollout import AgentConfig
 from rstar_hpc.exchange.schema import Timings, ToolCall, Turn
 from rstar_hpc.exchange.tool_status import INFRA_TOOL_STATUSES, TOOL_STATUSES
-from rstar_hpc.models.chat_format import (IM_END, SESSION_TOOL_SCHEMA, TOOL_NAME, render_prompt,
-                                          render_tool_responses)
+from rstar_hpc.models.chat_format import IM_END, SESSION_TOOL_SCHEMA, TOOL_NAME, render_prompt, render_tool_responses
 from sandbox.results import render_rstar2, truncate_middle
 
 log = logging.getLogger("rstar_hpc.rollout")

@@ -579,8 +579,8 @@ def test_an_interpreter_under_tmp_is_bound_over_the_private_scratch(monkeypatch)
     scratch tmpfs is mounted first and the interpreter's prefix bound on top of it."""
     import sys
 
-    from sandbox.limits import Limits
     from sandbox.bwrap import bwrap_argv
+    from sandbox.limits import Limits
 
     monkeypatch.setattr(sys, "prefix", "/tmp/fresh/.venv")
     argv = bwrap_argv(Limits(), None, as_root=True)

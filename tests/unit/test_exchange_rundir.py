@@ -3,7 +3,7 @@ import stat
 
 import pytest
 
-from rstar_hpc.exchange.checkpoints import MARKER, CommittedDirs
+from rstar_hpc.exchange.checkpoints import CommittedDirs
 from rstar_hpc.exchange.errors import ExchangeError
 from rstar_hpc.exchange.reader import Consumer
 from rstar_hpc.exchange.retention import prune_trajectories
