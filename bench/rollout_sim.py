@@ -1,5 +1,5 @@
 """The engine simulation behind bench/rollout_balance.py: one or several rollout steps on N vLLM-like engines,
-admission through rstar_hpc/rollout/policy.py, and the long-tail levers.
+admission through rstar_hpc/rollout/admission.py, and the long-tail levers.
 
 An engine is an FCFS queue admitted while the KV held by running requests fits (`KV_TOKENS`), at most
 `MAX_NUM_SEQS` running; a request that cannot grow preempts the most recently admitted one, which is recomputed
@@ -11,10 +11,10 @@ prompt is held once however many siblings run there (memory), and prefilled once
 live there (compute). Attention still reads the prompt once per sequence (c2), as it does on a real engine.
 
 The levers (each off unless asked):
-- sibling-aware placement (`sibling_aware`): the policy books a group's prompt once per engine and sends a sibling
-  where its group already is while that engine has room (KVAwarePolicy share_prefix);
+- sibling-aware placement (`sibling_aware`): admission books a group's prompt once per engine and sends a sibling
+  where its group already is while that engine has room (KVAwareAdmission share_prefix);
 - turn-boundary migration (`migrate_margin`): when a trajectory's tool result is back and the step's queue is
-  empty (its tail), the policy may move its next turn to an engine with more free KV (migration_target); the
+  empty (its tail), admission may move its next turn to an engine with more free KV (migration_target); the
   target re-prefills its whole context, less the prompt where a sibling already holds it;
 - partial rollouts (run_partial): a step closes once `close_groups` groups are complete; every unfinished
   trajectory is paused, keeps its tokens, and resumes in the next step on the new policy, which re-prefills its
@@ -27,7 +27,7 @@ import math
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-from rstar_hpc.rollout.policy import make_policy
+from rstar_hpc.rollout.admission import make_admission
 
 C0, C1, C2, PREFILL = 1.2e-2, 4e-5, 5e-8, 6e-5     # seconds
 KV_TOKENS, MAX_NUM_SEQS = 280_000, 256          # 14B-class model, bf16 KV, 80 GB GPU
@@ -95,12 +95,12 @@ class Engine:
 
 
 class Sim:
-    """Engines and a policy; run_step() simulates one step of a pool of trajectories. Counters accumulate."""
+    """Engines and an admission; run_step() simulates one step of a pool of trajectories. Counters accumulate."""
 
-    def __init__(self, n_engines: int, policy_name: str, *, growth_reserve: float = 1.0, budget_coef: float = 1.0,
+    def __init__(self, n_engines: int, admission: str, *, growth_reserve: float = 1.0, budget_coef: float = 1.0,
                  report_s: float = REPORT_S, share: bool = False, sibling_aware: bool = False, block: int = 1,
                  migrate_margin: float | None = None):
-        self.n, self.policy_name, self.report_s = n_engines, policy_name, report_s
+        self.n, self.admission, self.report_s = n_engines, admission, report_s
         self.kw = dict(growth_reserve=growth_reserve, budget_coef=budget_coef, max_per_engine=MAX_NUM_SEQS,
                        share_prefix=sibling_aware, block=block)
         self.share, self.margin = share, migrate_margin
@@ -117,7 +117,7 @@ class Sim:
         Returns the step's figures; unfinished trajectories are left paused (see pause())."""
         share = self.share
         engines = [Engine(e) for e in range(self.n)]
-        policy = make_policy(self.policy_name, {e: KV_TOKENS for e in range(self.n)}, max_response=MAX_RESPONSE,
+        placer = make_admission(self.admission, {e: KV_TOKENS for e in range(self.n)}, max_response=MAX_RESPONSE,
                              **self.kw)
         live: list[dict] = [{} for _ in range(self.n)]
         reported = [0.0] * self.n
@@ -139,7 +139,7 @@ class Sim:
         def admit(now: float) -> None:
             while pending:
                 t = pending[0]
-                e = policy.place(t.id, t.prompt, group=t.group, context=t.ctx)
+                e = placer.place(t.id, t.prompt, group=t.group, context=t.ctx)
                 if e is None:   # FCFS at the scheduler: nothing behind it jumps the queue
                     break
                 pending.popleft()
@@ -189,9 +189,9 @@ class Sim:
             if kind == "tool":
                 t.tool_at = -1.0
                 if self.margin is not None and not pending:   # the step's tail: rebalance at the turn boundary
-                    target = policy.migration_target(t.id, self.margin)
+                    target = placer.migration_target(t.id, self.margin)
                     if target is not None:
-                        policy.move(t.id, target)
+                        placer.move(t.id, target)
                         leave(t, eng)
                         del live[e][t.id]
                         e, eng = target, engines[target]
@@ -206,7 +206,7 @@ class Sim:
                 wake(eng, now)
                 continue
             if now - reported[e] >= self.report_s:   # the engine rank's heartbeat: its trajectories' contexts
-                policy.observe(e, {i: x.ctx for i, x in live[e].items()})
+                placer.observe(e, {i: x.ctx for i, x in live[e].items()})
                 reported[e] = now
             engine_admit(eng)
             if not eng.running:
@@ -242,7 +242,7 @@ class Sim:
                     push(x.tool_at, "tool", e, x)
                     continue
                 x.done_at, x.finished = end, True
-                policy.release(x.id)
+                placer.release(x.id)
                 del live[e][x.id]
                 leave(x, eng)
                 freed = True
@@ -284,7 +284,7 @@ class Sim:
             t.cold, t.why = True, ("carried" if t.gen else "")
 
 
-def run_partial(groups: list[list[Traj]], n_engines: int, policy_name: str, *, batch_groups: int,
+def run_partial(groups: list[list[Traj]], n_engines: int, admission: str, *, batch_groups: int,
                 close_fraction: float, steps: int, **sim_kw) -> dict:
     """Partial rollouts over `steps` steps, as rollout.scheduler.partial_rollouts runs them: a step's pool is the
     groups carried from the step before (first) and batch_groups fresh ones; it closes once close_fraction of the
@@ -294,7 +294,7 @@ def run_partial(groups: list[list[Traj]], n_engines: int, policy_name: str, *, b
     groups (no carry yet: its close is cold), and the figures are the steps after it, normalised to batch_groups
     groups a step. Staleness: each trained token's versions behind = training step - the step
     that generated it (a finished sibling waiting for its group counts too)."""
-    sim = Sim(n_engines, policy_name, **sim_kw)
+    sim = Sim(n_engines, admission, **sim_kw)
     fresh = iter(groups)
     carried: list[Traj] = []
     group_left: dict[int, int] = {}

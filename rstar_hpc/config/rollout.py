@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import AliasChoices, Field
 
 from rstar_hpc.config.base import Section
 
@@ -52,7 +52,7 @@ class AgentConfig(Section):
     tool_state: Literal["stateless", "session"] = "stateless"
     """`stateless` (the paper's behaviour, the default): every tool call runs in a fresh interpreter; rStar2-Agent's
     `python_code_with_standard_io` tool keeps nothing between calls (its replaying `jupyter_code` tool exists but no
-    released script uses it; reference §2.1). `session`: a trajectory's calls share one sandbox session, so a
+    released script uses it; rStar2-Agent paper §2.1). `session`: a trajectory's calls share one sandbox session, so a
     variable defined in turn 1 is still there in turn 3; the session is released when the trajectory ends, however
     it ends (answer, limits, error, cancellation), and a killed process's sessions expire on the service after
     `sandbox.session_idle_s`."""
@@ -63,9 +63,10 @@ class AgentConfig(Section):
 
 
 class SchedulerConfig(Section):
-    policy: Literal["kv_aware", "static"] = "kv_aware"
-    """`kv_aware`: admit each trajectory to the engine with the most free KV capacity (the paper);
-    `static`: split trajectories evenly across engines up front (the usual baseline)."""
+    admission: Literal["kv_aware", "static"] = Field("kv_aware", validation_alias=AliasChoices("admission", "policy"))
+    """Where each trajectory runs (rollout/admission.py). `kv_aware`: on the engine with the most free KV capacity
+    (the paper); `static`: split evenly across engines up front (the usual baseline). `policy`, its former name, is
+    still read (run directories written before the rename)."""
     growth_reserve: float = Field(0.03, gt=0, le=1)
     """KV booked per live trajectory beyond its reported context, as a fraction of the max response length
     (bench/rollout_balance.py). 1.0 is rStar2's worst case (prompt + max response held for life): no overflow
@@ -91,12 +92,12 @@ class SchedulerConfig(Section):
     sibling_aware: bool = True
     """`kv_aware` only: GRPO siblings (one prompt's samples) share the prompt's KV through vLLM's prefix cache, so the
     prompt is booked once per engine hosting the group and a sibling goes where its group already runs while that
-    engine has room (policy.py). Placement only: what is generated and trained is the same either way. Turn it off
+    engine has room (admission.py). Placement only: what is generated and trained is the same either way. Turn it off
     with rollout.engine.enable_prefix_caching false (each sibling then really holds its own prompt)."""
     migrate_on_tool_call: bool = False
     """Turn-boundary migration (`kv_aware` only): once the step's queue is empty (its tail), a trajectory may continue
     after its next tool call on an engine with more free KV, chosen by the same accounting as admission
-    (policy.migration_target; rollout/levers.py); the target re-prefills its context (less the prompt where a sibling
+    (admission.migration_target; rollout/levers.py); the target re-prefills its context (less the prompt where a sibling
     holds it).
     Nothing trained changes: tokens, logprobs and sampling seeds are the trajectory's wherever it runs (the target
     computes logprobs with the same weights). Off by default until measured on real engines at scale; needs

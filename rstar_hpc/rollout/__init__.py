@@ -5,7 +5,8 @@
     engine_rank.py  ranks 1..N of a step: agent loops on the engine, heartbeats, results
     mpi.py          the messages between them, in the order of a step
     step.py         what a step is: work items, stage limits, the policy it waits for, seeds, scoring
-    policy.py       admission policies (KV-aware, sibling-aware, static), shared with bench/rollout_balance.py
+    admission.py    admission: where a trajectory runs (KV-aware, sibling-aware, static), shared with
+                    bench/rollout_balance.py
     levers.py       rank 0's long-tail levers: turn-boundary migration, partial rollouts (docs/rollout-long-tail.md)
     carry.py        partial rollouts' carry: what a closed step hands to the next, persisted before the commit
     agent.py        the multi-turn agent loop in the rStar2 format (generate, tool calls, tool responses)

@@ -1,6 +1,7 @@
-"""Where a trajectory runs: the admission policies shared by the MPI scheduler and bench/rollout_balance.py.
+"""Where a trajectory runs: admission (rollout.scheduler.admission), shared by the MPI scheduler and
+bench/rollout_balance.py. ("Policy" in this package is always the model's: the weights a step generates with.)
 
-`KVAwarePolicy` follows rStar2-Agent's load-balanced rollout scheduler (rStar2-Agent paper §3.2, Fig. 7): a
+`KVAwareAdmission` follows rStar2-Agent's load-balanced rollout scheduler (rStar2-Agent paper §3.2, Fig. 7): a
 trajectory goes to the engine with the most free KV room, only if its reservation fits, stays there for all its
 turns (prefix-cache reuse), waits while nothing fits, and is admitted the moment a release frees room. What it
 reserves is the difference:
@@ -19,7 +20,7 @@ through vLLM's prefix cache, so the prompt is booked once per engine hosting the
 engine already hosting it while one has room. `migration_target` answers, with the same accounting, whether a
 trajectory between turns should move (rollout/levers.py: turn-boundary migration).
 
-`StaticPolicy` is the usual baseline: trajectories split round-robin (or, `block`, contiguously) over engines up
+`StaticAdmission` is the usual baseline: trajectories split round-robin (or, `block`, contiguously) over engines up
 front, each engine takes its whole share at once and lets its own scheduler (vLLM's: FCFS, preempt-and-recompute)
 cope.
 
@@ -32,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable, Mapping
 
 
-class KVAwarePolicy:
+class KVAwareAdmission:
     """KV-aware admission (module docstring). `share_prefix`: siblings of a GRPO group (same `group`, the prompt uid)
     share their prompt's KV on an engine through vLLM's prefix cache, so the prompt is booked once per engine that
     hosts the group, and a sibling goes to an engine already hosting its group while one has room (sibling-aware
@@ -180,7 +181,7 @@ class KVAwarePolicy:
         return list(self.capacity)
 
 
-class StaticPolicy:
+class StaticAdmission:
     name = "static"
 
     def __init__(self, engines: Iterable[int], *, block: int = 1):
@@ -223,11 +224,16 @@ class StaticPolicy:
         return list(self._engines)
 
 
-def make_policy(name: str, capacities: Mapping[int, int], *, max_response: int, growth_reserve: float = 1.0,
-                budget_coef: float = 1.0, max_per_engine: int = 256, share_prefix: bool = False, block: int = 1):
+Admission = KVAwareAdmission | StaticAdmission
+"""What rank 0 admits with (rollout.scheduler.admission)."""
+
+
+def make_admission(name: str, capacities: Mapping[int, int], *, max_response: int, growth_reserve: float = 1.0,
+                   budget_coef: float = 1.0, max_per_engine: int = 256, share_prefix: bool = False,
+                   block: int = 1) -> Admission:
     if name == "kv_aware":
-        return KVAwarePolicy(capacities, max_response=max_response, growth_reserve=growth_reserve,
-                             budget_coef=budget_coef, max_per_engine=max_per_engine, share_prefix=share_prefix)
+        return KVAwareAdmission(capacities, max_response=max_response, growth_reserve=growth_reserve,
+                                budget_coef=budget_coef, max_per_engine=max_per_engine, share_prefix=share_prefix)
     if name == "static":
-        return StaticPolicy(sorted(capacities), block=block)
-    raise ValueError(f"rollout.scheduler.policy={name!r}: use 'kv_aware' or 'static'")
+        return StaticAdmission(sorted(capacities), block=block)
+    raise ValueError(f"rollout.scheduler.admission={name!r}: use 'kv_aware' or 'static'")

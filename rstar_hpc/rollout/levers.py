@@ -2,12 +2,12 @@
 partial rollouts, each a rollout.scheduler knob, off by default.
 
 Migration (`migrate_on_tool_call`): engine ranks list in their heartbeats the trajectories that may move
-(`movable`: those waiting for a tool call first). Once the step's queue is empty, rank 0 asks the admission policy
-(policy.migration_target: the same KV accounting as admission) whether another engine should take one's next
+(`movable`: those waiting for a tool call first). Once the step's queue is empty, rank 0 asks admission
+(admission.migration_target: the same KV accounting as admitting) whether another engine should take one's next
 turn, one per engine at a time (its booking moves only once it has left); if so it sends MIGRATE to its
 engine, which pauses it at its next turn boundary (its tool result appended) and returns it as a paused RESULT with
 its agent-loop state (MOVED: it was gone already). One that finishes without another tool call just finishes. Rank 0
-releases its booking and admits it again at the front of the queue, now as the context it has: the policy places it
+releases its booking and admits it again at the front of the queue, now as the context it has: admission places it
 where there is most room, and the engine there re-prefills its context (a sibling's prompt from its prefix cache).
 
 Partial rollouts (`partial_rollouts`): after each result, once `partial_close_fraction` of the step's groups are
@@ -26,7 +26,7 @@ log = logging.getLogger("rstar_hpc.rollout")
 
 
 class Levers:
-    """State of the levers for one step; `s` is the StepScheduler (its comm, policy, queue and results)."""
+    """State of the levers for one step; `s` is the StepScheduler (its comm, admission, queue and results)."""
 
     def __init__(self, s):
         self.s, self.sc = s, s.sc
@@ -79,18 +79,18 @@ class Levers:
         return len(self.s.results.keys() | self.open_items.keys()) >= len(self.s.items)
 
     def on_beat(self, src: int, msg: dict) -> None:
-        """Migration: ask `src` to let go of trajectories waiting for a tool call, where the policy says so."""
+        """Migration: ask `src` to let go of trajectories waiting for a tool call, where admission says so."""
         s = self.s
-        if not self.sc.migrate_on_tool_call or self.closing or s.pending or s.policy.name != "kv_aware":
+        if not self.sc.migrate_on_tool_call or self.closing or s.pending or s.admission.name != "kv_aware":
             return
         if src in self.migrating.values():
             return   # one at a time per engine: its booking moves only once it has left
         for key in msg.get("movable", ()):
             key = tuple(key)
-            p = s.policy.placed.get(key)
+            p = s.admission.placed.get(key)
             if p is None or p[0] != src:
                 continue
-            if s.policy.migration_target(key, self.sc.migrate_margin) is not None:
+            if s.admission.migration_target(key, self.sc.migrate_margin) is not None:
                 self.migrating[key] = src
                 s.sends.append(s.comm.isend({"key": key}, dest=src, tag=TAG_MIGRATE))
                 return
@@ -111,8 +111,8 @@ class Levers:
             return
         item = dataclasses.replace(s.by_key[key], resume=msg["state"])
         s.by_key[key] = item   # a requeue after an engine death resumes from here too
-        if s.policy.placed.get(key) is not None:
-            s.policy.release(key)
+        if s.admission.placed.get(key) is not None:
+            s.admission.release(key)
         migrated = self.migrating.pop(key, None) is not None
         if self.closing:
             self.open_items[key] = item

