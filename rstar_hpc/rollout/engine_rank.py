@@ -18,8 +18,9 @@ import time
 
 from rstar_hpc.config.rollout import AgentConfig, SchedulerConfig
 from rstar_hpc.rollout.agent import AgentLoop, AgentResult, Pause
-from rstar_hpc.rollout.mpi import (TAG_ABORT, TAG_BEAT, TAG_DEAD, TAG_DONE, TAG_EXIT, TAG_HELLO, TAG_MIGRATE, TAG_MOVED,
-                                   TAG_PAUSE, TAG_RESULT, TAG_START, TAG_STOP, TAG_WORK, recv_from_rank0)
+from rstar_hpc.rollout.mpi import (TAG_ABORT, TAG_ACK, TAG_DEAD, TAG_DONE, TAG_EXIT, TAG_HELLO, TAG_KV, TAG_MIGRATE,
+                                   TAG_MOVED, TAG_PAUSE, TAG_RESULT, TAG_SKIP, TAG_START, TAG_STATS, TAG_WORK,
+                                   recv_from_rank0)
 from rstar_hpc.rollout.step import StageLimits, request_seed
 
 log = logging.getLogger("rstar_hpc.rollout")
@@ -37,12 +38,12 @@ async def run_engine_rank(comm, MPI, sc: SchedulerConfig, agent_cfg: AgentConfig
         return None
     if tag == TAG_ABORT:
         raise RuntimeError(f"rank 0 aborted the job: {start}")
-    if tag == TAG_STOP:   # already committed: nothing to run
+    if tag == TAG_SKIP:   # already committed: nothing to run
         return {"done": 0, "skipped": True}
     if tag != TAG_START:
         raise RuntimeError(f"engine rank {rank}: expected the start of a step, got tag {tag}")
     stage, step, limits = start["stage"], start["step"], StageLimits(*start["limits"])
-    comm.send({"loading": start["policy_version"] != engine.policy_version}, dest=0, tag=TAG_BEAT)
+    comm.send({"loading": start["policy_version"] != engine.policy_version}, dest=0, tag=TAG_ACK)
     if start["policy_version"] is not None and start["policy_version"] != engine.policy_version:
         load_s = await engine.load_policy(start["policy_dir"], start["policy_version"])
         log.info("engine rank %d: loaded policy v%d in %.1fs", rank, engine.policy_version, load_s)
@@ -71,7 +72,7 @@ class _EngineStep:
         self.t_start = self.last = self.heard = time.monotonic()
 
     async def serve(self) -> dict:
-        """Until rank 0 says DONE (or STOP): take work, report, notice failures."""
+        """Until rank 0 says DONE: take work, report, notice failures."""
         while True:
             stats = self.receive()
             if stats is not None:
@@ -81,7 +82,7 @@ class _EngineStep:
             if now - self.last_beat > self.sc.heartbeat_s:
                 self.comm.send({"kv_usage": self.engine.kv.usage, "running": len(self.tasks),
                                 "contexts": dict(self.contexts),
-                                "movable": self.movable()}, dest=0, tag=TAG_BEAT)
+                                "movable": self.movable()}, dest=0, tag=TAG_KV)
                 self.last_beat = now
             await asyncio.sleep(0.005)
             now = time.monotonic()
@@ -115,14 +116,14 @@ class _EngineStep:
             elif tag == TAG_ABORT:
                 self.stop()
                 raise RuntimeError(f"rank 0 aborted the job: {msg}")
-            elif tag in (TAG_DONE, TAG_STOP):
+            elif tag == TAG_DONE:
                 kv = self.engine.kv
                 stats = {"done": self.done, "paused": self.paused, "idle_s": round(self.idle_s, 3),
                          "wall_s": round(time.monotonic() - self.t_start, 3),
                          "kv_capacity_tokens": kv.capacity_tokens, "preemptions": kv.preemptions}
-                if tag == TAG_DONE:
-                    self.comm.send(stats, dest=0, tag=TAG_STOP)
+                self.comm.send(stats, dest=0, tag=TAG_STATS)
                 return self.stop(stats)
+            # ALIVE (rank 0's heartbeat) only refreshes `heard`
         return None
 
     def movable(self) -> list[tuple]:

@@ -1,27 +1,28 @@
 """The MPI conversation of a rollout job: rank 0 (scheduler.py) and the engine ranks 1..N (engine_rank.py).
 
-One step, in order (every payload is a pickled Python object; sends are never blocking where the peer may be dead):
+Every message has its own tag, listed here and nowhere else; both sides import the tags from this module. Payloads
+are pickled Python objects; sends are never blocking where the peer may be dead. One step, in order:
 
-    rank 0                                   engine rank e
-    START {policy_version, policy_dir}  ->
-                                        <-   BEAT {loading}            (ack at once, then load the policy)
-                                        <-   HELLO {capacity_tokens, policy_version}
-    WORK [item, ...]                    ->                             (admitted trajectories, any number of times)
-                                        <-   BEAT {kv_usage, running, contexts, movable}   (every heartbeat_s)
-                                        <-   RESULT {...}              (one finished trajectory, or a paused one:
-                                                                        paused=True, its state to resume)
-    MIGRATE {key}                       ->                             (pause it at its next turn boundary; it comes
-                                                                        back as a paused RESULT, or MOVED: declined)
-                                        <-   MOVED {key}               (it was gone already)
-    PAUSE                               ->                             (partial rollouts: the step closed; every
-                                                                        live trajectory comes back paused or done)
-                                        <-   DEAD "reason"             (the engine failed: re-run its work)
-    BEAT                                ->                             (rank 0 is alive; every heartbeat_s)
-    DONE                                ->
-                                        <-   STOP {stats}              (the engine's figures of the step)
-A step already committed gets STOP instead of START. After the job's last step rank 0 sends EXIT {finalize};
-after a rank's death the survivors answer BYE before rank 0 ends the job. ABORT "reason" from rank 0 at any
-point: it failed, engine ranks leave.
+    tag      direction  payload                                     meaning
+    START    0 -> e     {policy_version, policy_dir, stage, step,   run this step: load that policy (in place if new)
+                         limits}
+    SKIP     0 -> e     None                                        the step is committed already: nothing to run
+    ACK      e -> 0     {loading}                                   START received (sent at once, before loading)
+    HELLO    e -> 0     {capacity_tokens, policy_version}           policy loaded: ready for work, this much KV
+    WORK     0 -> e     [WorkItem as a dict, ...]                   admitted trajectories (any number of times)
+    KV       e -> 0     {kv_usage, running, contexts, movable}      the engine's heartbeat (every heartbeat_s)
+    RESULT   e -> 0     {prompt_uid, sample_index, step, ...}       one trajectory, finished or paused (its state)
+    MIGRATE  0 -> e     {key}                                       pause it at its next turn boundary (migration)
+    MOVED    e -> 0     {key}                                       MIGRATE declined: it was gone already
+    PAUSE    0 -> e     None                                        the step closed (partial rollouts): every live
+                                                                    trajectory comes back paused or finished
+    ALIVE    0 -> e     None                                        rank 0's heartbeat (every heartbeat_s)
+    DEAD     e -> 0     "reason"                                    the engine failed: re-run its work elsewhere
+    DONE     0 -> e     None                                        the step is over: report
+    STATS    e -> 0     {done, paused, idle_s, wall_s, ...}         the engine's figures of the step
+    EXIT     0 -> e     {finalize}                                  after the job's last step: leave
+    BYE      e -> 0     None                                        after a rank's death: this rank has shut down
+    ABORT    0 -> e     "reason"                                    at any point: rank 0 failed, engine ranks leave
 """
 from __future__ import annotations
 
@@ -29,8 +30,8 @@ import asyncio
 import os
 import time
 
-(TAG_HELLO, TAG_WORK, TAG_RESULT, TAG_BEAT, TAG_DONE, TAG_STOP, TAG_DEAD, TAG_START, TAG_ABORT, TAG_EXIT,
- TAG_BYE, TAG_MIGRATE, TAG_MOVED, TAG_PAUSE) = range(1, 15)
+(TAG_START, TAG_SKIP, TAG_ACK, TAG_HELLO, TAG_WORK, TAG_KV, TAG_RESULT, TAG_MIGRATE, TAG_MOVED, TAG_PAUSE,
+ TAG_ALIVE, TAG_DEAD, TAG_DONE, TAG_STATS, TAG_EXIT, TAG_BYE, TAG_ABORT) = range(1, 18)
 
 
 def init_mpi():
@@ -65,7 +66,7 @@ def wait_sent(requests: list, timeout_s: float) -> bool:
 
 async def recv_from_rank0(comm, MPI, timeout_s: float, what: str, *, peek_exit: bool = False) -> tuple[int, object]:
     """The next message from rank 0 (tag, payload); a silent rank 0 is a dead one: give up, do not hang. Rank 0's
-    heartbeats keep the wait going (it may wait long for a policy between stages). `peek_exit`: an EXIT is
+    heartbeats (ALIVE) keep the wait going (it may wait long for a policy between stages). `peek_exit`: an EXIT is
     reported as (TAG_EXIT, None) and left for the caller to receive."""
     deadline = time.monotonic() + timeout_s
     st = MPI.Status()
@@ -79,6 +80,6 @@ async def recv_from_rank0(comm, MPI, timeout_s: float, what: str, *, peek_exit: 
         if tag == TAG_EXIT and peek_exit:
             return tag, None
         msg = comm.recv(source=0, tag=tag)
-        if tag != TAG_BEAT:
+        if tag != TAG_ALIVE:
             return tag, msg
         deadline = time.monotonic() + timeout_s   # rank 0 is alive, only busy (waiting for a policy)

@@ -49,8 +49,8 @@ from rstar_hpc.exchange.writer import ShardWriter
 from rstar_hpc.metrics_log import metrics_sink
 from rstar_hpc.rollout.journal import Journal
 from rstar_hpc.rollout.levers import Levers
-from rstar_hpc.rollout.mpi import (TAG_BEAT, TAG_DEAD, TAG_DONE, TAG_HELLO, TAG_MOVED, TAG_RESULT, TAG_START, TAG_STOP,
-                                   TAG_WORK, wait_sent)
+from rstar_hpc.rollout.mpi import (TAG_ACK, TAG_ALIVE, TAG_DEAD, TAG_DONE, TAG_HELLO, TAG_KV, TAG_MOVED, TAG_RESULT,
+                                   TAG_SKIP, TAG_START, TAG_STATS, TAG_WORK, wait_sent)
 from rstar_hpc.rollout.admission import make_admission
 from rstar_hpc.rollout.step import Scorer, StageLimits, WorkItem, wait_for_policy
 
@@ -141,7 +141,7 @@ class StepScheduler:
             raise StopRequested(f"{self.stop()} while step {self.step} of stage {self.stage} waited for its policy")
         now = time.monotonic()
         if now - self.last_beat > self.sc.heartbeat_s:
-            self.sends += [self.comm.isend(None, dest=e, tag=TAG_BEAT) for e in engines]
+            self.sends += [self.comm.isend(None, dest=e, tag=TAG_ALIVE) for e in engines]
             self.sends[:] = [r for r in self.sends if not r.Test()]
             self.last_beat = now
             if self.beat_file is not None:
@@ -161,7 +161,7 @@ class StepScheduler:
     def skip(self, engines: list[int]) -> dict:
         log.info("step %d of stage %s already committed: nothing to do", self.step, self.stage)
         for e in engines:
-            self.comm.send(None, dest=e, tag=TAG_STOP)
+            self.comm.send(None, dest=e, tag=TAG_SKIP)
         return {"step": self.step, "skipped": True}
 
     def start_engines(self, engines: list[int], policy_ref: tuple[int, str] | None) -> dict[int, dict]:
@@ -186,13 +186,13 @@ class StepScheduler:
                 msg = comm.recv(source=src, tag=tag)
                 if tag == TAG_HELLO:
                     hello[src] = msg
-                elif tag == TAG_BEAT:
+                elif tag == TAG_ACK:
                     acked.add(src)
-                # anything else is a leftover of the previous step (a late result or beat): dropped
+                # anything else is a leftover of the previous step (a late result or KV beat): dropped
             else:
                 time.sleep(0.005)
             if now - self.last_beat > sc.heartbeat_s:   # engines that are ready wait for the slow loaders
-                self.sends += [comm.isend(None, dest=e, tag=TAG_BEAT) for e in hello]
+                self.sends += [comm.isend(None, dest=e, tag=TAG_ALIVE) for e in hello]
                 self.last_beat = now
         if not hello:
             raise RuntimeError(f"no engine rank started step {self.step} (waited {time.monotonic() - t0:.0f}s)")
@@ -262,7 +262,7 @@ class StepScheduler:
                     self.on_result(msg)
                     self.levers.on_finished((msg["prompt_uid"], msg["sample_index"]))
                     self.levers.after_result()
-            elif tag == TAG_BEAT:
+            elif tag == TAG_KV:
                 self.admission.observe(src, msg.get("contexts", {}))
                 self.levers.on_beat(src, msg)
             elif tag == TAG_MOVED:
@@ -289,7 +289,7 @@ class StepScheduler:
         """Heartbeat the engines (they leave when rank 0 goes silent), and drop the ones gone silent."""
         now = time.monotonic()
         if now - self.last_beat > self.sc.heartbeat_s:
-            self.sends += [self.comm.isend(None, dest=e, tag=TAG_BEAT) for e in self.alive]
+            self.sends += [self.comm.isend(None, dest=e, tag=TAG_ALIVE) for e in self.alive]
             self.last_beat = now
         for e, seen in list(self.alive.items()):
             if now - seen > self.sc.engine_timeout_s:
@@ -320,8 +320,8 @@ class StepScheduler:
         deadline = time.monotonic() + self.sc.engine_timeout_s
         while len(engine_stats) < len(self.alive) and time.monotonic() < deadline:
             st = MPI.Status()
-            if comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_STOP, status=st):
-                engine_stats[st.Get_source()] = comm.recv(source=st.Get_source(), tag=TAG_STOP)
+            if comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_STATS, status=st):
+                engine_stats[st.Get_source()] = comm.recv(source=st.Get_source(), tag=TAG_STATS)
             else:
                 time.sleep(0.005)
         for e in self.alive:
