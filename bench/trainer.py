@@ -235,7 +235,7 @@ def bench_rl(args, model_dir: str, tmp: str) -> dict:
         with ShardWriter(paths, "rl", step, "rollout") as w:
             w.write(trajs)
             w.commit()
-    source = TrajectorySource(paths, "rl", cfg)
+    source = TrajectorySource(paths, "rl", cfg.algo, cfg.trainer, run_seed=cfg.run.seed)
     t0 = time.perf_counter()
     batches = [source.next() for _ in range(args.steps + 1)]
     read_s = (time.perf_counter() - t0) / len(batches)
@@ -265,7 +265,7 @@ def bench_rl(args, model_dir: str, tmp: str) -> dict:
         return pg, sum(ids.numel() for ids, _ in batch.samples)
 
     def meg_step(batch) -> tuple[float, int]:
-        m = rl_step(meg, meg_opt, None, batch, cfg)
+        m = rl_step(meg, meg_opt, None, batch, cfg.algo.loss, cfg.trainer)
         return m["train/pg_loss"], sum(ids.numel() for ids, _ in batch.samples)
 
     (meg_tps, meg_pg), (ref_tps, ref_pg) = interleaved(meg_step, ref_step, batches)

@@ -1,8 +1,8 @@
 """The RL step of GRPO-RoC: one step's committed trajectories -> one AdamW update of the policy.
 
-    source = TrajectorySource(paths, stage, cfg)        # the exchange Consumer behind it
+    source = TrajectorySource(paths, stage, cfg.algo, cfg.trainer, run_seed=cfg.run.seed)   # an exchange Consumer
     batch = source.next()                               # RLBatch: kept samples, advantages, step metrics
-    metrics = rl_step(model, optimizer, scheduler, batch, cfg)
+    metrics = rl_step(model, optimizer, scheduler, batch, cfg.algo.loss, cfg.trainer)
     ...save a checkpoint holding source.state_dict()...
     source.commit(checkpoint_name)                      # only now is the step acked
 
@@ -40,7 +40,9 @@ from rstar_hpc.algo.advantage import group_advantages
 from rstar_hpc.algo.loss import LossStats, policy_loss
 from rstar_hpc.algo.metrics import loss_metrics, response_length_metrics, roc_metrics
 from rstar_hpc.algo.roc import select_step
+from rstar_hpc.config.algo import AlgoConfig, LossConfig
 from rstar_hpc.config.run import RunConfig
+from rstar_hpc.config.trainer import TrainerConfig
 from rstar_hpc.exchange.columns import TrajectoryColumns
 from rstar_hpc.exchange.errors import ExchangeError, StepNotReadyError
 from rstar_hpc.exchange.reader import Consumer
@@ -95,13 +97,13 @@ def staleness_mask(mask: np.ndarray, behind: np.ndarray, bound: int) -> tuple[np
     return np.where(drop, 0, mask).astype(mask.dtype), int(drop.sum())
 
 
-def build_batch(table: pa.Table, cfg: RunConfig, step: int) -> RLBatch:
+def build_batch(table: pa.Table, step: int, algo: AlgoConfig, trainer: TrainerConfig, *, run_seed: int) -> RLBatch:
     """RoC, advantages and this rank's samples of one step's rows (see the module docstring)."""
     n = table.num_rows
     if n == 0:
         raise ValueError(f"step {step}: the committed shards hold no trajectories; the producer committed an "
                          f"empty step")
-    selection = select_step(table, cfg.algo.roc, run_seed=cfg.run.seed, step=step)
+    selection = select_step(table, algo.roc, run_seed=run_seed, step=step)
     cols = TrajectoryColumns(table)
     rewards = cols.reward.astype(np.float64)
     uids = cols.prompt_uid
@@ -110,7 +112,7 @@ def build_batch(table: pa.Table, cfg: RunConfig, step: int) -> RLBatch:
     mask, _ = cols.loss_mask
     engine_lp, _ = cols.logprobs
     behind = cols.policy_version.max() - cols.token_versions().values   # per response token, versions behind
-    mask, stale_masked = staleness_mask(mask, behind, cfg.trainer.max_token_staleness)
+    mask, stale_masked = staleness_mask(mask, behind, trainer.max_token_staleness)
     resp_len = np.diff(r_off)
     finish = cols.finish_reason
     versions = cols.policy_version
@@ -126,13 +128,13 @@ def build_batch(table: pa.Table, cfg: RunConfig, step: int) -> RLBatch:
     batch = RLBatch(step=step, num_kept=len(keep), metrics=metrics)
     if not len(keep):
         return batch
-    adv = group_advantages(rewards[keep], uids[keep], cfg.algo.loss)
+    adv = group_advantages(rewards[keep], uids[keep], algo.loss)
     total_len = np.diff(p_off)[keep] + resp_len[keep]
-    too_long = total_len > cfg.trainer.micro_batch_tokens
+    too_long = total_len > trainer.micro_batch_tokens
     if too_long.any():
         i = keep[np.flatnonzero(too_long)[0]]
         raise ValueError(f"step {step}: trajectory {uids[i]!r} has {int(total_len[too_long][0])} tokens (prompt + "
-                         f"response), more than trainer.micro_batch_tokens={cfg.trainer.micro_batch_tokens}; raise it "
+                         f"response), more than trainer.micro_batch_tokens={trainer.micro_batch_tokens}; raise it "
                          f"to at least rollout.agent.max_prompt_length + max_response_length")
     dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
     if len(keep) < dp:
@@ -188,7 +190,8 @@ def recompute_old_logprobs(model, micro_batches: list[MicroBatch]) -> dict[str, 
             "train/old_logprob_gap_abs_max": from_last_stage({"max": max_abs}, op="max")["max"]}
 
 
-def rl_step(model, optimizer, scheduler, batch: RLBatch, cfg: RunConfig) -> dict[str, float]:
+def rl_step(model, optimizer, scheduler, batch: RLBatch, loss_cfg: LossConfig, trainer: TrainerConfig
+            ) -> dict[str, float]:
     """One GRPO-RoC update of the `parallel.Policy` `model` on `batch` (collective over all trainer ranks);
     returns the step's metrics."""
     metrics = dict(batch.metrics)
@@ -196,16 +199,16 @@ def rl_step(model, optimizer, scheduler, batch: RLBatch, cfg: RunConfig) -> dict
         log.warning("step %d: RoC kept no trajectory (every group had equal rewards); no update this step",
                     batch.step)
         return {**metrics, "train/skipped_empty_step": 1.0}
-    micro_batches = pack(batch.samples, cfg.trainer.micro_batch_tokens, advantages=batch.advantages,
+    micro_batches = pack(batch.samples, trainer.micro_batch_tokens, advantages=batch.advantages,
                          old_logprobs=batch.old_logprobs, stale=batch.stale)
-    if cfg.trainer.recompute_old_logprobs:
+    if trainer.recompute_old_logprobs:
         t0 = time.perf_counter()
         metrics.update(recompute_old_logprobs(model, micro_batches))
         metrics["time/recompute_old_logprobs(s)"] = time.perf_counter() - t0
     stats: list[LossStats] = []
 
     def loss_fn(logprobs: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
-        loss, s = policy_loss(logprobs, mb.old_logprobs, mb.advantages, mb.loss_mask, cfg.algo.loss,
+        loss, s = policy_loss(logprobs, mb.old_logprobs, mb.advantages, mb.loss_mask, loss_cfg,
                               global_num_tokens=None)  # a sum: train_step divides by the step's global count
         stats.append(s)
         return loss, {}
@@ -228,9 +231,10 @@ class TrajectorySource:
     checkpoint holding their updates has committed (rank 0 writes the cursor; every rank reads).
     """
 
-    def __init__(self, paths: RunPaths, stage: str, cfg: RunConfig, *, name: str = CONSUMER):
-        self.cfg, self.stage = cfg, stage
-        self.consumer = Consumer(paths, stage, name, cfg.trainer.producers)
+    def __init__(self, paths: RunPaths, stage: str, algo: AlgoConfig, trainer: TrainerConfig, *, run_seed: int,
+                 name: str = CONSUMER):
+        self.algo, self.trainer, self.run_seed, self.stage = algo, trainer, run_seed, stage
+        self.consumer = Consumer(paths, stage, name, trainer.producers)
         self.next_step = self.consumer.next_step
 
     def next(self, stop_requested: Callable[[], bool] = lambda: False, poll_s: float = 1.0) -> RLBatch | None:
@@ -249,7 +253,7 @@ class TrajectorySource:
             # late: the producers said nothing for trajectory_timeout_s (a long rollout stage in between is fine)
             silent = min(silence_s(reader.paths, p, wall0) for p in ("rollout",)) if missing else 0.0
             not_ready, stop, late = _any_rank(bool(missing), stop_requested(),
-                                              silent >= self.cfg.trainer.trajectory_timeout_s)
+                                              silent >= self.trainer.trajectory_timeout_s)
             if not not_ready:
                 break
             if stop:
@@ -258,8 +262,8 @@ class TrajectorySource:
                 raise StepNotReadyError(str(reader.paths.traj_step_dir(self.stage, step)), step, missing,
                                         sorted(records), waited)
             time.sleep(poll_s)
-        batch = build_batch(reader.read(step, records={p: records[p] for p in self.consumer.producers}), self.cfg,
-                            step)
+        batch = build_batch(reader.read(step, records={p: records[p] for p in self.consumer.producers}), step,
+                            self.algo, self.trainer, run_seed=self.run_seed)
         self.next_step += 1
         return batch
 
@@ -296,15 +300,15 @@ class RLStageData:
     """An RL stage for the trainer role (`rstar_hpc.trainer.job`): trajectory steps in, GRPO-RoC updates."""
 
     def __init__(self, cfg: RunConfig, stage, paths: RunPaths):
-        self.cfg = cfg
-        self.source = TrajectorySource(paths, stage.name, cfg)
+        self.loss_cfg, self.trainer = cfg.algo.loss, cfg.trainer
+        self.source = TrajectorySource(paths, stage.name, cfg.algo, cfg.trainer, run_seed=cfg.run.seed)
         self.initial_state = {"next_traj_step": 0}  # a fresh stage: no trajectory step trained yet
 
     def next(self, stop_requested: Callable[[], bool] = lambda: False) -> RLBatch | None:
         return self.source.next(stop_requested)
 
     def train(self, model, optimizer, scheduler, batch: RLBatch) -> dict[str, float]:
-        return rl_step(model, optimizer, scheduler, batch, self.cfg)
+        return rl_step(model, optimizer, scheduler, batch, self.loss_cfg, self.trainer)
 
     def state_dict(self) -> dict:
         return self.source.state_dict()

@@ -28,8 +28,8 @@ def run(run_root: str, hf_dir: str) -> dict:
     init_distributed(tp=1, pp=int(os.environ.get("PP", "1")))
     cfg = load_config("tiny-cpu", [f"run.root={run_root}", f"model.path={hf_dir}", "trainer.micro_batch_tokens=64"])
     model = make_policy(hf_dir)
-    batch = TrajectorySource(RunPaths(cfg.run.dir), "rl", cfg).next()
-    metrics = rl_step(model, make_optimizer(model, lr=1e-3), None, batch, cfg)
+    batch = TrajectorySource(RunPaths(cfg.run.dir), "rl", cfg.algo, cfg.trainer, run_seed=cfg.run.seed).next()
+    metrics = rl_step(model, make_optimizer(model, lr=1e-3), None, batch, cfg.algo.loss, cfg.trainer)
     # gradients, not updated weights: AdamW's first step is lr * sign(g), which turns rounding noise in the
     # near-zero gradients into lr-sized differences
     return {"metrics": metrics, "num_local": len(batch.samples), "grads": gather_hf_state(model, grads=True)}
