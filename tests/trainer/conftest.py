@@ -6,10 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-# test_rl.py still imports BACKENDS, free_port, make_optimizer and make_policy from here: every other module imports
-# them from trainer_helpers
-from trainer_helpers import BACKENDS, free_port, make_optimizer, make_policy  # noqa: F401
+from trainer_helpers import free_port
 
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
 

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import BACKENDS, make_optimizer, make_policy
+from trainer_helpers import BACKENDS, free_port, make_optimizer, make_policy
+from trainer_helpers import rl_step_trajs as _step_trajs
+from trainer_helpers import rl_traj as _traj
 
 from rstar_hpc.config import load_config
 from rstar_hpc.exchange.errors import ExchangeError, StepNotReadyError
@@ -23,30 +25,10 @@ def _cfg(tmp_path, hf_dir, *extra):
                                     *extra])
 
 
-def _traj(step: int, uid: str, i: int, reward: float, gen: torch.Generator) -> Trajectory:
-    """Correct answers draw response tokens from one half of the vocabulary, wrong ones from the other, so
-    the two classes are told apart by the tokens themselves. Responses: model turn, tool turn, model turn."""
-    lo, hi = (10, 200) if reward else (200, 390)
-    prompt = torch.randint(10, 390, (6,), generator=gen)
-    n1, n2, n3 = 5, 3, 4
-    resp = torch.randint(lo, hi, (n1 + n2 + n3,), generator=gen)
-    mask = [1] * n1 + [0] * n2 + [1] * n3
-    return Trajectory(run="t", stage=STAGE, step=step, prompt_uid=uid, sample_index=i, policy_version=0,
-                      engine_rank=0, prompt_ids=prompt.tolist(), response_ids=resp.tolist(), loss_mask=mask,
-                      logprobs=[0.0] * len(mask),
-                      turns=[Turn("assistant", 0, n1), Turn("tool", n1, n1 + n2), Turn("assistant", n1 + n2, n1 + n2 + n3)],
-                      reward=reward, p_err=0.0, p_format=0.0)
-
-
 def _write(paths: RunPaths, step: int, trajs: list[Trajectory]) -> None:
     with ShardWriter(paths, STAGE, step, "rollout") as w:
         w.write(trajs)
         w.commit()
-
-
-def _step_trajs(step: int, seed: int = 0, groups: int = 2, per_group: int = 8) -> list[Trajectory]:
-    gen = torch.Generator().manual_seed(seed * 1000 + step)
-    return [_traj(step, f"p{step}-{g}", i, float(i % 2), gen) for g in range(groups) for i in range(per_group)]
 
 
 def _model(hf_dir, backend: str = "cpu"):
@@ -79,7 +61,7 @@ def test_rl_step_moves_positive_tokens_up_and_negative_down(dist1, tiny_hf_dir, 
         t.logprobs = [(float(x) + 0.05) if m else 0.0 for x, m in zip(lp[len(t.prompt_ids):], t.loss_mask)]
     _write(paths, 0, trajs)
 
-    batch = TrajectorySource(paths, STAGE, cfg).next()
+    batch = TrajectorySource(paths, STAGE, cfg.algo, cfg.trainer, run_seed=cfg.run.seed).next()
     assert batch.num_kept == 8 and len(batch.samples) == 8  # RoC: 4 of 8 per prompt (tiny-cpu), run by the trainer
     assert batch.metrics["roc/num_trajectories"] == 16 and batch.metrics["roc/num_kept"] == 8
     adv = [float(a[0]) for a in batch.advantages]
@@ -87,7 +69,7 @@ def test_rl_step_moves_positive_tokens_up_and_negative_down(dist1, tiny_hf_dir, 
     before = _sample_means(model, batch)
 
     opt = make_optimizer(model, lr=cfg.trainer.optimizer.lr, weight_decay=0.0)
-    metrics = rl_step(model, opt, build_scheduler(opt, 0, 10), batch, cfg)
+    metrics = rl_step(model, opt, build_scheduler(opt, 0, 10), batch, cfg.algo.loss, cfg.trainer)
     after = _sample_means(model, batch)
 
     assert metrics["train/skipped_empty_step"] == 0.0
@@ -104,7 +86,8 @@ def test_engine_logprobs_are_pi_old_without_recompute(dist1, tiny_hf_dir, tmp_pa
     _write(paths, 0, _step_trajs(0))  # engine logprobs 0.0: ratio = p(token) < 1, so negatives get clipped
     model = _model(tiny_hf_dir)
     opt = make_optimizer(model, lr=1e-3)
-    m = rl_step(model, opt, None, TrajectorySource(paths, STAGE, cfg).next(), cfg)
+    m = rl_step(model, opt, None, TrajectorySource(paths, STAGE, cfg.algo, cfg.trainer, run_seed=cfg.run.seed).next(),
+                cfg.algo.loss, cfg.trainer)
     assert "train/old_logprob_gap_mean" not in m
     assert m["train/clip_frac_low"] > 0.4 and m["train/approx_kl"] > 1.0
 
@@ -116,24 +99,25 @@ def test_the_trainer_runs_each_ablation_mode_and_an_all_dropped_step_is_skipped(
     two_g = _table([_traj(0, "a", i, float(i % 2), gen) for i in range(8)])
     for mode in ("roc", "random"):
         cfg = _cfg(tmp_path, tiny_hf_dir, f"algo.roc.mode={mode}")
-        batch = build_batch(two_g, cfg, 0)
+        batch = build_batch(two_g, 0, cfg.algo, cfg.trainer, run_seed=cfg.run.seed)
         assert batch.num_kept == 4 and len(batch.samples) == 4   # G = 4 of the 2G = 8 sampled
         assert (batch.metrics["roc/sampled_per_group"], batch.metrics["roc/trained_per_group"]) == (8, 4)
         assert batch.num_kept == select_step(two_g, cfg.algo.roc, run_seed=cfg.run.seed, step=0).keep.sum()
     cfg = _cfg(tmp_path, tiny_hf_dir, "algo.roc.mode=grpo")
     assert cfg.algo.samples_per_prompt == 4        # the rollout samples G in grpo mode ...
-    batch = build_batch(_table([_traj(0, "g", i, float(i % 2), gen) for i in range(4)]), cfg, 0)
+    batch = build_batch(_table([_traj(0, "g", i, float(i % 2), gen) for i in range(4)]), 0, cfg.algo, cfg.trainer,
+                        run_seed=cfg.run.seed)
     assert batch.num_kept == 4 and batch.metrics["roc/trained_per_group"] == 4   # ... and all of them train
 
     cfg = _cfg(tmp_path, tiny_hf_dir)
 
     same = [_traj(0, "b", i, 1.0, gen) for i in range(8)]  # all correct: RoC drops the group
     model = _model(tiny_hf_dir)
-    batch = build_batch(_table(same), cfg, 0)
+    batch = build_batch(_table(same), 0, cfg.algo, cfg.trainer, run_seed=cfg.run.seed)
     assert batch.empty and batch.metrics["roc/groups_rejected_equal"] == 1
     opt = make_optimizer(model, lr=1e-3)
     w = [p.detach().clone() for p in model.parameters()]
-    m = rl_step(model, opt, None, batch, cfg)
+    m = rl_step(model, opt, None, batch, cfg.algo.loss, cfg.trainer)
     assert m["train/skipped_empty_step"] == 1.0
     assert all(torch.equal(a, b) for a, b in zip(w, model.parameters()))
 
@@ -151,11 +135,12 @@ def test_rollouts_with_a_tool_call_lost_to_the_sandbox_are_not_trained(dist1, ti
     table = _table(trajs)
     assert tool_infra_failed(table).tolist() == [False, True, False, True, False, False, False, False]
     assert tool_infra_failed(table.slice(2)).tolist() == [False, True, False, False, False, False]
-    batch = build_batch(table, _cfg(tmp_path, tiny_hf_dir, "algo.roc.down_sample_to_n=4"), 0)
+    cfg = _cfg(tmp_path, tiny_hf_dir, "algo.roc.down_sample_to_n=4")
+    batch = build_batch(table, 0, cfg.algo, cfg.trainer, run_seed=0)
     assert batch.metrics["roc/num_dropped_tool_infra"] == 2
     assert batch.num_kept == 4  # out of the 6 the policy really produced (2 right, 4 wrong): 2 + 2
-    off = build_batch(table, _cfg(tmp_path, tiny_hf_dir, "algo.roc.down_sample_to_n=4",
-                                  "algo.roc.drop_tool_infra_failures=false"), 0)
+    cfg = _cfg(tmp_path, tiny_hf_dir, "algo.roc.down_sample_to_n=4", "algo.roc.drop_tool_infra_failures=false")
+    off = build_batch(table, 0, cfg.algo, cfg.trainer, run_seed=0)
     assert off.metrics["roc/num_dropped_tool_infra"] == 0
 
 
@@ -174,9 +159,9 @@ def test_too_long_and_missing_steps_are_named(dist1, tiny_hf_dir, tmp_path):
         t.loss_mask, t.logprobs = list(t.loss_mask) * 6, list(t.logprobs) * 6
         t.turns = [Turn("assistant", 0, len(t.response_ids))]
     with pytest.raises(ValueError, match="micro_batch_tokens=64"):
-        build_batch(_table(long), cfg, 0)
+        build_batch(_table(long), 0, cfg.algo, cfg.trainer, run_seed=cfg.run.seed)
     with pytest.raises(StepNotReadyError, match="rollout"):
-        TrajectorySource(RunPaths(cfg.run.dir), STAGE, cfg).next()
+        TrajectorySource(RunPaths(cfg.run.dir), STAGE, cfg.algo, cfg.trainer, run_seed=cfg.run.seed).next()
 
 
 def test_each_step_is_trained_exactly_once_across_restarts(dist1, tiny_hf_dir, tmp_path):
@@ -190,7 +175,7 @@ def test_each_step_is_trained_exactly_once_across_restarts(dist1, tiny_hf_dir, t
         model = _model(tiny_hf_dir)
         opt = make_optimizer(model, lr=1e-3)
         state = TrainState(model, opt, None)
-        source = TrajectorySource(paths, STAGE, cfg)
+        source = TrajectorySource(paths, STAGE, cfg.algo, cfg.trainer, run_seed=cfg.run.seed)
         if (root / "latest").exists():
             load_checkpoint(state, root)
             source.load_state_dict(state.data_state)
@@ -198,7 +183,7 @@ def test_each_step_is_trained_exactly_once_across_restarts(dist1, tiny_hf_dir, t
 
     def train(state, source) -> int:
         batch = source.next()
-        rl_step(state.model, state.optimizer, None, batch, cfg)
+        rl_step(state.model, state.optimizer, None, batch, cfg.algo.loss, cfg.trainer)
         state.step += 1
         state.data_state = source.state_dict()
         return batch.step
@@ -235,7 +220,6 @@ def test_two_ranks_take_the_same_step_as_one(dist1, tiny_hf_dir, tmp_path, pp):
     import sys
     from pathlib import Path
 
-    from conftest import free_port
 
     worker = Path(__file__).with_name("dp_worker.py")
     cfg = _cfg(tmp_path, tiny_hf_dir)
@@ -274,4 +258,5 @@ def test_two_ranks_take_the_same_step_as_one(dist1, tiny_hf_dir, tmp_path, pp):
 def test_bad_cursors_are_named(dist1, tiny_hf_dir, tmp_path):
     cfg = _cfg(tmp_path, tiny_hf_dir)
     with pytest.raises(ValueError, match="not an RL stage's"):
-        TrajectorySource(RunPaths(cfg.run.dir), STAGE, cfg).load_state_dict({"epoch": 0, "pos": 3})
+        TrajectorySource(RunPaths(cfg.run.dir), STAGE, cfg.algo, cfg.trainer,
+                         run_seed=cfg.run.seed).load_state_dict({"epoch": 0, "pos": 3})
