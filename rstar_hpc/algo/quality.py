@@ -5,7 +5,7 @@
     p_format = 1                                     if there is no closed <answer>...</answer>
                min(1, (num_answers - 1) / num_turns) otherwise
 
-Decisions (reference §1.2 and §8):
+Decisions (against microsoft/rStar rstar2_agent/down_sample/ and the paper §2.2.3):
 - A call "failed" when its structured sandbox status is in FAILED_TOOL_STATUSES, not when its text contains
   "error" as in the public code (which counts a successful program printing "error", and misses a timeout
   whose text lacks the word). `output_truncated` ran fine and only lost output, so it is not a failure;

@@ -3,7 +3,7 @@
 Extraction (`RewardConfig.answer_extraction`):
   answer_tag  the last \\boxed{} (or \\fbox{}) inside a closed <answer>...</answer> block, the paper's rule.
               A truncated trace whose <answer> never closes has no answer and scores 0 (paper §4.3.1).
-  last_boxed  the last \\boxed{} anywhere, the public code's looser rule (reference §2.7).
+  last_boxed  the last \\boxed{} anywhere, the public code's looser rule (microsoft/rStar's math reward).
 In both modes <tool_response> blocks are removed first: a program that prints `\\boxed{42}` is not the
 model's answer (the public code scans tool output too).
 

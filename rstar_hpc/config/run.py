@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import Literal
 
 from pydantic import Field, model_validator
 

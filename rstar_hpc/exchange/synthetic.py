@@ -1,6 +1,6 @@
 """Synthetic, paper-shaped trajectories for tests and bench/exchange.py (no model needed).
 
-Shape follows rStar2-Agent RL (reference §2): a ~200-token prompt; alternating assistant turns (reasoning +
+Shape follows rStar2-Agent RL (paper §2-§4): a ~200-token prompt; alternating assistant turns (reasoning +
 a Hermes <tool_call>) and tool turns (<tool_response> with mask 0), ending with an <answer>; a few thousand
 response tokens; tool results with every status the sandbox reports.
 """
@@ -67,7 +67,7 @@ def _f32(x: float) -> float:
 def _text(rng: np.random.Generator, ntokens: int, role: str, last: bool) -> str:
     words = " ".join(rng.choice(_WORDS, size=min(ntokens, 400)))
     if role == "tool":
-        return f"<tool_response>\nTool call success\nstdout: 45\n</tool_response>"
+        return "<tool_response>\nTool call success\nstdout: 45\n</tool_response>"
     if last:
         return f"<reason>{words}</reason>\n<answer>\\boxed{{42}}</answer>"
     return (f"<reason>{words}</reason>\n<tool_call>{{\"name\": \"python_code_with_standard_io\", "

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from rstar_hpc.algo import RoCReason, roc_downsample, roc_split, trajectory_quality
 from rstar_hpc.config.algo import RoCConfig
 
-# reference §1.2: positives out of 32 -> (kept +, kept -) with G = 16 and both minimums 2
+# the public code (microsoft/rStar rstar2_agent/down_sample/): positives out of 32 -> (kept +, kept -) with G = 16 and both minimums 2
 TABLE = {1: (1, 15), 2: (2, 14), **{p: (2, 14) for p in (3, 4, 5)}, 6: (3, 13), **{p: (4, 12) for p in (7, 8, 9)},
          10: (5, 11), **{p: (6, 10) for p in (11, 12, 13)}, 14: (7, 9), **{p: (8, 8) for p in (15, 16, 17)},
          18: (9, 7), **{p: (10, 6) for p in (19, 20, 21)}, 22: (11, 5), **{p: (12, 4) for p in (23, 24, 25)},
@@ -24,7 +24,7 @@ def test_reference_split_table(n_pos):
 
 
 def public_code_split(n_pos, n_neg, n, min_zero, min_nonzero):
-    """A literal transcription of the public code's arithmetic (reference §1.2)."""
+    """A literal transcription of the public code's arithmetic (microsoft/rStar rstar2_agent/down_sample/)."""
     total = n_pos + n_neg
     k_neg, k_pos = round(n_neg * n / total), round(n_pos * n / total)
     if k_neg <= min(min_zero, n_neg):

@@ -7,7 +7,6 @@ from click.testing import CliRunner
 from rstar_hpc.cli import cli
 from rstar_hpc.exchange import rendezvous
 from rstar_hpc.exchange.rundir import RunPaths
-from rstar_hpc.exchange.schema import ToolCall
 from rstar_hpc.exchange.state import read_stage_state, write_stage_state
 from rstar_hpc.exchange.synthetic import make_step
 from rstar_hpc.exchange.writer import ShardWriter
@@ -35,7 +34,7 @@ def _invoke(*args):
 def test_traj_ls(run):
     r = _invoke("traj", "ls", str(run.dir))
     assert r.exit_code == 0, r.output
-    lines = [l for l in r.output.splitlines() if "rl-8k" in l]
+    lines = [line for line in r.output.splitlines() if "rl-8k" in line]
     assert len(lines) == 3
     assert "rollout-0,rollout-1" in lines[0] and " 8 " in lines[0]
     assert lines[2].split("│")[3].strip() == "-" and lines[2].split("│")[-2].strip() == "1"   # step 3: 1 leftover
@@ -97,7 +96,7 @@ def test_traj_export(run, fmt, tmp_path):
         table = pq.read_table(target)
         assert table.num_rows == 8 and "loss_mask" in table.column_names
     else:
-        rows = [json.loads(l) for l in target.read_text().splitlines()]
+        rows = [json.loads(line) for line in target.read_text().splitlines()]
         assert len(rows) == 8 and len(rows[0]["loss_mask"]) == len(rows[0]["response_ids"])
 
 
@@ -111,6 +110,6 @@ def test_run_status_by_name(run, monkeypatch):
     monkeypatch.setenv("RSTAR_HPC_RUN_ROOT", str(run.dir.parent))
     r = _invoke("run", "status", "demo-run")
     assert r.exit_code == 0, r.output
-    row = next(l for l in r.output.splitlines() if l.lstrip("│ ").startswith("rl-8k"))
+    row = next(line for line in r.output.splitlines() if line.lstrip("│ ").startswith("rl-8k"))
     assert "RUNNING" in row and "128" in row and "step-00000002" in row and "1..2 (2)" in row
     assert "node1:8123" in r.output and "capacity=64" in r.output and "gpu1:9000" in r.output
