@@ -3,7 +3,8 @@
     job.py          the role's job: run(cfg, stage, steps) on every rank, called by `rstar-hpc rollout`
     scheduler.py    rank 0 of a step as named stages: admit, dispatch, collect, commit, publish metrics
     engine_rank.py  ranks 1..N of a step: agent loops on the engine, heartbeats, results
-    mpi.py          the messages between them, in the order of a step
+    mpi.py          the messages between them, in the order of a step: one tag each, listed in one table
+    messages.py     TrajectoryResult: the one typed trajectory message, engine rank -> rank 0's Scorer
     step.py         what a step is: work items, stage limits, the policy it waits for, seeds, scoring
     admission.py    admission: where a trajectory runs (KV-aware, sibling-aware, static), shared with
                     bench/rollout_balance.py

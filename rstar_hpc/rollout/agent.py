@@ -21,7 +21,8 @@ engine or another, in this step or a later one. `Pause.now` (a step closed) stop
 keeps what it generated (`open_turn`: the engine continues that turn on resume; an engine that cannot stream its
 output drops the turn, generated again) and a tool call in flight is abandoned
 (run again on resume: `pending_tool`); `Pause.at_boundary` (migration) stops at the next turn boundary, once the
-tool result is appended. Every token records the version of the policy that generated it (`token_versions`).
+tool result is appended. Every token records the version of the policy that generated it
+(`token_policy_versions`, the exchange schema's column).
 
 Tool state (`rollout.agent.tool_state`): `stateless`, the paper's, runs every call in a fresh interpreter; `session`
 opens one sandbox session per trajectory attempt and releases it in a `finally`, so every way out (answer, limits,
@@ -30,6 +31,7 @@ an engine error, cancellation) frees it; a killed process's sessions expire on t
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import re
@@ -112,7 +114,7 @@ class AgentResult:
     infra_failures: int = 0
     """Tool calls the sandbox could not run (internal_error / unavailable): recorded as `error` calls, since
     the exchange schema has no status for them, and counted here so the step reports them."""
-    token_versions: list[int] = field(default_factory=list)
+    token_policy_versions: list[int] = field(default_factory=list)
     """Per response token, the policy version of the engine that generated (or appended) it."""
     paused: bool = False
     """Stopped early by a `Pause`: resume it with `AgentLoop.run(..., resume=...)`."""
@@ -121,10 +123,16 @@ class AgentResult:
     pending_tool: bool = False
     """Its last assistant turn's tool calls have not run yet (paused while they ran): they run first on resume."""
 
+    def to_dict(self) -> dict:
+        """As plain JSON values (the carry file; MPI pickles the object itself)."""
+        return dataclasses.asdict(self)
+
     @classmethod
     def from_dict(cls, d: dict) -> "AgentResult":
-        """Back from dataclasses.asdict (an MPI message, a carry file)."""
+        """Back from `to_dict`; a carry file written before `token_versions` took the schema's name loads too."""
         d = dict(d)
+        if "token_versions" in d:
+            d["token_policy_versions"] = d.pop("token_versions")
         d["turns"] = [Turn(**t) for t in d["turns"]]
         d["tool_calls"] = [ToolCall(**c) for c in d["tool_calls"]]
         d["timings"] = Timings(**d["timings"])
@@ -360,7 +368,7 @@ class AgentLoop:
             res.response_ids.extend(ids)
             res.loss_mask.extend([1] * len(ids))
             res.logprobs.extend(logprobs)
-            res.token_versions.extend([int(getattr(self.engine, "policy_version", 0) or 0)] * len(ids))
+            res.token_policy_versions.extend([int(getattr(self.engine, "policy_version", 0) or 0)] * len(ids))
             last.end = len(res.response_ids)
             last.text = self.tok.decode(res.response_ids[last.start:last.end], skip_special_tokens=False)
         else:
@@ -374,7 +382,7 @@ class AgentLoop:
         res.response_ids.extend(ids)
         res.loss_mask.extend([mask] * len(ids))
         res.logprobs.extend(logprobs)
-        res.token_versions.extend([int(getattr(self.engine, "policy_version", 0) or 0)] * len(ids))
+        res.token_policy_versions.extend([int(getattr(self.engine, "policy_version", 0) or 0)] * len(ids))
         res.turns.append(Turn(role=role, start=start, end=start + len(ids), text=text))
 
     async def _execute(self, calls: list[ParsedCall], turn: int, session: str | None) -> list[tuple[ToolCall, bool]]:

@@ -19,13 +19,15 @@ from dataclasses import dataclass, field
 from rstar_hpc.exchange.atomic import atomic_write_json
 from rstar_hpc.exchange.rundir import RunPaths
 from rstar_hpc.exchange.schema import Trajectory
+from rstar_hpc.rollout.agent import AgentResult
 from rstar_hpc.rollout.step import WorkItem
 
 
 @dataclass
 class Carry:
     items: list[WorkItem] = field(default_factory=list)
-    """To run in the next step, first: paused (item.resume holds the agent loop's state) or never started."""
+    """To run in the next step, first: paused (item.resume holds the agent loop's state) or never started. On disk an
+    item is its fields, `resume` as AgentResult.to_dict (a file of an earlier version loads too: from_dict)."""
     finished: list[Trajectory] = field(default_factory=list)
     """Done, waiting for their group to complete."""
 
@@ -66,8 +68,17 @@ def save(paths: RunPaths, stage: str, step: int, carry: Carry) -> None:
     path = paths.rollout_carry(stage, step)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(path, {
-        "step": step, "items": [dataclasses.asdict(it) for it in carry.items],
+        "step": step, "items": [_item_row(it) for it in carry.items],
         "finished": [t.to_row() for t in carry.finished]})
+
+
+def _item_row(it: WorkItem) -> dict:
+    return {**dataclasses.asdict(it), "resume": None if it.resume is None else it.resume.to_dict()}
+
+
+def _item(row: dict) -> WorkItem:
+    resume = row.get("resume")
+    return WorkItem(**{**row, "resume": None if resume is None else AgentResult.from_dict(resume)})
 
 
 def load(paths: RunPaths, stage: str, step: int) -> Carry:
@@ -78,4 +89,4 @@ def load(paths: RunPaths, stage: str, step: int) -> Carry:
     if not path.is_file():
         return Carry()
     rec = json.loads(path.read_text())
-    return Carry([WorkItem(**it) for it in rec["items"]], [Trajectory.from_row(r) for r in rec["finished"]])
+    return Carry([_item(it) for it in rec["items"]], [Trajectory.from_row(r) for r in rec["finished"]])

@@ -12,16 +12,16 @@ scheduler.py.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 
 from rstar_hpc.config.rollout import AgentConfig, SchedulerConfig
-from rstar_hpc.rollout.agent import AgentLoop, AgentResult, Pause
+from rstar_hpc.rollout.agent import AgentLoop, Pause
+from rstar_hpc.rollout.messages import TrajectoryResult
 from rstar_hpc.rollout.mpi import (TAG_ABORT, TAG_ACK, TAG_DEAD, TAG_DONE, TAG_EXIT, TAG_HELLO, TAG_KV, TAG_MIGRATE,
                                    TAG_MOVED, TAG_PAUSE, TAG_RESULT, TAG_SKIP, TAG_START, TAG_STATS, TAG_WORK,
                                    recv_from_rank0)
-from rstar_hpc.rollout.step import StageLimits, request_seed
+from rstar_hpc.rollout.step import StageLimits, WorkItem, request_seed
 
 log = logging.getLogger("rstar_hpc.rollout")
 
@@ -143,11 +143,10 @@ class _EngineStep:
             raise RuntimeError(f"engine rank {self.rank}: rank 0 (the scheduler) silent for {silent:.0f}s; "
                                f"presumed dead, leaving step {self.step}")
 
-    async def one(self, item: dict) -> None:
-        """One admitted trajectory, start to finish, sent back to rank 0."""
-        key = (item["prompt_uid"], item["sample_index"])
-        resume = AgentResult.from_dict(item["resume"]) if item.get("resume") else None
-        self.contexts[key] = len(item["prompt_ids"]) + (len(resume.response_ids) if resume else 0)
+    async def one(self, item: WorkItem) -> None:
+        """One admitted trajectory, start to finish (or to a pause), sent back to rank 0 as a TrajectoryResult."""
+        key, resume = item.key, item.resume
+        self.contexts[key] = item.context_tokens
         seed = request_seed(self.run_seed, self.stage, self.step, *key)
         pause = None
         levers = self.sc.migrate_on_tool_call or self.sc.partial_rollouts
@@ -159,8 +158,8 @@ class _EngineStep:
         def progress(n: int) -> None:
             self.contexts[key] = n
         try:
-            res = await self.agent.run(item["prompt_ids"], f"s{self.step}-{item['prompt_uid']}-{item['sample_index']}",
-                                       item["prompt_text"], seed=seed, progress=progress, pause=pause, resume=resume)
+            out = await self.agent.run(item.prompt_ids, f"s{self.step}-{item.prompt_uid}-{item.sample_index}",
+                                       item.prompt_text, seed=seed, progress=progress, pause=pause, resume=resume)
         except Exception as e:   # the engine is gone (EngineDeadError, ...): rank 0 re-runs our work elsewhere
             log.exception("engine rank %d: trajectory failed", self.rank)
             self.failure.append(f"{type(e).__name__}: {e}")
@@ -168,17 +167,13 @@ class _EngineStep:
         finally:
             self.contexts.pop(key, None)
             self.pauses.pop(key, None)
-        if res.paused:   # migrating, or the step closed: rank 0 gets its state to resume
-            self.comm.send({"prompt_uid": key[0], "sample_index": key[1], "step": self.step, "paused": True,
-                            "state": dataclasses.asdict(res)}, dest=0, tag=TAG_RESULT)
+        # paused (migrating, or the step closed): `out` is the state to resume, on another rank or in the next step
+        self.comm.send(TrajectoryResult(item.prompt_uid, item.sample_index, self.step, self.rank,
+                                        self.engine.policy_version, out), dest=0, tag=TAG_RESULT)
+        if out.paused:
             self.paused += 1
-            return
-        msg = dataclasses.asdict(res)
-        msg.update(prompt_uid=item["prompt_uid"], sample_index=item["sample_index"], engine_rank=self.rank,
-                   policy_version=self.engine.policy_version, step=self.step)
-        del msg["prompt_ids"], msg["prompt_text"]
-        self.comm.send(msg, dest=0, tag=TAG_RESULT)
-        self.done += 1
+        else:
+            self.done += 1
 
     def stop(self, stats: dict | None = None) -> dict:
         for t in list(self.tasks):

@@ -103,13 +103,13 @@ class Levers:
         """A trajectory asked to migrate finished first (no further tool call): nothing to move."""
         self.migrating.pop(key, None)
 
-    def on_paused(self, msg: dict) -> None:
+    def on_paused(self, res) -> None:
         """A paused trajectory came back with its state: carried out (step closing) or admitted again (migration)."""
         s = self.s
-        key = (msg["prompt_uid"], msg["sample_index"])
-        if msg.get("step") != s.step or key in s.results or key not in s.by_key:
+        key = res.key
+        if res.step != s.step or key in s.results or key not in s.by_key:
             return
-        item = dataclasses.replace(s.by_key[key], resume=msg["state"])
+        item = dataclasses.replace(s.by_key[key], resume=res.output)
         s.by_key[key] = item   # a requeue after an engine death resumes from here too
         if s.admission.placed.get(key) is not None:
             s.admission.release(key)

@@ -9,9 +9,9 @@ are pickled Python objects; sends are never blocking where the peer may be dead.
     SKIP     0 -> e     None                                        the step is committed already: nothing to run
     ACK      e -> 0     {loading}                                   START received (sent at once, before loading)
     HELLO    e -> 0     {capacity_tokens, policy_version}           policy loaded: ready for work, this much KV
-    WORK     0 -> e     [WorkItem as a dict, ...]                   admitted trajectories (any number of times)
+    WORK     0 -> e     [step.WorkItem, ...]                        admitted trajectories (any number of times)
     KV       e -> 0     {kv_usage, running, contexts, movable}      the engine's heartbeat (every heartbeat_s)
-    RESULT   e -> 0     {prompt_uid, sample_index, step, ...}       one trajectory, finished or paused (its state)
+    RESULT   e -> 0     messages.TrajectoryResult                   one trajectory, finished or paused (its state)
     MIGRATE  0 -> e     {key}                                       pause it at its next turn boundary (migration)
     MOVED    e -> 0     {key}                                       MIGRATE declined: it was gone already
     PAUSE    0 -> e     None                                        the step closed (partial rollouts): every live

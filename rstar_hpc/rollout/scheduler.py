@@ -35,7 +35,6 @@ The messages are mpi.py's; the engine ranks' side is engine_rank.py.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections import deque
@@ -48,6 +47,7 @@ from rstar_hpc.exchange.schema import Trajectory
 from rstar_hpc.exchange.writer import ShardWriter
 from rstar_hpc.metrics_log import metrics_sink
 from rstar_hpc.rollout.journal import Journal
+from rstar_hpc.rollout.messages import TrajectoryResult
 from rstar_hpc.rollout.levers import Levers
 from rstar_hpc.rollout.mpi import (TAG_ACK, TAG_ALIVE, TAG_DEAD, TAG_DONE, TAG_HELLO, TAG_KV, TAG_MOVED, TAG_RESULT,
                                    TAG_SKIP, TAG_START, TAG_STATS, TAG_WORK, wait_sent)
@@ -221,9 +221,9 @@ class StepScheduler:
         self.alive = {e: time.monotonic() for e in engines}
 
     # ----------------------------------------------------------------------------------------------- the loop
-    def admit(self) -> dict[int, list[dict]]:
+    def admit(self) -> dict[int, list[WorkItem]]:
         """FIFO, the head waits for room (rStar2: nothing jumps the queue); the admitted work by engine rank."""
-        batch: dict[int, list[dict]] = {}
+        batch: dict[int, list[WorkItem]] = {}
         while self.pending:
             it = self.pending[0]
             if it.key in self.results:
@@ -234,10 +234,10 @@ class StepScheduler:
                 break
             self.pending.popleft()
             self.queued_at[it.key] = time.monotonic() - self.t_start
-            batch.setdefault(e, []).append(dataclasses.asdict(it))
+            batch.setdefault(e, []).append(it)
         return batch
 
-    def dispatch(self, batch: dict[int, list[dict]]) -> None:
+    def dispatch(self, batch: dict[int, list[WorkItem]]) -> None:
         # never a blocking send: a large message to a rank that just died would wait forever (rendezvous)
         for e, work in batch.items():
             self.sends.append(self.comm.isend(work, dest=e, tag=TAG_WORK))
@@ -256,11 +256,11 @@ class StepScheduler:
                 continue   # a rank declared dead that was only slow: its work already runs elsewhere
             self.alive[src] = time.monotonic()
             if tag == TAG_RESULT:
-                if msg.get("paused"):
+                if msg.paused:
                     self.levers.on_paused(msg)
                 else:
                     self.on_result(msg)
-                    self.levers.on_finished((msg["prompt_uid"], msg["sample_index"]))
+                    self.levers.on_finished(msg.key)
                     self.levers.after_result()
             elif tag == TAG_KV:
                 self.admission.observe(src, msg.get("contexts", {}))
@@ -271,16 +271,16 @@ class StepScheduler:
                 self.lose(src, msg)
         return got
 
-    def on_result(self, msg: dict) -> None:
+    def on_result(self, res: TrajectoryResult) -> None:
         """Release the trajectory's booking and score it (a duplicate or a stale step's result is ignored)."""
-        key = (msg["prompt_uid"], msg["sample_index"])
-        if msg.pop("step") != self.step or key in self.results or key not in self.by_key:
+        key = res.key
+        if res.step != self.step or key in self.results or key not in self.by_key:
             return
         if self.admission.placed.get(key) is not None:
             self.admission.release(key)
         t0 = time.perf_counter()
-        self.infra_failures += msg.pop("infra_failures", 0)
-        self.results[key] = self.score(self.stage, self.step, self.by_key[key], msg, self.queued_at[key])
+        self.infra_failures += res.output.infra_failures
+        self.results[key] = self.score(self.stage, self.step, self.by_key[key], res, self.queued_at[key])
         self.reward_s += time.perf_counter() - t0
         if self.progress is not None:
             self.progress([key], sum(self.results[key].loss_mask))

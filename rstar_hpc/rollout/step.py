@@ -5,6 +5,7 @@ Each function takes the config sections it reads, never the whole run config.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import time
@@ -15,7 +16,9 @@ from rstar_hpc.config.algo import RewardConfig, RoCConfig
 from rstar_hpc.config.rollout import AgentConfig, SchedulerConfig
 from rstar_hpc.config.stages import StageConfig
 from rstar_hpc.exchange.rundir import RunPaths
-from rstar_hpc.exchange.schema import Timings, ToolCall, Trajectory, Turn
+from rstar_hpc.exchange.schema import Trajectory
+from rstar_hpc.rollout.agent import AgentResult
+from rstar_hpc.rollout.messages import TrajectoryResult
 
 log = logging.getLogger("rstar_hpc.rollout")
 
@@ -27,8 +30,8 @@ class WorkItem:
     prompt_ids: list[int]
     prompt_text: str
     answer: str
-    resume: dict | None = None
-    """A paused trajectory's agent-loop state (agent.AgentResult as a dict): migration, partial rollouts."""
+    resume: AgentResult | None = None
+    """A paused trajectory's agent-loop state (its TrajectoryResult's output): migration, partial rollouts."""
 
     @property
     def key(self) -> tuple[str, int]:
@@ -37,7 +40,7 @@ class WorkItem:
     @property
     def context_tokens(self) -> int:
         """Its length now: the prompt, plus what it generated before a pause."""
-        return len(self.prompt_ids) + (len(self.resume["response_ids"]) if self.resume else 0)
+        return len(self.prompt_ids) + (len(self.resume.response_ids) if self.resume is not None else 0)
 
 
 class StageLimits(NamedTuple):
@@ -135,35 +138,33 @@ def wait_for_policy(sc: SchedulerConfig, paths: RunPaths, need, *, what: str = "
 # --------------------------------------------------------------------------------------------------- output
 @dataclass(frozen=True)
 class Scorer:
-    """An engine rank's finished trajectory -> a schema Trajectory: outcome reward and RoC quality signals."""
+    """An engine rank's finished trajectory (messages.TrajectoryResult) -> a schema Trajectory: outcome reward and
+    RoC quality signals."""
     run: str
     """Run name, recorded in every row."""
     reward: RewardConfig
     roc: RoCConfig
 
-    def __call__(self, stage: str, step: int, it: WorkItem, msg: dict, queue_s: float) -> Trajectory:
+    def __call__(self, stage: str, step: int, it: WorkItem, result: TrajectoryResult, queue_s: float) -> Trajectory:
         from rstar_hpc.algo.quality import trajectory_quality
         from rstar_hpc.algo.reward import score_response
 
-        turns = [Turn(**t) for t in msg["turns"]]
-        calls = [ToolCall(**c) for c in msg["tool_calls"]]
-        response = "".join(t.text for t in turns)
+        out = result.output
+        response = out.response_text
         t0 = time.perf_counter()
-        if msg["finish_reason"] == "aborted":
+        if out.finish_reason == "aborted":
             reward, answer = 0.0, None
         else:
             r = score_response(response, it.answer, self.reward)
             reward, answer = float(r.score), r.answer
-        q = trajectory_quality(response, [c.status for c in calls], sum(t.role == "assistant" for t in turns),
-                               self.roc)
-        timings = Timings(**msg["timings"])
-        timings.queue_s, timings.reward_s = queue_s, time.perf_counter() - t0
-        versions = msg.get("token_versions")   # resumed on a newer policy: tokens of several versions
-        versions = versions if versions and any(v != msg["policy_version"] for v in versions) else None
+        q = trajectory_quality(response, [c.status for c in out.tool_calls], out.num_assistant_turns, self.roc)
+        timings = dataclasses.replace(out.timings, queue_s=queue_s, reward_s=time.perf_counter() - t0)
+        versions = out.token_policy_versions   # resumed on a newer policy: tokens of several versions
+        versions = versions if versions and any(v != result.policy_version for v in versions) else None
         return Trajectory(run=self.run, stage=stage, step=step, prompt_uid=it.prompt_uid,
-                          sample_index=it.sample_index, policy_version=msg["policy_version"],
-                          engine_rank=msg["engine_rank"], prompt_ids=it.prompt_ids, response_ids=msg["response_ids"],
-                          loss_mask=msg["loss_mask"], logprobs=msg["logprobs"], turns=turns,
-                          prompt_text=it.prompt_text, tool_calls=calls, finish_reason=msg["finish_reason"],
+                          sample_index=it.sample_index, policy_version=result.policy_version,
+                          engine_rank=result.engine_rank, prompt_ids=it.prompt_ids, response_ids=out.response_ids,
+                          loss_mask=out.loss_mask, logprobs=out.logprobs, turns=out.turns,
+                          prompt_text=it.prompt_text, tool_calls=out.tool_calls, finish_reason=out.finish_reason,
                           answer=answer, reward=reward, p_err=q.p_err, p_format=q.p_format,
                           timings=timings, token_policy_versions=versions).validate()

@@ -190,3 +190,22 @@ def test_seeds_per_turn_and_progress_reports(tok):
                 request_seed(0, "rl", 3, "p2", 2), request_seed(0, "rl", 3, "p1", 3)}) == 5
     asyncio.run(agent.run(ids, "a", text))
     assert eng.seeds[-3:] == [None] * 3   # no seed: the engine's own generator
+
+
+def test_the_trajectory_message_travels_pickled_and_scores_into_a_row(tok):
+    """Engine rank -> rank 0 -> writer: the agent loop's output in a TrajectoryResult, pickled as mpi4py sends it,
+    scored into a valid schema row with the same tokens, turns and tool calls."""
+    import pickle
+
+    from rstar_hpc.config.algo import RewardConfig, RoCConfig
+    from rstar_hpc.rollout.messages import TrajectoryResult
+    from rstar_hpc.rollout.step import Scorer, WorkItem
+
+    res, prompt = run(loop(tok, ScriptedEngine(tok, {"a": [call("print(6 * 7)"), ANSWER]})))
+    msg = pickle.loads(pickle.dumps(TrajectoryResult("a", 0, 3, 1, 0, res)))
+    assert msg.key == ("a", 0) and not msg.paused and msg.output == res
+    it = WorkItem("a", 0, prompt, res.prompt_text, "42")
+    row = Scorer("r", RewardConfig(), RoCConfig())("rl", 3, it, msg, queue_s=0.5)
+    assert row.response_ids == res.response_ids and row.turns == res.turns and row.tool_calls == res.tool_calls
+    assert row.reward == 1.0 and row.timings.queue_s == 0.5 and res.timings.queue_s == 0.0
+    assert row.token_policy_versions is None   # one version throughout: the column stays null

@@ -12,6 +12,7 @@ import pytest
 from rstar_hpc.exchange.schema import Timings, Trajectory, Turn
 from rstar_hpc.rollout import carry
 from rstar_hpc.rollout.agent import AgentResult, Generation, Pause
+from rstar_hpc.rollout.messages import TrajectoryResult
 from rstar_hpc.rollout.admission import KVAwareAdmission
 from rstar_hpc.rollout.step import WorkItem
 from tests.rollout.scripted import ANSWER, FakeTools, ScriptedEngine, call, loop
@@ -58,9 +59,9 @@ def test_pause_at_boundary_then_resume_elsewhere_is_the_same_trajectory(tok):
             return bool(tools.codes)
     paused = asyncio.run(loop(tok, first, tools).run(ids, "a", text, pause=Once()))
     assert paused.paused and not paused.pending_tool and [t.role for t in paused.turns] == ["assistant", "tool"]
-    state = dataclasses.asdict(paused)                     # what travels to rank 0 and on to the target
+    state = AgentResult.from_dict(paused.to_dict())        # what a carry file holds (MPI pickles it as it is)
     second = VersionedEngine(tok, SCRIPT, 1)
-    done = asyncio.run(loop(tok, second, _tools()).run(ids, "a", text, resume=AgentResult.from_dict(state)))
+    done = asyncio.run(loop(tok, second, _tools()).run(ids, "a", text, resume=state))
     assert not done.paused and done.finish_reason == whole.finish_reason == "stop"
     assert done.response_ids == whole.response_ids and done.logprobs == whole.logprobs
     assert done.loss_mask == whole.loss_mask and [t.text for t in done.turns] == [t.text for t in whole.turns]
@@ -83,15 +84,15 @@ def test_pause_now_drops_the_turn_in_flight_and_resume_on_a_new_policy_tags_vers
         return await task
     paused = asyncio.run(close_while_turn_two_runs())
     assert paused.paused and [t.role for t in paused.turns] == ["assistant", "tool"]   # turn 2 dropped
-    assert set(paused.token_versions) == {1}
+    assert set(paused.token_policy_versions) == {1}
     new = VersionedEngine(tok, SCRIPT, 2)
     done = asyncio.run(loop(tok, new, _tools()).run(ids, "a", text,
-                                                    resume=AgentResult.from_dict(dataclasses.asdict(paused))))
+                                                    resume=AgentResult.from_dict(paused.to_dict())))
     whole = _whole(tok)
     assert done.response_ids == whole.response_ids and done.finish_reason == "stop"
     n = paused.turns[-1].end
-    assert done.token_versions == [1] * n + [2] * (len(done.response_ids) - n)
-    assert len(done.token_versions) == len(done.response_ids)
+    assert done.token_policy_versions == [1] * n + [2] * (len(done.response_ids) - n)
+    assert len(done.token_policy_versions) == len(done.response_ids)
 
 
 class StreamingEngine(VersionedEngine):
@@ -138,14 +139,14 @@ def test_pause_now_keeps_a_streamed_turn_and_resume_continues_it(tok):
     cut = len(paused.response_ids)
     new = StreamingEngine(tok, SCRIPT, 2, emitted=eng.emitted)   # the continuation on the next policy
     done = asyncio.run(loop(tok, new, _tools()).run(ids, "a", text,
-                                                    resume=AgentResult.from_dict(dataclasses.asdict(paused))))
+                                                    resume=AgentResult.from_dict(paused.to_dict())))
     whole = _whole(tok)
     assert new.calls[0][0] == "a-t1-c" and new.calls[0][1] == ids + paused.response_ids
     assert done.response_ids == whole.response_ids and done.logprobs == whole.logprobs
     assert [(t.role, t.start, t.end, t.text) for t in done.turns] == [(t.role, t.start, t.end, t.text)
                                                                        for t in whole.turns]
     assert done.num_assistant_turns == 3 and done.finish_reason == "stop"
-    assert done.token_versions == [1] * cut + [2] * (len(done.response_ids) - cut)
+    assert done.token_policy_versions == [1] * cut + [2] * (len(done.response_ids) - cut)
 
 
 def test_pause_while_its_tool_runs_runs_the_tool_again_on_resume(tok):
@@ -165,7 +166,7 @@ def test_pause_while_its_tool_runs_runs_the_tool_again_on_resume(tok):
     assert paused.paused and paused.pending_tool and [t.role for t in paused.turns] == ["assistant"]
     assert not paused.tool_calls
     done = asyncio.run(loop(tok, VersionedEngine(tok, SCRIPT, 1), _tools()).run(
-        ids, "a", text, resume=AgentResult.from_dict(dataclasses.asdict(paused))))
+        ids, "a", text, resume=AgentResult.from_dict(paused.to_dict())))
     assert done.response_ids == _whole(tok).response_ids and len(done.tool_calls) == 2
 
 
@@ -182,7 +183,8 @@ def test_carry_split_save_load_trains_complete_groups_once(tmp_path):
     paths.create()
     items = [WorkItem(u, i, [1, 2], "p", "1") for u in ("a", "b", "c") for i in range(2)]
     results = {("a", 0): _traj("a", 0), ("a", 1): _traj("a", 1), ("b", 0): _traj("b", 0)}
-    paused = {("b", 1): dataclasses.replace(items[3], resume={"response_ids": [5, 6, 7]})}
+    state = AgentResult([1, 2], "p", response_ids=[5, 6, 7], token_policy_versions=[0, 0, 1], paused=True)
+    paused = {("b", 1): dataclasses.replace(items[3], resume=state)}
     assert carry.complete_groups(items, results) == {"a"}
     assert carry.close_threshold(3, 0.5) == 2 and carry.close_threshold(4, 0.5) == 2
     assert carry.close_threshold(1, 0.1) == 1
@@ -194,9 +196,29 @@ def test_carry_split_save_load_trains_complete_groups_once(tmp_path):
     carry.save(paths, "rl", 0, out)
     back = carry.load(paths, "rl", 0)
     assert [it.key for it in back.items] == [it.key for it in out.items]
-    assert back.items[0].resume == {"response_ids": [5, 6, 7]}
+    assert back.items[0].resume == state
     assert back.finished[0].key == ("b", 0) and list(back.finished[0].token_policy_versions) == [0, 1]
     assert len(carry.load(paths, "rl", 1)) == 0
+
+
+def test_carry_file_of_the_earlier_format_still_loads(tmp_path):
+    """Carry files written while the agent loop's state called its versions `token_versions`."""
+    import json
+
+    from rstar_hpc.exchange.rundir import RunPaths
+
+    paths = RunPaths(tmp_path / "run")
+    paths.create()
+    state = AgentResult([1, 2], "p", response_ids=[5, 6], loss_mask=[1, 1], logprobs=[-0.1, -0.2],
+                        turns=[Turn("assistant", 0, 2, "x")], token_policy_versions=[3, 3], paused=True).to_dict()
+    state["token_versions"] = state.pop("token_policy_versions")
+    item = {**dataclasses.asdict(WorkItem("b", 1, [1, 2], "p", "1")), "resume": state}
+    path = paths.rollout_carry("rl", 0)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"step": 0, "items": [item], "finished": []}))
+    back = carry.load(paths, "rl", 0).items[0]
+    assert back.resume.token_policy_versions == [3, 3] and back.resume.turns == [Turn("assistant", 0, 2, "x")]
+    assert back.context_tokens == 4
 
 
 def test_sibling_aware_books_the_prompt_once_and_keeps_siblings_together():
@@ -311,13 +333,13 @@ def test_levers_paused_result_is_carried_when_closing_and_readmitted_when_migrat
     assert s.sends == [None] and s.comm.sent[-1] == (src, TAG_MIGRATE, {"key": ("a", 0)})
     lv.on_beat(src, {"movable": [("a", 1)]})
     assert len(s.sends) == 1                       # one at a time per engine
-    state = {"response_ids": [5, 6], "token_versions": [0, 0]}
-    lv.on_paused({"prompt_uid": "a", "sample_index": 0, "step": 0, "paused": True, "state": state})
+    state = AgentResult([1] * 10, "p", response_ids=[5, 6], token_policy_versions=[0, 0], paused=True)
+    lv.on_paused(TrajectoryResult("a", 0, 0, src, 0, state))
     assert lv.migrations == 1 and lv.migrated_context_tokens == 12
     assert s.pending[0].key == ("a", 0) and s.pending[0].resume == state and ("a", 0) not in s.admission.placed
     assert s.by_key[("a", 0)].resume == state      # a requeue after an engine death resumes from here too
-    lv.on_paused({"prompt_uid": "a", "sample_index": 1, "step": 1, "paused": True, "state": state})
+    lv.on_paused(TrajectoryResult("a", 1, 1, src, 0, state))
     assert ("a", 1) not in lv.open_items           # another step's late message: ignored
     lv.close()
-    lv.on_paused({"prompt_uid": "b", "sample_index": 0, "step": 0, "paused": True, "state": state})
+    lv.on_paused(TrajectoryResult("b", 0, 0, src, 0, state))
     assert ("b", 0) in lv.open_items and ("a", 0) in lv.open_items   # the re-queued one is carried too

@@ -100,17 +100,17 @@ def test_carried_trajectory_resumes_with_tokens_and_logprobs_intact(levers):
 
     paths = levers["paths"]
     c0 = carry.load(paths, "rl", 0)
-    paused = {it.key: it.resume for it in c0.items if it.resume and it.resume["response_ids"]}
+    paused = {it.key: it.resume for it in c0.items if it.resume is not None and it.resume.response_ids}
     assert paused, "no trajectory was paused mid-way at step 0's close"
     by_key = {t.key: t for t in _read(paths, 1)}
     resumed = [k for k in paused if k in by_key]
     assert resumed, "no paused trajectory finished in step 1"
     for k in resumed:
         t, st = by_key[k], paused[k]
-        n = len(st["response_ids"])
-        assert list(t.response_ids[:n]) == st["response_ids"]
-        np.testing.assert_allclose(np.asarray(t.logprobs[:n]), np.asarray(st["logprobs"], np.float32), rtol=0, atol=0)
-        assert list(t.loss_mask[:n]) == st["loss_mask"]
+        n = len(st.response_ids)
+        assert list(t.response_ids[:n]) == st.response_ids
+        np.testing.assert_allclose(np.asarray(t.logprobs[:n]), np.asarray(st.logprobs, np.float32), rtol=0, atol=0)
+        assert list(t.loss_mask[:n]) == st.loss_mask
         versions = list(t.token_policy_versions) if t.token_policy_versions is not None else [t.policy_version] * len(
             t.response_ids)
         assert versions[:n] == [1] * n and set(versions[n:]) <= {2} and t.policy_version == 2
