@@ -1,5 +1,5 @@
 # The two commands of the README. Both are idempotent: once installed, set-up takes about a second.
-#   make demo   set up, then run the main job on the embedded default (configs/tiny-cpu.yaml)
+#   make demo   set up, then run the main job on the embedded default (configs/demo.yaml)
 #   make test   set up, then run the whole test suite
 #   make check  set up, then the fast tier (< 5 min): ruff, and tests/unit + tests/rollout not marked slurm/vllm/slow
 VENV  ?= .venv
