@@ -112,8 +112,8 @@ class AgentResult:
     num_cached_tokens: int = 0
     """Prompt tokens the engine served from its prefix cache, summed over turns."""
     infra_failures: int = 0
-    """Tool calls the sandbox could not run (internal_error / unavailable): recorded as `error` calls, since
-    the exchange schema has no status for them, and counted here so the step reports them."""
+    """Tool calls the sandbox could not run (status internal_error or unavailable, which the trainer leaves out with
+    algo.roc.drop_tool_infra_failures), counted here so the step reports them."""
     token_policy_versions: list[int] = field(default_factory=list)
     """Per response token, the policy version of the engine that generated (or appended) it."""
     paused: bool = False
