@@ -40,6 +40,7 @@ class Supervisor:
         self.done: set[str] = set()
         self.stop_reason: str | None = None
         self.stop_at = 0.0
+        self.failed = False   # a role ended more often than launch.role_restarts: the job fails, no requeue
 
     # ------------------------------------------------------------------------------------------------ steps
     def step_argv(self, role: str) -> list[str]:
@@ -156,7 +157,7 @@ class Supervisor:
         if run_done(self.cfg, self.paths):
             log.info("run %s: every stage is done", self.paths.name)
             return 0
-        if getattr(self, "failed", False):
+        if self.failed:
             return 1
         if cancelled(self.paths):
             log.warning("run cancelled (rstar-hpc run cancel): not requeueing; `rstar-hpc launch` resumes it")

@@ -13,153 +13,149 @@ where there is most room, and the engine there re-prefills its context (a siblin
 Partial rollouts (`partial_rollouts`): after each result, once `partial_close_fraction` of the step's groups are
 complete the step closes: PAUSE to every engine rank, nothing more is admitted, and every live trajectory comes
 back finished or paused. The step then trains its complete groups and carries the rest (carry.py).
+
+`Levers` decides; StepScheduler (scheduler.py) acts. Each method takes what it reads (the step's items, results,
+admission) and returns a decision: the carried-in items and results, the key to MIGRATE, REQUEUE or CARRY for a
+paused trajectory, whether to close, the trained/carried split. The scheduler sends the messages, edits its
+queue and releases the bookings.
 """
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
+from collections.abc import Iterable, Mapping, Sequence
 
+from rstar_hpc.config.rollout import SchedulerConfig
+from rstar_hpc.exchange.rundir import RunPaths
+from rstar_hpc.exchange.schema import Trajectory
 from rstar_hpc.rollout import carry as carry_mod
-from rstar_hpc.rollout.mpi import TAG_MIGRATE, TAG_PAUSE
+from rstar_hpc.rollout.admission import Admission
+from rstar_hpc.rollout.step import WorkItem
 
 log = logging.getLogger("rstar_hpc.rollout")
 
 
-class Levers:
-    """State of the levers for one step; `s` is the StepScheduler (its comm, admission, queue and results)."""
+class Route(enum.Enum):
+    """What becomes of a paused trajectory back at rank 0 (Levers.paused)."""
+    REQUEUE = "requeue"   # migration: admitted again, at the front of the queue
+    CARRY = "carry"       # the step closed: carried into the next step as it is
 
-    def __init__(self, s):
-        self.s, self.sc = s, s.sc
-        self.migrating: dict[tuple, int] = {}     # key -> engine rank asked to let it go
+
+class Levers:
+    """The levers' state for one step. The methods take what they read and return decisions; the scheduler applies
+    them (its sends, queue and admission bookings): nothing here touches MPI or the scheduler's state."""
+
+    def __init__(self, sc: SchedulerConfig):
+        self.sc = sc
+        self.migrating: dict[tuple, int] = {}        # key -> engine rank asked to let it go
         self.migrations = 0
-        self.migrated_context_tokens = 0          # what the targets re-prefill (at most: less a cached prompt)
+        self.migrated_context_tokens = 0             # what the targets re-prefill (at most: less a cached prompt)
         self.migrated_keys: list[tuple] = []
-        self.closing = False
+        self.closing = False                         # partial rollouts: the step closed, nothing more is admitted
         self.closed_at: float | None = None
-        self.open_items: dict[tuple, object] = {}   # unfinished items carried out, with their latest state
+        self.open_items: dict[tuple, WorkItem] = {}  # unfinished items carried out, with their latest state
         self.carried_in = carry_mod.Carry()
+        self.carried_out = 0
 
     # ------------------------------------------------------------------------------------------- carry in
-    def take_carry(self) -> None:
-        """Before admission: the previous step's carry goes first in this step's items."""
-        if not self.sc.partial_rollouts or self.s.step == 0:
-            return
+    def carry_in(self, paths: RunPaths, stage: str, step: int,
+                 items: Sequence[WorkItem]) -> tuple[list[WorkItem], dict[tuple, Trajectory]]:
+        """Before admission: the step's items with the previous step's carry first, and the carried-in finished
+        trajectories, now rows of this step (the scheduler's first results)."""
+        if not self.sc.partial_rollouts or step == 0:
+            return list(items), {}
+        from rstar_hpc import pipeline
         from rstar_hpc.exchange.writer import ShardWriter
-        if not ShardWriter.is_committed(self.s.paths, self.s.stage, self.s.step - 1, "rollout"):
-            raise RuntimeError(f"step {self.s.step} of stage {self.s.stage} runs before step {self.s.step - 1} is "
-                               f"committed: with partial rollouts it resumes that step's carry, so steps run in order")
-        self.carried_in = carry_mod.load(self.s.paths, self.s.stage, self.s.step - 1)
-        if len(self.carried_in):
+        if not ShardWriter.is_committed(paths, stage, step - 1, pipeline.PRODUCER):
+            raise RuntimeError(f"step {step} of stage {stage} runs before step {step - 1} is committed: with partial "
+                               f"rollouts it resumes that step's carry, so steps run in order")
+        self.carried_in = c = carry_mod.load(paths, stage, step - 1)
+        if len(c):
             log.info("step %d of stage %s: %d trajectories carried in (%d paused or not started, %d finished)",
-                     self.s.step, self.s.stage, len(self.carried_in), len(self.carried_in.items),
-                     len(self.carried_in.finished))
-        fresh = {it.key for it in self.s.items}
-        clash = [it.key for it in self.carried_in.items if it.key in fresh]
+                     step, stage, len(c), len(c.items), len(c.finished))
+        fresh = {it.key for it in items}
+        clash = [it.key for it in c.items if it.key in fresh]
         if clash:
-            raise ValueError(f"step {self.s.step}: prompt {clash[0][0]!r} is both carried from the step before and "
-                             f"drawn again (the data wrapped around an epoch while it was carried); give the stage "
-                             f"more prompts or turn rollout.scheduler.partial_rollouts off")
-        self.s.items = [*self.carried_in.items, *self._finished_items(), *self.s.items]
-
-    def _finished_items(self) -> list:
-        """Work items standing for the carried-in finished trajectories (their group's membership, item order)."""
-        from rstar_hpc.rollout.step import WorkItem
-        return [WorkItem(t.prompt_uid, t.sample_index, list(t.prompt_ids), t.prompt_text, "")
-                for t in self.carried_in.finished]
-
-    def carried_results(self) -> dict:
-        """The carried-in finished trajectories, now rows of this step."""
-        return {t.key: dataclasses.replace(t, step=self.s.step) for t in self.carried_in.finished}
+            raise ValueError(f"step {step}: prompt {clash[0][0]!r} is both carried from the step before and drawn "
+                             f"again (the data wrapped around an epoch while it was carried); give the stage more "
+                             f"prompts or turn rollout.scheduler.partial_rollouts off")
+        # work items standing for the finished ones: their group's membership, item order
+        finished = [WorkItem(t.prompt_uid, t.sample_index, list(t.prompt_ids), t.prompt_text, "") for t in c.finished]
+        return [*c.items, *finished, *items], {t.key: dataclasses.replace(t, step=step) for t in c.finished}
 
     # ------------------------------------------------------------------------------------------- the loop
-    def over(self) -> bool:
+    def over(self, items: Sequence[WorkItem], results: Mapping) -> bool:
         """Every item finished or (the step closed) carried out."""
         if not self.open_items:
-            return len(self.s.results) >= len(self.s.items)
-        return len(self.s.results.keys() | self.open_items.keys()) >= len(self.s.items)
+            return len(results) >= len(items)
+        return len(results.keys() | self.open_items.keys()) >= len(items)
 
-    def on_beat(self, src: int, msg: dict) -> None:
-        """Migration: ask `src` to let go of trajectories waiting for a tool call, where admission says so."""
-        s = self.s
-        if not self.sc.migrate_on_tool_call or self.closing or s.pending or s.admission.name != "kv_aware":
-            return
+    def migration(self, src: int, movable: Iterable, admission: Admission, *, queue_empty: bool) -> tuple | None:
+        """A KV beat from `src`: the trajectory to ask it to let go of (MIGRATE), where admission says another
+        engine should take its next turn; None: none. Only in the step's tail (its queue empty), one at a time per
+        engine (its booking moves only once it has left)."""
+        if not self.sc.migrate_on_tool_call or self.closing or not queue_empty or admission.name != "kv_aware":
+            return None
         if src in self.migrating.values():
-            return   # one at a time per engine: its booking moves only once it has left
-        for key in msg.get("movable", ()):
+            return None
+        for key in movable:
             key = tuple(key)
-            p = s.admission.placed.get(key)
+            p = admission.placed.get(key)
             if p is None or p[0] != src:
                 continue
-            if s.admission.migration_target(key, self.sc.migrate_margin) is not None:
+            if admission.migration_target(key, self.sc.migrate_margin) is not None:
                 self.migrating[key] = src
-                s.sends.append(s.comm.isend({"key": key}, dest=src, tag=TAG_MIGRATE))
-                return
+                return key
+        return None
 
-    def on_moved(self, msg: dict) -> None:
+    def on_moved(self, key: tuple) -> None:
         """MIGRATE declined: the trajectory was gone already."""
-        self.migrating.pop(tuple(msg["key"]), None)
+        self.migrating.pop(key, None)
 
     def on_finished(self, key: tuple) -> None:
         """A trajectory asked to migrate finished first (no further tool call): nothing to move."""
         self.migrating.pop(key, None)
 
-    def on_paused(self, res) -> None:
-        """A paused trajectory came back with its state: carried out (step closing) or admitted again (migration)."""
-        s = self.s
-        key = res.key
-        if res.step != s.step or key in s.results or key not in s.by_key:
-            return
-        item = dataclasses.replace(s.by_key[key], resume=res.output)
-        s.by_key[key] = item   # a requeue after an engine death resumes from here too
-        if s.admission.placed.get(key) is not None:
-            s.admission.release(key)
+    def paused(self, key: tuple, item: WorkItem) -> Route:
+        """A paused trajectory came back (`item.resume`: its state; its booking released): carried out if the
+        step is closing, else (migration) admitted again."""
         migrated = self.migrating.pop(key, None) is not None
         if self.closing:
             self.open_items[key] = item
-            return
+            return Route.CARRY
         if migrated:
             self.migrations += 1
             self.migrated_context_tokens += item.context_tokens
             self.migrated_keys.append(key)
-        s.pending.appendleft(item)
+        return Route.REQUEUE
 
-    def after_result(self) -> None:
-        """Partial rollouts: close the step once enough of its groups are complete."""
-        s = self.s
+    def should_close(self, items: Sequence[WorkItem], results: Mapping) -> bool:
+        """Partial rollouts: True once enough of the step's groups are complete (the step closes now)."""
         if not self.sc.partial_rollouts or self.closing:
-            return
-        groups = len({it.prompt_uid for it in s.items})
-        if len(carry_mod.complete_groups(s.items, s.results)) >= carry_mod.close_threshold(
-                groups, self.sc.partial_close_fraction):
-            self.close()
+            return False
+        groups = len({it.prompt_uid for it in items})
+        done = carry_mod.complete_groups(items, results)
+        return len(done) >= carry_mod.close_threshold(groups, self.sc.partial_close_fraction)
 
-    def close(self) -> None:
-        s = self.s
-        self.closing = True
-        self.closed_at = s.elapsed()
-        s.sends += [s.comm.isend(None, dest=e, tag=TAG_PAUSE) for e in s.alive]
-        self.drain_pending()
-        log.info("step %d of stage %s closes (partial rollouts): %d of %d trajectories done", s.step, s.stage,
-                 len(s.results), len(s.items))
+    def close(self, at_s: float) -> None:
+        """The step closes `at_s` seconds into generation (the scheduler sends PAUSE and carries its queue)."""
+        self.closing, self.closed_at = True, at_s
 
-    def drain_pending(self) -> None:
-        """Closing: what was never admitted (or was re-queued) is carried as it is."""
-        s = self.s
-        while s.pending:
-            it = s.pending.popleft()
-            if it.key not in s.results:
-                self.open_items[it.key] = s.by_key[it.key]
+    def carry_queued(self, items: Iterable[WorkItem]) -> None:
+        """Closing: items never admitted (or re-queued) are carried as they are."""
+        for it in items:
+            self.open_items[it.key] = it
 
     # ------------------------------------------------------------------------------------------- the end
-    def commit_split(self) -> list:
-        """The trajectories the step trains; with partial rollouts the carry is saved first (carry.py)."""
-        s = self.s
+    def split(self, items: Sequence[WorkItem], results: Mapping) -> tuple[list[Trajectory], carry_mod.Carry | None]:
+        """The trajectories the step trains, in item order, and (partial rollouts) the carry, which the scheduler
+        saves BEFORE it commits them (carry.py)."""
         if not self.sc.partial_rollouts:
-            return [s.results[it.key] for it in s.items]
-        trained, out = carry_mod.split(s.items, s.results, self.open_items)
-        carry_mod.save(s.paths, s.stage, s.step, out)
+            return [results[it.key] for it in items], None
+        trained, out = carry_mod.split(list(items), results, self.open_items)
         self.carried_out = len(out)
-        return trained
+        return trained, out
 
     def metrics(self) -> dict:
         out = {}
@@ -167,6 +163,6 @@ class Levers:
             out.update(migrations=self.migrations, migrated_context_tokens=self.migrated_context_tokens,
                        migrated=[list(k) for k in self.migrated_keys[:100]])
         if self.sc.partial_rollouts:
-            out.update(carried_in=len(self.carried_in), carried_out=getattr(self, "carried_out", 0),
+            out.update(carried_in=len(self.carried_in), carried_out=self.carried_out,
                        closed_at_s=None if self.closed_at is None else round(self.closed_at, 3))
         return out

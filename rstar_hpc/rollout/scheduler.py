@@ -22,6 +22,11 @@
                      journal parts go: readers see a step whole or not at all, as before
     publish_metrics  the step's summary, appended to metrics/rollout.jsonl and returned
 
+State: everything rank 0 keeps for a step is declared, typed, in `StepScheduler.__init__`; the long-tail levers
+(levers.py) keep their own and return decisions (migrate this key, requeue or carry this paused trajectory, close
+the step, the trained/carried split), which the scheduler applies (its sends, queue and admission bookings).
+docs/architecture.md draws the loop as a state diagram.
+
 Tool calls are not dispatched here: each engine rank runs its trajectories as agent-loop coroutines (agent.py)
 that call the sandbox service themselves, so a trajectory waiting for its tool never holds up generation.
 
@@ -35,6 +40,7 @@ The messages are mpi.py's; the engine ranks' side is engine_rank.py.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -46,12 +52,13 @@ from rstar_hpc.exchange.rundir import RunPaths
 from rstar_hpc.exchange.schema import Trajectory
 from rstar_hpc.exchange.writer import ShardWriter
 from rstar_hpc.metrics_log import metrics_sink
+from rstar_hpc.rollout import carry as carry_mod
+from rstar_hpc.rollout.admission import Admission, make_admission
 from rstar_hpc.rollout.journal import Journal
+from rstar_hpc.rollout.levers import Levers, Route
 from rstar_hpc.rollout.messages import TrajectoryResult
-from rstar_hpc.rollout.levers import Levers
-from rstar_hpc.rollout.mpi import (TAG_ACK, TAG_ALIVE, TAG_DEAD, TAG_DONE, TAG_HELLO, TAG_KV, TAG_MOVED, TAG_RESULT,
-                                   TAG_SKIP, TAG_START, TAG_STATS, TAG_WORK, wait_sent)
-from rstar_hpc.rollout.admission import make_admission
+from rstar_hpc.rollout.mpi import (TAG_ACK, TAG_ALIVE, TAG_DEAD, TAG_DONE, TAG_HELLO, TAG_KV, TAG_MIGRATE, TAG_MOVED,
+                                   TAG_PAUSE, TAG_RESULT, TAG_SKIP, TAG_START, TAG_STATS, TAG_WORK, wait_sent)
 from rstar_hpc.rollout.step import Scorer, StageLimits, WorkItem, wait_for_policy
 
 log = logging.getLogger("rstar_hpc.rollout")
@@ -69,21 +76,33 @@ class StepScheduler:
                  items: Sequence[WorkItem], *, limits: StageLimits, need, score: Scorer, dropped: Sequence[str] = (),
                  progress: Callable[..., object] | None = None, dead_ranks: set[int] | None = None,
                  beat: Callable[[str], object] | None = None, stop: Callable[[], str | None] = lambda: None):
+        # what the step is, and who it reports to
         self.comm, self.MPI, self.sc, self.paths, self.stage, self.step = comm, MPI, sc, paths, stage, step
-        self.items, self.limits, self.need = list(items), limits, need
-        self.max_response, self.score, self.dropped = limits.max_response_length, score, list(dropped)
-        self.beat_file, self.stop = beat, stop
-        self.progress = progress
-        self.dead_ranks = set() if dead_ranks is None else dead_ranks
+        self.items: list[WorkItem] = list(items)   # in item order; the carry goes first (Levers.carry_in)
+        self.limits, self.need, self.score, self.dropped = limits, need, score, list(dropped)
+        self.progress, self.beat_file, self.stop = progress, beat, stop
+        self.dead_ranks: set[int] = set() if dead_ranks is None else dead_ranks   # the job's, updated in place
+        # the engines
+        self.engines: list[int] = []              # those that said HELLO
+        self.alive: dict[int, float] = {}         # engine rank -> when it was last heard from
+        self.dead: list[int] = []                 # engine ranks lost in this step
+        self.admission: Admission | None = None   # made from the HELLOs' KV capacities (prepare_admission)
+        self.policy_version: int | None = None    # the model policy the step generates with (None: the base model)
+        # the queue and the results
+        self.by_key: dict[tuple, WorkItem] = {}   # every item by key, with its latest resume state
+        self.pending: deque[WorkItem] = deque()   # FIFO, not admitted yet
+        self.queued_at: dict[tuple, float] = {}   # seconds into generation each item was last admitted
+        self.results: dict[tuple, Trajectory] = {}
+        # MPI and time
         self.sends: list = []                     # non-blocking sends in flight
         self.last_beat = 0.0
-        self.results: dict[tuple, Trajectory] = {}
-        self.dead: list[int] = []                 # engine ranks lost in this step
+        self.t_start = time.monotonic()           # generation's start (run resets it once the policy is there)
+        # counters of the step's summary
         self.reward_s = 0.0
         self.reruns = 0
         self.infra_failures = 0
         self.journal = Journal(paths, stage, step, sc.journal_every_s)
-        self.levers = Levers(self)
+        self.levers = Levers(sc)
 
     def run(self) -> dict:
         """The step, stage by stage; returns its summary (also appended to metrics/rollout.jsonl)."""
@@ -95,12 +114,12 @@ class StepScheduler:
         self.t_start = time.monotonic()
         self.policy_version = policy_ref[0] if policy_ref is not None else None
         hello = self.start_engines(engines, policy_ref)
-        self.levers.take_carry()
+        self.items, carried = self.levers.carry_in(self.paths, self.stage, self.step, self.items)
         self.prepare_admission(hello)
-        self.results.update(self.levers.carried_results())
+        self.results.update(carried)
         self.resume_from_journal()
-        self.levers.after_result()   # a rerun whose journal already completes enough groups closes at once
-        while not self.levers.over():
+        self.close_if_due()   # a rerun whose journal already completes enough groups closes at once
+        while not self.levers.over(self.items, self.results):
             self.dispatch(self.admit())
             got = self.collect()
             self.keep_alive()
@@ -208,21 +227,22 @@ class StepScheduler:
         engines = sorted(hello)
         self.engines = engines
         self.admission = make_admission(sc.admission, {e: hello[e]["capacity_tokens"] for e in engines},
-                                  max_response=self.max_response, growth_reserve=sc.growth_reserve,
-                                  budget_coef=sc.budget_coef, max_per_engine=sc.max_trajectories_per_engine,
-                                  share_prefix=sc.sibling_aware)
+                                        max_response=self.limits.max_response_length,
+                                        growth_reserve=sc.growth_reserve, budget_coef=sc.budget_coef,
+                                        max_per_engine=sc.max_trajectories_per_engine, share_prefix=sc.sibling_aware)
         self.by_key = {it.key: it for it in self.items}
         if len(self.by_key) != len(self.items):
             raise ValueError("duplicate (prompt_uid, sample_index) in the step's prompts; uids must be unique")
         for it in self.items:
             self.admission.check_fits_somewhere(len(it.prompt_ids))
-        self.pending: deque[WorkItem] = deque(it for it in self.items if it.key not in self.results)
+        self.pending = deque(it for it in self.items if it.key not in self.results)
         self.queued_at = {it.key: 0.0 for it in self.items}
         self.alive = {e: time.monotonic() for e in engines}
 
     # ----------------------------------------------------------------------------------------------- the loop
     def admit(self) -> dict[int, list[WorkItem]]:
         """FIFO, the head waits for room (rStar2: nothing jumps the queue); the admitted work by engine rank."""
+        assert self.admission is not None, "prepare_admission first"
         batch: dict[int, list[WorkItem]] = {}
         while self.pending:
             it = self.pending[0]
@@ -257,16 +277,15 @@ class StepScheduler:
             self.alive[src] = time.monotonic()
             if tag == TAG_RESULT:
                 if msg.paused:
-                    self.levers.on_paused(msg)
+                    self.on_paused(msg)
                 else:
                     self.on_result(msg)
                     self.levers.on_finished(msg.key)
-                    self.levers.after_result()
+                    self.close_if_due()
             elif tag == TAG_KV:
-                self.admission.observe(src, msg.get("contexts", {}))
-                self.levers.on_beat(src, msg)
+                self.on_kv(src, msg)
             elif tag == TAG_MOVED:
-                self.levers.on_moved(msg)
+                self.levers.on_moved(tuple(msg["key"]))
             elif tag == TAG_DEAD:
                 self.lose(src, msg)
         return got
@@ -276,14 +295,51 @@ class StepScheduler:
         key = res.key
         if res.step != self.step or key in self.results or key not in self.by_key:
             return
-        if self.admission.placed.get(key) is not None:
-            self.admission.release(key)
+        self.release(key)
         t0 = time.perf_counter()
         self.infra_failures += res.output.infra_failures
         self.results[key] = self.score(self.stage, self.step, self.by_key[key], res, self.queued_at[key])
         self.reward_s += time.perf_counter() - t0
         if self.progress is not None:
             self.progress([key], sum(self.results[key].loss_mask))
+
+    def on_paused(self, res: TrajectoryResult) -> None:
+        """A paused trajectory with its state: the levers say requeue (migration: at the front) or carry (closing)."""
+        key = res.key
+        if res.step != self.step or key in self.results or key not in self.by_key:
+            return
+        item = dataclasses.replace(self.by_key[key], resume=res.output)
+        self.by_key[key] = item   # a requeue after an engine death resumes from here too
+        self.release(key)
+        if self.levers.paused(key, item) is Route.REQUEUE:
+            self.pending.appendleft(item)
+
+    def on_kv(self, src: int, beat: dict) -> None:
+        """An engine's KV heartbeat: re-book its trajectories; maybe ask it to let one migrate."""
+        self.admission.observe(src, beat.get("contexts", {}))
+        key = self.levers.migration(src, beat.get("movable", ()), self.admission, queue_empty=not self.pending)
+        if key is not None:
+            self.sends.append(self.comm.isend({"key": key}, dest=src, tag=TAG_MIGRATE))
+
+    def release(self, key: tuple) -> None:
+        if self.admission.placed.get(key) is not None:
+            self.admission.release(key)
+
+    def close_if_due(self) -> None:
+        """Partial rollouts: once the levers say so, close the step: PAUSE every engine, carry the queue."""
+        if not self.levers.should_close(self.items, self.results):
+            return
+        self.levers.close(self.elapsed())
+        self.sends += [self.comm.isend(None, dest=e, tag=TAG_PAUSE) for e in self.alive]
+        self.carry_queue()
+        log.info("step %d of stage %s closes (partial rollouts): %d of %d trajectories done", self.step, self.stage,
+                 len(self.results), len(self.items))
+
+    def carry_queue(self) -> None:
+        """The step closed: what was never admitted (or was re-queued) is carried as it is."""
+        left = [self.by_key[it.key] for it in self.pending if it.key not in self.results]
+        self.pending.clear()
+        self.levers.carry_queued(left)
 
     def keep_alive(self) -> None:
         """Heartbeat the engines (they leave when rank 0 goes silent), and drop the ones gone silent."""
@@ -304,7 +360,7 @@ class StepScheduler:
         for k in reversed(back):
             self.pending.appendleft(self.by_key[k])
         if self.levers.closing:   # the step is closed: they are carried as they were
-            self.levers.drain_pending()
+            self.carry_queue()
         if not self.alive:
             raise RuntimeError(f"all engine ranks died; {len(self.items) - len(self.results)} trajectories of step "
                                f"{self.step} unfinished, nothing written")
@@ -337,7 +393,9 @@ class StepScheduler:
     def commit(self) -> list[Trajectory]:
         """The step's trajectories, in item order, written as one committed shard set (with partial rollouts, its
         complete groups' only: the rest is carried, saved first)."""
-        trajs = self.levers.commit_split()
+        trajs, carry = self.levers.split(self.items, self.results)
+        if carry is not None:   # saved before the commit: a kill between the two re-runs the step (carry.py)
+            carry_mod.save(self.paths, self.stage, self.step, carry)
         with ShardWriter(self.paths, self.stage, self.step, pipeline.PRODUCER) as w:
             w.write(trajs)
         self.journal.clear()

