@@ -4,30 +4,33 @@
                                  levels with a distractor; easy ones can be done in the head, hard ones need the tool)
     data: demo-eval              the demo's held-out eval problems (DEMO_EVAL_PROMPTS, levels in equal shares)
     data: demo-256               the first 256 prompts of the demo set (e.g. a hard_subset stage's source)
-    data: /lustre/rl-42k.parquet prompts with ground truth (rl, eval): a `question` and an `answer` column
-    data: /lustre/rl.jsonl       the same as JSON lines; SFT stages take chat samples, {"messages": [...]}
+    data: /lustre/rl-42k.parquet prompts with ground truth (rl, hard_subset, eval), JSONL or Parquet
+    data: /lustre/sft.jsonl      chat samples (sft), JSONL or Parquet, {"messages": [...], "tools": [...]} per row
 
-Prompt rows may name the question `problem` or `prompt` and the answer `ground_truth` or `solution` (the public
-datasets' spellings); `uid` or `id` names a prompt, else a hash of its question does. A bad row is an error that
-names the file, the row and what is missing, before any engine starts.
+Files are read as users have them (rstar_hpc.data): prompt files in the verl schema (microsoft/rStar's
+data_preprocess, DAPO-Math-17k: repeats dropped), question/problem + answer columns, GSM8K (`#### n`) and MATH
+solutions (the last \\boxed{}), a rationale with no final answer refused; chat files in the OpenAI form (tool_calls
+rendered in the rStar2 format). `uid` or `id` names a prompt, else `extra_info.index`, else a hash of its question.
+A bad row is an error that names the file, the row and what is missing, before any engine starts.
+`read_data` is what `rstar-hpc data show|check` and `config validate` call: the same readers the stages use.
 """
 from __future__ import annotations
 
-import hashlib
-import json
 from pathlib import Path
+
+from rstar_hpc.data.chats import CHAT_ROLES, ChatSet, read_chat_file
+from rstar_hpc.data.files import DataFileMissing, DatasetError, read_rows
+from rstar_hpc.data.prompts import ANSWER_KEYS, QUESTION_KEYS, PromptSet, read_prompt_file
 
 DEMO = "demo"
 DEMO_PROMPTS = 4096   # the demo RL set: enough distinct prompts that a tiny run never repeats one within a stage
 DEMO_EVAL_PROMPTS = 128   # 32 per level: pass@1's standard error ~0.03, small enough to see RL's gain on 2 cores
 DEMO_SFT_SAMPLES = 20000   # > samples an SFT stage sees: fresh problems, nothing to memorise
-QUESTION_KEYS = ("question", "problem", "prompt")
-ANSWER_KEYS = ("answer", "ground_truth", "solution")
-CHAT_ROLES = ("system", "user", "assistant", "tool")
-
-
-class DatasetError(ValueError):
-    """Stage data that cannot be used; the message names the file, the row and the fix."""
+KINDS = ("rl", "eval", "sft")
+PROMPT_HINT = (f"set stages[].data to a JSONL or Parquet file, or to '{DEMO}' for the built-in demo set")
+SFT_HINT = ("set stages[].data to a chat JSONL or Parquet file, or generate the demo set with "
+            "`python -m rstar_hpc.trainer.sft_data FILE`")
+__all__ = ["ANSWER_KEYS", "CHAT_ROLES", "QUESTION_KEYS", "ChatSet", "DataFileMissing", "DatasetError", "PromptSet"]
 
 
 def demo_prompts(n: int, seed: int, *, held_out: bool = False) -> list[dict]:
@@ -52,38 +55,6 @@ def _demo_set(data: str, seed: int) -> list[dict]:
                        f"{DEMO_PROMPTS} demo prompts)")
 
 
-def _rows(path: Path) -> list[dict]:
-    if not path.is_file():
-        raise DatasetError(f"{path}: no such data file; set stages[].data to a JSONL or Parquet file, or to "
-                           f"'{DEMO}' for the built-in demo set")
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-        try:
-            return pq.read_table(path).to_pylist()
-        except Exception as e:   # pyarrow raises several types for a bad file
-            raise DatasetError(f"{path}: not a readable Parquet file ({type(e).__name__}: {e})") from e
-    rows = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DatasetError(f"{path}:{n}: not a JSON object ({e}); each line is one prompt") from e
-        if not isinstance(row, dict):
-            raise DatasetError(f"{path}:{n}: expected a JSON object, got {type(row).__name__}")
-        rows.append(row)
-    return rows
-
-
-def _field(row: dict, keys: tuple[str, ...], where: str, what: str) -> str:
-    for k in keys:
-        v = row.get(k)
-        if v is not None and str(v).strip():
-            return str(v)
-    raise DatasetError(f"{where}: no {what} (looked for {', '.join(keys)}; the row has {sorted(row)})")
-
-
 def load_prompts(stage, seed: int = 0, run_dir=None) -> list[dict]:
     """The prompts of an rl or hard_subset stage as [{"uid", "question", "answer"}], in file order; `run_dir`
     resolves `data: "@<stage>"` (the subset an earlier hard_subset stage wrote there)."""
@@ -104,26 +75,11 @@ def load_prompts(stage, seed: int = 0, run_dir=None) -> list[dict]:
     return load_prompt_file(data, seed)
 
 
-def load_prompt_file(data: str, seed: int = 0) -> list[dict]:
+def load_prompt_file(data: str, seed: int = 0, *, keep_system: bool = False) -> list[dict]:
     """Prompts with answers from a JSONL or Parquet file, or the demo set ('demo')."""
     if is_demo(data):
         return _demo_set(data, seed)
-    path = Path(data)
-    out, seen = [], set()
-    for i, row in enumerate(_rows(path)):
-        where = f"{path} row {i + 1}"
-        question = _field(row, QUESTION_KEYS, where, "question")
-        answer = _field(row, ANSWER_KEYS, where, "answer")
-        uid = str(row.get("uid") or row.get("id") or hashlib.sha1(question.encode()).hexdigest()[:16])
-        if uid in seen:
-            raise DatasetError(f"{where}: prompt uid {uid!r} appears twice; uids name a GRPO group and must be "
-                               f"unique (drop the duplicate or give it another uid)")
-        seen.add(uid)
-        out.append({"uid": uid, "question": question, "answer": answer})
-    if not out:
-        raise DatasetError(f"{path}: no prompts; a benchmark or prompt file needs rows with a question and an "
-                           f"answer ({', '.join(QUESTION_KEYS)} / {', '.join(ANSWER_KEYS)})")
-    return out
+    return read_prompt_file(data, keep_system=keep_system, missing_hint=PROMPT_HINT).rows
 
 
 def load_sft_conversations(stage, seed: int = 0, system_prompt: str | None = None) -> list[list[dict]]:
@@ -139,25 +95,45 @@ def load_sft_conversations(stage, seed: int = 0, system_prompt: str | None = Non
 
 
 def load_chat_jsonl(path: str | Path) -> list[list[dict]]:
-    """The conversations of a chat JSONL file, `{"messages": [{"role", "content"}, ...]}` per line."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such SFT data file; generate the demo set with "
-                                f"`python -m rstar_hpc.trainer.sft_data {path}`")
+    """The conversations of a chat file (JSONL or Parquet; rstar_hpc.data.chats): rStar2 messages."""
+    return read_chat_file(path, SFT_HINT).rows
+
+
+def guess_kind(columns) -> str:
+    """'sft' for a file of chats (a `messages` column and no question column), else 'rl'."""
+    columns = set(columns)
+    return "sft" if "messages" in columns and not columns & {*QUESTION_KEYS} else "rl"
+
+
+def read_data(data: str, kind: str | None = None, seed: int = 0, *, keep_system: bool = False) -> PromptSet | ChatSet:
+    """A stage's data as the stages read it, with how it was read: the demo sets by name, files by their layout.
+    `kind` rl or eval (prompts), sft (chats); None guesses it from the columns."""
+    if kind not in (None, *KINDS):
+        raise DatasetError(f"kind {kind!r}: one of {', '.join(KINDS)}")
+    if data.startswith("@"):
+        raise DatasetError(f"{data!r} is the subset an earlier hard_subset stage writes into the run directory; "
+                           f"name that file (RUN/data/<stage>.parquet) to read it")
+    if is_demo(data):
+        if kind == "sft":
+            from rstar_hpc.demo_task import sft_samples
+            chats = [s["messages"] for s in sft_samples(DEMO_SFT_SAMPLES, seed)]
+            return ChatSet(chats, "demo", len(chats))
+        rows = _demo_set(data, seed)
+        return PromptSet(rows, "demo", len(rows), sources={"the built-in demo set (rstar_hpc.demo_task)": len(rows)})
+    src = read_rows(data, SFT_HINT if kind == "sft" else PROMPT_HINT)
+    if (kind or guess_kind(src.columns())) == "sft":
+        return read_chat_file(src)
+    return read_prompt_file(src, keep_system=keep_system)
+
+
+def config_data_files(cfg) -> list[tuple[str, str, str]]:
+    """(where the config names it, kind, file) of every data file of `cfg`'s stages: stages[].data and eval
+    benchmarks; the demo sets and "@<stage>" outputs (not there before the run) are left out."""
     out = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            msgs = json.loads(line)["messages"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise ValueError(f"{path}:{n}: expected a JSON object with a 'messages' list ({e})") from e
-        for m in msgs:
-            if m.get("role") not in CHAT_ROLES or not isinstance(m.get("content"), str):
-                raise ValueError(f"{path}:{n}: message {m!r} needs role in {CHAT_ROLES} and string content")
-        if not any(m["role"] == "assistant" for m in msgs):
-            raise ValueError(f"{path}:{n}: no assistant message, nothing to train on")
-        out.append(msgs)
-    if not out:
-        raise ValueError(f"{path}: empty SFT data file")
+    for s in cfg.stages:
+        named = ({f"stages.{s.name}.benchmarks.{k}": v for k, v in s.benchmarks.items()} if s.kind == "eval" and
+                 s.benchmarks else {f"stages.{s.name}.data": s.data})
+        kind = {"sft": "sft", "eval": "eval"}.get(s.kind, "rl")
+        out += [(where, kind, data) for where, data in named.items()
+                if data and not is_demo(data) and not data.startswith("@")]
     return out

@@ -58,17 +58,23 @@ USER_PREFIX = ("You must put your answer inside <answer> </answer> tags, i.e., <
 GENERATION_PROMPT = f"{IM_START}assistant\n<reason>"
 
 
-def system_prompt(tools: list[dict] | None = None) -> str:
+def system_prompt(tools: list[dict] | None = None, preamble: str = SYSTEM_PREAMBLE) -> str:
+    """`preamble` (a chat's own system turn, or rStar2's) followed by the "# Tools" section of `tools` (None: the
+    python tool; []: no section), as the chat template renders a system turn with tools."""
     tools = [TOOL_SCHEMA] if tools is None else tools
-    text = SYSTEM_PREAMBLE
+    text = preamble
     if tools:
         text += "\n\n" + TOOLS_SECTION.format(tools="\n".join(json.dumps(t) for t in tools))
     return text
 
 
+def render_function_call(name: str, arguments: dict) -> str:
+    """One tool call as the model writes it (Hermes style)."""
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
+
+
 def render_tool_call(code: str, stdin: str = "") -> str:
-    return "<tool_call>\n" + json.dumps({"name": TOOL_NAME, "arguments": {"code": code, "input": stdin}}) + \
-        "\n</tool_call>"
+    return render_function_call(TOOL_NAME, {"code": code, "input": stdin})
 
 
 def render_tool_responses(texts: list[str]) -> str:
