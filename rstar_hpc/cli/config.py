@@ -28,11 +28,39 @@ def show(config: str, overrides: tuple[str, ...]) -> None:
 @command.command("validate")
 @click.argument("config", default=DEFAULT_CONFIG)
 @click.argument("overrides", nargs=-1)
-def validate(config: str, overrides: tuple[str, ...]) -> None:
-    """Check a config; exit 0 if valid, 3 with the offending keys named if not."""
+@click.option("--no-data", is_flag=True, help="Check the config alone, not the data files it names (e.g. where they "
+                                              "are not: off the cluster).")
+def validate(config: str, overrides: tuple[str, ...], no_data: bool) -> None:
+    """Check a config and every data file it names (stages[].data, eval benchmarks; as `rstar-hpc data check` does);
+    exit 0 if all is usable, 3 with the offending keys or files named if not."""
     cfg = load_config(config, overrides)
     stages = " -> ".join(f"{s.name}({s.kind})" for s in cfg.stages) or "no stages"
+    if not no_data:
+        _check_data(cfg, config)
     click.echo(f"ok: {config}: run {cfg.run.name!r}, {stages}")
+
+
+def _check_data(cfg, config: str) -> None:
+    """Read every data file of `cfg` with the stages' readers; DatasetError (exit 3) listing every problem."""
+    from rstar_hpc.cli.data import describe, summary_line
+    from rstar_hpc.datasets import DatasetError, config_data_files
+
+    done: dict[tuple[str, str], str | DatasetError] = {}
+    problems = []
+    for where, kind, data in config_data_files(cfg):
+        if (kind, data) not in done:
+            try:
+                done[kind, data] = summary_line(describe(data, kind, 0))
+            except DatasetError as e:
+                done[kind, data] = e
+        got = done[kind, data]
+        if isinstance(got, DatasetError):
+            problems.append(f"{where}: {got}")
+        else:
+            click.echo(f"data: {where}: {data}: {got}")
+    if problems:
+        raise DatasetError(f"{config}: {len(problems)} data file(s) cannot be used (`--no-data` checks the config "
+                           f"alone):\n  " + "\n  ".join(problems))
 
 
 @command.command("explain")

@@ -93,17 +93,18 @@ def parse_benchmarks(items: tuple[str, ...] | list[str], seed: int = 0) -> dict[
         if name in out:
             raise DatasetError(f"--data {item}: two benchmarks named {name!r}; name them with --data NAME=FILE")
         path = str(Path(file).expanduser().absolute())
-        try:
+        try:   # the stages' reader: verl-schema Parquet (microsoft/rStar's data_preprocess) as it is, GSM8K, ...
             load_prompt_file(path, seed)
         except DatasetError as e:
             if "no answer" not in str(e):
                 raise
             raise DatasetError(f"benchmark {name!r} ({path}) has a problem without an answer: {e}. A benchmark is "
                                f"scored against its answers: give every row one of the fields "
-                               f"{', '.join(ANSWER_KEYS)}") from None
+                               f"{', '.join(ANSWER_KEYS)} (or reward_model.ground_truth, the verl schema)") from None
         out[name] = path
     if not out:
-        raise DatasetError("no benchmark: pass --data FILE (JSONL or Parquet with question + answer)")
+        raise DatasetError("no benchmark: pass --data FILE (JSONL or Parquet with question + answer, or the verl "
+                           "schema; `rstar-hpc data show FILE` shows how it is read)")
     return out
 
 

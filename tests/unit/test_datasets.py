@@ -1,4 +1,5 @@
-"""Stage data: the demo set, JSONL and Parquet prompt files, and the errors that name the bad row."""
+"""Stage data: the demo set, JSONL and Parquet prompt files in the layouts users have (verl, DAPO, GSM8K, MATH),
+OpenAI-style chat files, and the errors that name the bad row."""
 import json
 import subprocess
 import sys
@@ -8,7 +9,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from rstar_hpc.config import load_config
-from rstar_hpc.datasets import DEMO_EVAL_PROMPTS, DatasetError, load_prompts, load_sft_conversations
+from rstar_hpc.data.answers import ground_truth
+from rstar_hpc.data.prompts import REPEATS, SYSTEM_UNUSED, read_prompt_file
+from rstar_hpc.datasets import (DEMO_EVAL_PROMPTS, DatasetError, load_chat_jsonl, load_prompt_file, load_prompts,
+                                load_sft_conversations)
+from rstar_hpc.models import chat_format as fmt
 from rstar_hpc.demo_task import DIRECT_SHARE, TYPO_SHARE, evaluate, level_of, sft_samples
 
 
@@ -103,3 +108,155 @@ def test_rollout_cli_refuses_bad_data_before_starting_ranks(tmp_path):
                         f"stages.rl-short.data={tmp_path / 'bad.jsonl'}"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 3, r.stderr[-2000:]
     assert "bad.jsonl row 1: no answer" in r.stderr and "Traceback" not in r.stderr
+
+
+# -- the layouts users have --------------------------------------------------------------------------------------
+
+def verl_row(i: int, question: str, answer: str, system: str | None = None) -> dict:
+    """A row as microsoft/rStar's data_preprocess/*.py writes it (the verl schema)."""
+    prompt = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": question}]
+    return {"data_source": "rstar_HuggingFaceH4/aime_2024", "agent_name": "rstar2_agent", "prompt": prompt,
+            "ability": "math", "reward_model": {"style": "rule", "ground_truth": answer},
+            "extra_info": {"split": "test", "index": i, "answer": answer, "question": question,
+                           "need_tools_kwargs": False}}
+
+
+def write_parquet(path, rows):
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_an_rstar_prepared_verl_parquet_is_read_as_it_is(tmp_path):
+    f = write_parquet(tmp_path / "aime.parquet", [verl_row(0, "Find x.", "204"), verl_row(1, "Find y.", "25"),
+                                                  verl_row(2, fmt.USER_PREFIX + "Find z.", "7")])
+    got = read_prompt_file(f)
+    assert got.format == "verl" and got.dropped == {}
+    assert got.rows == [{"uid": "0", "question": "Find x.", "answer": "204"},
+                        {"uid": "1", "question": "Find y.", "answer": "25"},
+                        {"uid": "2", "question": "Find z.", "answer": "7"}]   # the renderer adds the prefix itself
+    assert load_prompt_file(str(f)) == got.rows
+
+
+def test_a_verl_system_turn_is_dropped_unless_kept(tmp_path):
+    f = write_parquet(tmp_path / "s.parquet", [verl_row(i, f"q{i}", str(i), system="Think step by step.")
+                                               for i in range(3)])
+    dropped = read_prompt_file(f)
+    assert [r["question"] for r in dropped.rows] == ["q0", "q1", "q2"] and "system" not in dropped.rows[0]
+    assert dropped.notes == {SYSTEM_UNUSED: 3}
+    kept = read_prompt_file(f, keep_system=True)
+    assert kept.rows[0] == {"uid": "0", "question": "q0", "answer": "0", "system": "Think step by step."}
+    few_shot = verl_row(0, "q", "1")
+    few_shot["prompt"] = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                          {"role": "user", "content": "q"}]
+    with pytest.raises(DatasetError, match=r"b.parquet row 1: column 'prompt' holds the turns \['user', 'assistant'"):
+        read_prompt_file(write_parquet(tmp_path / "b.parquet", [few_shot]))
+
+
+def test_dapo_repeats_are_dropped_and_counted(tmp_path):
+    # the original DAPO-Math-17k: verl schema, each prompt repeated (here 5 times), every copy with its own index
+    rows = [verl_row(100 * k + i, f"Problem {k}", str(k)) for i in range(5) for k in range(4)]
+    got = read_prompt_file(write_parquet(tmp_path / "dapo.parquet", rows))
+    assert (got.read, len(got.rows), got.dropped) == (20, 4, {REPEATS: 16})
+    assert [r["question"] for r in got.rows] == [f"Problem {k}" for k in range(4)]
+    # open-r1's processed copy: flat `prompt` (a string) and `solution` (the short answer) beside reward_model
+    flat = [{"prompt": f"Problem {k}", "solution": str(k), "reward_model": {"ground_truth": str(k)}}
+            for k in (1, 2, 1)]
+    got = read_prompt_file(write_parquet(tmp_path / "flat.parquet", flat))
+    assert [(r["question"], r["answer"]) for r in got.rows] == [("Problem 1", "1"), ("Problem 2", "2")]
+    assert got.dropped == {REPEATS: 1} and got.format == "question-answer"
+
+
+def test_gsm8k_answers_give_the_number_after_the_hashes(tmp_path):
+    f = write_jsonl(tmp_path / "gsm8k.jsonl", [
+        {"question": "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+                     "How many clips did Natalia sell altogether in April and May?",
+         "answer": "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips "
+                   "altogether in April and May.\n#### 72"},
+        {"question": "How much?", "answer": "He pays 1000 + 234 = <<1000+234=1234>>1,234 dollars.\n#### 1,234"}])
+    got = read_prompt_file(f)
+    assert [r["answer"] for r in got.rows] == ["72", "1234"] and got.format == "gsm8k"
+
+
+def test_math_solutions_give_their_last_boxed_answer(tmp_path):
+    f = write_jsonl(tmp_path / "math.jsonl", [
+        {"problem": "What is half of one?", "solution": "First $\\boxed{2}$ is wrong. We get $\\boxed{\\frac{1}{2}}$."},
+        {"problem": "Area?", "solution": "The area is $\\fbox{\\sqrt{3}}$ square units, as the figure shows."}])
+    got = read_prompt_file(f)
+    assert [r["answer"] for r in got.rows] == ["\\frac{1}{2}", "\\sqrt{3}"] and got.format == "math-solution"
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("72", ("72", "as given")), ("\\frac{1}{2}", ("\\frac{1}{2}", "as given")),
+    ("\\text{Devon and Evelyn are both right}", ("\\text{Devon and Evelyn are both right}", "as given")),
+    ("(1, 2), (3, 4), (5, 6), (7, 8), (9, 10), (11, 12)", ("(1, 2), (3, 4), (5, 6), (7, 8), (9, 10), (11, 12)",
+                                                         "as given")),
+    ("\\boxed{\\{1, 2\\}}", ("\\{1, 2\\}", "last \\boxed{}")), ("so\n#### -3", ("-3", "#### n")),
+    ("We first note that the sum of the two numbers is even, so the answer must be even as well.", None),
+])
+def test_the_ground_truth_rules(text, expected):
+    assert ground_truth(text) == expected
+
+
+@pytest.mark.parametrize(("rows", "column"), [
+    ([{"question": "q", "answer": "2"},
+      {"question": "r", "answer": "We add the two numbers and then divide the sum by two, which gives the mean of "
+                                  "both."}], "answer"),
+    ([{"problem": "p", "solution": "Let the side be s. Then the area is s squared, and since the perimeter is twelve "
+                                   "we get three."}], "solution"),
+])
+def test_a_rationale_with_no_final_answer_is_refused_naming_the_column(tmp_path, rows, column):
+    f = write_jsonl(tmp_path / "r.jsonl", rows)
+    with pytest.raises(DatasetError, match=rf"r.jsonl row {len(rows)}: column '{column}' holds a worked solution"):
+        read_prompt_file(f)
+
+
+# -- OpenAI-style chat files (sft) ---------------------------------------------------------------------------------
+
+CALL = {"id": "call_1", "type": "function",
+        "function": {"name": fmt.TOOL_NAME, "arguments": json.dumps({"code": "print(12 * 13)", "input": ""})}}
+
+
+def openai_chat(content=None, call=CALL, tool_call_id="call_1") -> dict:
+    return {"messages": [{"role": "user", "content": [{"type": "text", "text": "Compute "}, {"type": "text",
+                                                                                            "text": "12 * 13."}]},
+                         {"role": "assistant", "content": content, "tool_calls": [call]},
+                         {"role": "tool", "tool_call_id": tool_call_id, "content": "156"},
+                         {"role": "assistant", "content": "<answer>\\boxed{156}</answer>"}],
+            "tools": [fmt.TOOL_SCHEMA]}
+
+
+def test_openai_tool_calls_are_rendered_in_the_rstar2_format(tmp_path):
+    f = write_jsonl(tmp_path / "sft.jsonl", [openai_chat(), openai_chat(content="Let me compute it.")])
+    a, b = load_chat_jsonl(f)
+    call = fmt.render_tool_call("print(12 * 13)")
+    assert a == [{"role": "system", "content": fmt.system_prompt([fmt.TOOL_SCHEMA])},
+                 {"role": "user", "content": "Compute 12 * 13."},
+                 {"role": "assistant", "content": call},
+                 {"role": "tool", "content": "156"},
+                 {"role": "assistant", "content": "<answer>\\boxed{156}</answer>"}]
+    assert b[2]["content"] == "Let me compute it.\n" + call
+    flat = openai_chat(content="")   # Parquet: one content type per column; arguments as an object
+    flat["messages"][0]["content"] = "Compute 12 * 13."
+    flat["messages"][1]["tool_calls"] = [dict(CALL, function={"name": fmt.TOOL_NAME,
+                                                              "arguments": {"code": "print(12 * 13)", "input": ""}})]
+    assert load_chat_jsonl(write_parquet(tmp_path / "sft.parquet", [flat]))[0] == a
+
+
+@pytest.mark.parametrize(("chat", "match"), [
+    (openai_chat(call=dict(CALL, function={"name": "f", "arguments": "{not json"})),
+     r"sft.jsonl:1 message 2: tool call arguments are not JSON"),
+    (openai_chat(call=dict(CALL, function={"arguments": "{}"})), "without a function name"),
+    (openai_chat(tool_call_id="call_9"), r"message 3: tool_call_id 'call_9' names no call"),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": None}]},
+     r"message 2: an assistant turn with no content and no tool_calls"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
+                   {"role": "assistant", "content": "y"}]}, "a content part of type 'image_url'"),
+])
+def test_a_malformed_chat_is_refused_naming_row_and_message(tmp_path, chat, match):
+    with pytest.raises(DatasetError, match=match):
+        load_chat_jsonl(write_jsonl(tmp_path / "sft.jsonl", [chat]))
