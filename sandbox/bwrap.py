@@ -27,8 +27,8 @@ WORKER_SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker")
 # name is one no cell would give a module of its own (a cell's `import x` finds what pid 1 imported first).
 WORKER_DIR = "/opt/sandbox"
 WORKER_PACKAGE = "_rstar_sandbox"
-_BOOT = (f"import sys; sys.path.insert(0, {WORKER_DIR!r}); from {WORKER_PACKAGE} import process, server; "
-         "del sys.path[0]; process.boot(server.main)")
+_BOOT = (f"import sys; sys.path.insert(0, {WORKER_DIR!r}); from {WORKER_PACKAGE} import boot, server; "
+         "del sys.path[0]; boot.boot(server.main)")
 _HDR = struct.Struct(">I")
 
 

@@ -24,8 +24,8 @@ abstract Unix socket; pid 1 knows D from the kernel's peer credentials) and is t
 that died (timeout, signal, os._exit, memory kill) forked no D: H still holds the state from before the cell,
 which is rolled back, and the result says so.
 
-    state.py       names, message formats and the settings pid 1 fixes before its first fork
-    process.py     how every process of a sandbox starts (boot, Become)
+    settings.py    names, message formats and the settings pid 1 fixes before its first fork
+    boot.py        how every process of a sandbox starts (boot, become)
     framing.py     bytes on descriptors and sockets
     cell.py        turning a forked child into a cell: descriptors, signals, hard limits, RNGs
     script.py      running a cell's code as `python3 main.py` would, and exiting as it would
@@ -34,6 +34,6 @@ which is rolled back, and the result says so.
     sessions.py    pid 1's table of sessions, and the rendezvous their next holders reach it through
     scratch.py     the writable places: work directories, and the wipe after each call
     report.py      a cell's result from what its process did
-    proc.py        what pid 1 reads in /proc about the sandbox's processes
+    procfs.py      what pid 1 reads in /proc about the sandbox's processes
     server.py      pid 1: start-up, the request loop, supervision, sweeping
 """

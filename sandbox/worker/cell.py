@@ -6,7 +6,7 @@ import os
 import resource
 import sys
 
-from . import state
+from . import settings
 
 
 def set_dumpable(flag):
@@ -15,7 +15,7 @@ def set_dumpable(flag):
 
 
 def limit_plan(lim, base_vm):
-    """The (resource, (soft, hard)) pairs of a cell, computed once in pid 1 (state.LIMIT_PLAN)."""
+    """The (resource, (soft, hard)) pairs of a cell, computed once in pid 1 (settings.LIMIT_PLAN)."""
     cpu = max(1, int(lim["cpu_time_s"] + 0.999))
     plan = [(resource.RLIMIT_CPU, (cpu, cpu + 1))]   # SIGXCPU at soft, SIGKILL at hard even if SIGXCPU is caught
     for res, value in ((resource.RLIMIT_AS, base_vm + lim["memory_mb"] * 2**20),
@@ -43,10 +43,10 @@ def enter_cell(stdin_fd, out_w, err_w, cwd, keep=(), close_all=True):
         for fd in {stdin_fd, out_w, err_w} - {0, 1, 2}:
             os.close(fd)
     sig_set = _signal.signal
-    for sig, handler in state.CELL_SIGNALS:
+    for sig, handler in settings.CELL_SIGNALS:
         sig_set(sig, handler)
     setrlimit = resource.setrlimit
-    for res, values in state.LIMIT_PLAN:
+    for res, values in settings.LIMIT_PLAN:
         setrlimit(res, values)
     try:
         fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY)

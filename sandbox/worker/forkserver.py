@@ -5,7 +5,7 @@ import linecache
 import os
 import sys
 
-from . import state
+from . import settings
 from .cell import enter_cell
 from .framing import pack_request, read_request, recv_fds, write_all
 from .script import enter_script, finish_script, flush_std, new_main, run_cell
@@ -14,13 +14,13 @@ from .script import enter_script, finish_script, flush_std, new_main, run_cell
 def spare_cell(null, out_w, err_w, go_r):
     """A freshly forked stateless cell: set up, wait for its one request, run it as `python3 main.py` would,
     exit with the status CPython would. It holds no descriptor of ours once the request is read."""
-    path = os.path.join(state.SPARE_CWD, state.SCRIPT)
+    path = os.path.join(settings.SPARE_CWD, settings.SCRIPT)
     try:
-        enter_cell(null, out_w, err_w, state.SPARE_CWD, keep=(go_r,))
+        enter_cell(null, out_w, err_w, settings.SPARE_CWD, keep=(go_r,))
         req = read_request(go_r)
         os.close(go_r)
         if req is None:
-            state.exit_now(0)
+            settings.exit_now(0)
         code, stdin = req
         if stdin:
             fd = os.memfd_create("stdin", 0)   # a file, not a pipe: any size, no writer needed
@@ -29,11 +29,11 @@ def spare_cell(null, out_w, err_w, go_r):
             os.dup2(fd, 0)
             os.close(fd)
         g = new_main(path)
-        enter_script(g, state.SPARE_CWD, code, path)
+        enter_script(g, settings.SPARE_CWD, code, path)
     except BaseException as e:
         os.write(2, f"sandbox: cell setup failed: {e!r}\n".encode())
-        state.exit_now(1)
-    finish_script(run_cell(code, g, path, state.LIM.get("display", True)))
+        settings.exit_now(1)
+    finish_script(run_cell(code, g, path, settings.LIM.get("display", True)))
 
 
 def warm_cell_path(rounds=64):
@@ -47,7 +47,7 @@ def warm_cell_path(rounds=64):
     os.dup2(null, 1)
     os.dup2(null, 2)
     main, argv, path0 = sys.modules.get("__main__"), list(sys.argv), list(sys.path)
-    path = "/nonexistent/" + state.SCRIPT
+    path = "/nonexistent/" + settings.SCRIPT
     try:
         for _ in range(rounds):
             for code in ("_ = None", "print(1 + 1)", "x = [i * i for i in range(3)]\nx[-1]", "1 / 0",
@@ -72,14 +72,14 @@ def zygote_loop(sock, null):
     handful of pages, and every cell forks from the same warm, untouched state. User code never runs here;
     its cells are its only children (the seccomp filter denies CLONE_PARENT)."""
     fork, wait4, close = os.fork, os.wait4, os.close
-    zreq, zexit, zfork = state.ZREQ, state.ZEXIT, state.ZFORK
+    zreq, zexit, zfork = settings.ZREQ, settings.ZEXIT, settings.ZFORK
     while True:
         try:
             msg, fds = recv_fds(sock, 64, 4)
         except OSError:
-            state.exit_now(0)
+            settings.exit_now(0)
         if len(msg) != zreq.size:
-            state.exit_now(0)   # pid 1 closed its end (or spoke nonsense): nothing to serve
+            settings.exit_now(0)   # pid 1 closed its end (or spoke nonsense): nothing to serve
         (reap,) = zreq.unpack(msg)
         if reap > 0:
             try:
@@ -94,7 +94,7 @@ def zygote_loop(sock, null):
                 pid = -1
             if pid == 0:
                 sock.close()
-                spare_cell(null, *fds)   # never returns (called, not become(): see process.Become)
+                spare_cell(null, *fds)   # never returns (called, not become(): see boot.Become)
             reply = zfork.pack(pid)
         else:
             reply = zfork.pack(-1)
@@ -103,4 +103,4 @@ def zygote_loop(sock, null):
         try:
             sock.send(reply)
         except OSError:
-            state.exit_now(0)
+            settings.exit_now(0)

@@ -9,7 +9,7 @@ import json
 import os
 import sys
 
-from .state import HDR, REQ
+from .settings import HDR, REQ
 
 
 def read_exact(fd, n):

@@ -4,10 +4,10 @@ import _socket
 import json
 import os
 
-from . import state
+from . import settings
+from .boot import become
 from .cell import enter_cell
 from .framing import recv_session_request
-from .process import become
 from .script import die_by_sigint, enter_script, flush_std, run_cell
 
 
@@ -19,9 +19,9 @@ def holder_loop(sock, g):
         try:
             req, fds = recv_session_request(sock)
         except (OSError, ValueError):
-            state.exit_now(0)
+            settings.exit_now(0)
         if req is None or len(fds) != 3:
-            state.exit_now(0)
+            settings.exit_now(0)
         stdin_fd, out_w, err_w = fds
         child = os.fork()
         if child == 0:
@@ -35,7 +35,7 @@ def holder_loop(sock, g):
             sock.sendall(json.dumps({"ended": child, "status": status,
                                      "cpu_s": ru.ru_utime + ru.ru_stime}).encode() + b"\n")
         except OSError:
-            state.exit_now(0)
+            settings.exit_now(0)
 
 
 def session_cell(stdin_fd, out_w, err_w, req, g):
@@ -45,8 +45,8 @@ def session_cell(stdin_fd, out_w, err_w, req, g):
         enter_script(g, req["cwd"], req["code"], req["filename"])
     except BaseException as e:
         os.write(2, f"sandbox: cell setup failed: {e!r}\n".encode())
-        state.exit_now(1)
-    continue_session(run_cell(req["code"], g, req["filename"], state.LIM.get("display", True)), g)
+        settings.exit_now(1)
+    continue_session(run_cell(req["code"], g, req["filename"], settings.LIM.get("display", True)), g)
 
 
 def continue_session(status, g):
@@ -66,18 +66,18 @@ def continue_session(status, g):
             os.close(null)
             sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
             sock.settimeout(5.0)
-            sock.connect(state.HOLDER_ADDRESS)
+            sock.connect(settings.HOLDER_ADDRESS)
             sock.settimeout(None)
             os.write(w, b"1")
             os.close(w)
         except BaseException:
-            state.exit_now(0)
+            settings.exit_now(0)
         become(holder_loop, sock, g)
     os.close(w)
     try:
         os.read(r, 1)   # the next holder is registered (or gave up): only now may this cell end
     except OSError:
         pass
-    if status == state.INTERRUPTED:
+    if status == settings.INTERRUPTED:
         die_by_sigint()
-    state.exit_now(130 if status == state.INTERRUPTED else status)
+    settings.exit_now(130 if status == settings.INTERRUPTED else status)

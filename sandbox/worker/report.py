@@ -4,7 +4,7 @@ writes decides its status."""
 import os
 import signal
 
-from . import state
+from . import settings
 
 _TB_HEAD = "Traceback (most recent call last):"
 _SYNTAX = ("SyntaxError", "IndentationError", "TabError")
@@ -61,7 +61,7 @@ def uncaught(stderr):
     for line in tb.split("\n"):
         if line.startswith('  File "'):
             path, _, rest = line[8:].partition('", line ')
-            if path.endswith("/" + state.SCRIPT) or path.startswith("<cell"):
+            if path.endswith("/" + settings.SCRIPT) or path.startswith("<cell"):
                 digits = rest.partition(",")[0]
                 lineno = int(digits) if digits.isdigit() else lineno
     return {"exc_type": name.rpartition(".")[2][:200], "traceback": tb[-20000:], "lineno": lineno}

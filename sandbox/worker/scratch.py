@@ -4,7 +4,7 @@ interpreter bound under /tmp, and the bind itself: a venv in $TMPDIR, a checkout
 never removed, and the wipe never descends into another mount. Run only in a sandbox (server.py checks)."""
 import os
 
-from .state import SCRIPT
+from .settings import SCRIPT
 
 ROOTS = ("/tmp", "/dev/shm")
 

@@ -10,7 +10,7 @@ import os
 import sys
 import traceback
 
-from . import state
+from . import settings
 from .framing import write_all
 
 # the package's own frames, cut from the front of a cell's traceback (the cell's first frame is its module)
@@ -31,9 +31,9 @@ def new_main(path):
 def enter_script(g, cwd, code, filename):
     """Point __main__, sys.argv, sys.path[0] and linecache at this cell's script `<cwd>/main.py`, written to
     disk as `python3 main.py` would find it (open(__file__), inspect, multiprocessing's spawn)."""
-    path = os.path.join(cwd, state.SCRIPT)
+    path = os.path.join(cwd, settings.SCRIPT)
     g["__file__"] = path
-    sys.argv[:] = [state.SCRIPT]
+    sys.argv[:] = [settings.SCRIPT]
     if not sys.path or sys.path[0] != cwd:
         sys.path.insert(0, cwd)
     try:
@@ -100,7 +100,7 @@ def run_cell(code, g, filename, display):
         status = exit_status_of(e)
     except BaseException as e:   # noqa: B036 - what the interpreter does with any uncaught exception
         print_uncaught(e)
-        status = state.INTERRUPTED if isinstance(e, KeyboardInterrupt) else 1
+        status = settings.INTERRUPTED if isinstance(e, KeyboardInterrupt) else 1
     return status
 
 
@@ -131,10 +131,10 @@ def finish_script(status):
         except BaseException:
             pass
         status = flush_std() or status
-        if status == state.INTERRUPTED:
+        if status == settings.INTERRUPTED:
             die_by_sigint()
     finally:
-        state.exit_now(130 if status == state.INTERRUPTED else status)
+        settings.exit_now(130 if status == settings.INTERRUPTED else status)
 
 
 def die_by_sigint():

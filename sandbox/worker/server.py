@@ -7,12 +7,12 @@ import signal
 import sys
 import time
 
-from . import state
+from . import settings
+from .boot import become
 from .cell import limit_plan, reseed, set_dumpable
 from .forkserver import warm_cell_path, zygote_loop
 from .framing import pack_request, read_frame, readable, send_fds, socketpair, write_all, write_frame
-from .proc import cpu_of, status_kb
-from .process import become
+from .procfs import cpu_of, status_kb
 from .report import Capture, classify
 from .scratch import make_workdir, scan_skeleton, wipe
 from .sessions import Sessions
@@ -217,10 +217,10 @@ class Server:
         if self.zygote is None:
             self.start_zygote()
         pid, sock = self.zygote
-        reply = state.ZEXIT if reap else state.ZFORK
+        reply = settings.ZEXIT if reap else settings.ZFORK
         try:
             os.kill(pid, signal.SIGCONT)   # a cell may have stopped it (it may signal its parent)
-            msg = state.ZREQ.pack(reap)
+            msg = settings.ZREQ.pack(reap)
             if fds is None:
                 sock.send(msg)
             else:
@@ -302,7 +302,7 @@ def main():
     null = os.open("/dev/null", os.O_RDWR)
     os.dup2(null, 0)
     os.dup2(null, 1)
-    for sig in state.IGNORED:
+    for sig in settings.IGNORED:
         signal.signal(sig, signal.SIG_IGN)
     init = read_frame(ctl_in)
     uid = init.get("uid")
@@ -332,20 +332,20 @@ def main():
             exec(compile(init["warmup"], "<warmup>", "exec"), {"__name__": "__warmup__"})
         except Exception as e:
             sys.stderr.write(f"sandbox worker: warm-up failed: {e!r}\n")
-    state.LIM = init["limits"]
-    srv = Server(ctl_in, ctl_out, state.LIM)
+    settings.LIM = init["limits"]
+    srv = Server(ctl_in, ctl_out, settings.LIM)
     warm_cell_path()
     atexit._clear()   # the preloaded libraries' exit hooks are not the cell's: a cell runs only its own
     reseed()   # numpy's first seed() builds lazily-initialised state (seconds); pay it once, here
     gc.collect()
     gc.freeze()   # children then never touch the pre-imported objects' GC headers: fewer copy-on-write pages
-    state.BASE_VM = status_kb(os.getpid(), "VmSize")
+    settings.BASE_VM = status_kb(os.getpid(), "VmSize")
     srv.sessions.base_anon = status_kb(os.getpid(), "RssAnon")
-    state.LIMIT_PLAN = limit_plan(state.LIM, state.BASE_VM)
+    settings.LIMIT_PLAN = limit_plan(settings.LIM, settings.BASE_VM)
     modules = sorted({m.partition(".")[0] for m in sys.modules})   # what cells find loaded: the fork server's
     srv.start_zygote()
     srv.prefork()
-    write_frame(ctl_out, {"op": "ready", "pid": os.getpid(), "uid": os.getuid(), "vm_size": state.BASE_VM,
+    write_frame(ctl_out, {"op": "ready", "pid": os.getpid(), "uid": os.getuid(), "vm_size": settings.BASE_VM,
                           "preloaded": [m for m in init.get("preload", []) if m in sys.modules],
                           "modules": modules})
     srv.serve()

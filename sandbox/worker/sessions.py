@@ -7,11 +7,11 @@ import signal
 import struct
 import time
 
-from . import state
+from . import settings
+from .boot import become
 from .framing import send_session_request, socketpair, write_all
 from .holders import holder_loop
-from .proc import ppid, status_kb
-from .process import become
+from .procfs import ppid, status_kb
 from .scratch import make_workdir, rmtree
 from .script import new_main
 
@@ -76,8 +76,8 @@ class Sessions:
         (SO_PEERCRED), and a connection counts only from the child a session cell forked as its last act."""
         if self.listener is None:
             self.listener = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
-            state.HOLDER_ADDRESS = b"\0rstar-sandbox-holder-" + os.urandom(8).hex().encode()
-            self.listener.bind(state.HOLDER_ADDRESS)
+            settings.HOLDER_ADDRESS = b"\0rstar-sandbox-holder-" + os.urandom(8).hex().encode()
+            self.listener.bind(settings.HOLDER_ADDRESS)
             self.listener.listen(64)
             self.listener.setblocking(False)
 
@@ -132,10 +132,10 @@ class Sessions:
             for fd in (child.fileno(), 65536):
                 os.closerange(lo, fd)
                 lo = fd + 1
-            for sig in state.IGNORED:
+            for sig in settings.IGNORED:
                 signal.signal(sig, signal.SIG_DFL)
             os.setsid()
-            become(holder_loop, child, new_main(os.path.join(cwd, state.SCRIPT)))
+            become(holder_loop, child, new_main(os.path.join(cwd, settings.SCRIPT)))
         child.close()
         self.holders[sid] = h = {"pid": pid, "sock": parent, "cwd": cwd, "buf": b"", "cells": 0}
         return h
@@ -238,7 +238,7 @@ class Sessions:
 
     def ended(self, sid, h, cell):
         """(wait status, CPU s) the holder reports for its cell; (None, CPU s) if it did not (it is dropped)."""
-        from .proc import cpu_of
+        from .procfs import cpu_of
         msg = None
         for _ in range(4):   # the holder is the cell's parent: it reports the exit status
             msg = self.message(h, 2.0)

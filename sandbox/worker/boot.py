@@ -1,6 +1,6 @@
 """How every process of a sandbox starts: pid 1 runs main(); a forked child that is to run a loop of its own
 (the fork server, a session's holder) leaves the stack it inherited through Become and starts at the top."""
-from . import state
+from . import settings
 
 
 class Become(BaseException):
@@ -34,4 +34,4 @@ def boot(main):
             continue
         except BaseException:
             pass
-        state.exit_now(0)
+        settings.exit_now(0)

@@ -29,5 +29,5 @@ exit_now = os._exit   # bound before any cell runs: a cell that replaces os._exi
 # set by pid 1 before its first fork
 LIM = {}                # the limits (Limits.for_worker())
 BASE_VM = 0             # the warm interpreter's address space, which RLIMIT_AS adds to
-LIMIT_PLAN = ()         # set_limits' (resource, (soft, hard)) pairs
+LIMIT_PLAN = ()         # a cell's hard limits, (resource, (soft, hard)) pairs (cell.limit_plan)
 HOLDER_ADDRESS = None   # the abstract socket a session's next holder reaches pid 1 on (sessions.py)

@@ -2,7 +2,7 @@
 import os
 
 from .framing import read_proc
-from .state import TICK
+from .settings import TICK
 
 
 def ppid(pid):
