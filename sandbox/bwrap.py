@@ -130,7 +130,7 @@ def compile_worker(into: str) -> str:
 
 
 class Sandbox:
-    """One bwrap sandbox and its pid-1 fork server; one request at a time."""
+    """One bwrap sandbox (its pid 1, and the fork server pid 1 starts); one request at a time."""
 
     def __init__(self, index: int, limits: Limits, seccomp_bpf: bytes | None, kind: str = MATH,
                  cpu: int | None = None):

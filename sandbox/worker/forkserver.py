@@ -66,27 +66,27 @@ def warm_cell_path(rounds=64):
         sys.modules["__main__"], sys.argv[:], sys.path[:] = main, argv, path0
 
 
-def zygote_loop(sock, null):
+def fork_server_loop(sock, null):
     """The fork server: forks stateless cells and reaps them (their wait status is the call's result), on
     pid 1's request. It does nothing else, so between two forks it writes (copy-on-write faults) only a
     handful of pages, and every cell forks from the same warm, untouched state. User code never runs here;
     its cells are its only children (the seccomp filter denies CLONE_PARENT)."""
     fork, wait4, close = os.fork, os.wait4, os.close
-    zreq, zexit, zfork = settings.ZREQ, settings.ZEXIT, settings.ZFORK
+    request, reaped, forked = settings.FORK_SERVER_REQUEST, settings.REAPED, settings.FORKED
     while True:
         try:
             msg, fds = recv_fds(sock, 64, 4)
         except OSError:
             settings.exit_now(0)
-        if len(msg) != zreq.size:
+        if len(msg) != request.size:
             settings.exit_now(0)   # pid 1 closed its end (or spoke nonsense): nothing to serve
-        (reap,) = zreq.unpack(msg)
+        (reap,) = request.unpack(msg)
         if reap > 0:
             try:
                 _, status, ru = wait4(reap, 0)
-                reply = zexit.pack(reap, status, ru.ru_utime + ru.ru_stime)
+                reply = reaped.pack(reap, status, ru.ru_utime + ru.ru_stime)
             except ChildProcessError:
-                reply = zexit.pack(reap, -1, 0.0)
+                reply = reaped.pack(reap, -1, 0.0)
         elif len(fds) == 3:
             try:
                 pid = fork()
@@ -95,9 +95,9 @@ def zygote_loop(sock, null):
             if pid == 0:
                 sock.close()
                 spare_cell(null, *fds)   # never returns (called, not become(): see boot.Become)
-            reply = zfork.pack(pid)
+            reply = forked.pack(pid)
         else:
-            reply = zfork.pack(-1)
+            reply = forked.pack(-1)
         for fd in fds:
             close(fd)
         try:

@@ -10,7 +10,7 @@ import time
 from . import settings
 from .boot import become
 from .cell import limit_plan, reseed, set_dumpable
-from .forkserver import warm_cell_path, zygote_loop
+from .forkserver import fork_server_loop, warm_cell_path
 from .framing import pack_request, read_frame, readable, send_fds, socketpair, write_all, write_frame
 from .procfs import cpu_of, status_kb
 from .report import Capture, classify
@@ -28,7 +28,7 @@ class Server:
         self.cleanup_later = False  # the last stateless call's leftovers are swept after its reply
         self.dirty = None           # why this sandbox must not run another call
         self.null = None            # /dev/null, the stdin of pre-forked cells
-        self.zygote = None          # (pid, socket) of the fork server
+        self.fork_server = None     # (pid, socket) of the fork server
         # the sweep kills every process it can see and the wipe empties /tmp and /dev/shm: only where they are
         # the sandbox's own (pid 1 of its pid namespace, bwrap's hostname, /tmp a private mount). Pid 1 alone is
         # not enough: run as pid 1 of a bare `unshare -fp --mount-proc`, the worker wiped the host's /tmp
@@ -162,7 +162,7 @@ class Server:
         child_ends = [out_w, err_w, go_r]
         pid = 0
         for _ in range(2):   # a fork server that died (a cell may kill its parent) is replaced once
-            rep = self.zygote_call(0, child_ends)
+            rep = self.ask_fork_server(0, child_ends)
             if rep is not None:
                 pid = rep[0]
                 break
@@ -179,7 +179,7 @@ class Server:
                       "cwd": cwd}
 
     # -- the fork server
-    def start_zygote(self):
+    def start_fork_server(self):
         """Fork the fork server from this (warm) process. It forks every stateless cell, so this process,
         which does the per-call work (framing, supervision, sweeping), never forks per call: a fork
         write-protects the forking process's whole heap, and each page it writes afterwards costs a
@@ -194,15 +194,15 @@ class Server:
             for fd in (self.ctl_in, self.ctl_out):
                 os.close(fd)
             self.sessions.close_in_child()
-            become(zygote_loop, theirs, self.null)
+            become(fork_server_loop, theirs, self.null)
         theirs.close()
-        self.zygote = (pid, ours)
+        self.fork_server = (pid, ours)
 
-    def stop_zygote(self):
-        if self.zygote is None:
+    def stop_fork_server(self):
+        if self.fork_server is None:
             return
-        pid, sock = self.zygote
-        self.zygote = None
+        pid, sock = self.fork_server
+        self.fork_server = None
         sock.close()
         try:
             os.kill(pid, signal.SIGKILL)
@@ -210,17 +210,17 @@ class Server:
         except (ProcessLookupError, ChildProcessError):
             pass
 
-    def zygote_call(self, reap=0, fds=None):
+    def ask_fork_server(self, reap=0, fds=None):
         """One request to the fork server: reap cell `reap` (> 0; it is dead or being killed) or fork a spare
         on `fds`. The reply's fields ((pid, wait status, CPU s) or (new pid,)); None if the fork server
         failed (it is then replaced; a cell it had is now our child)."""
-        if self.zygote is None:
-            self.start_zygote()
-        pid, sock = self.zygote
-        reply = settings.ZEXIT if reap else settings.ZFORK
+        if self.fork_server is None:
+            self.start_fork_server()
+        pid, sock = self.fork_server
+        reply = settings.REAPED if reap else settings.FORKED
         try:
             os.kill(pid, signal.SIGCONT)   # a cell may have stopped it (it may signal its parent)
-            msg = settings.ZREQ.pack(reap)
+            msg = settings.FORK_SERVER_REQUEST.pack(reap)
             if fds is None:
                 sock.send(msg)
             else:
@@ -231,13 +231,13 @@ class Server:
                     return reply.unpack(data)
         except OSError:
             pass
-        self.stop_zygote()
+        self.stop_fork_server()
         return None
 
     def reap_cell(self, pid):
         """(wait status, CPU seconds) of a stateless cell that has ended or is being killed; (None, 0.0) if its
         status was lost."""
-        rep = self.zygote_call(reap=pid)
+        rep = self.ask_fork_server(reap=pid)
         if rep is not None and rep[1] >= 0:
             return rep[1], rep[2]
         try:   # the fork server died: the cell is our child now
@@ -252,8 +252,8 @@ class Server:
         keep = self.sessions.pids()
         if self.spare is not None:
             keep.add(self.spare["pid"])
-        if self.zygote is not None:
-            keep.add(self.zygote[0])
+        if self.fork_server is not None:
+            keep.add(self.fork_server[0])
         return keep
 
     def sweep(self):
@@ -289,9 +289,9 @@ class Server:
                 return
             if pid == 0:
                 return
-            if self.zygote is not None and pid == self.zygote[0]:
-                self.zygote[1].close()
-                self.zygote = None
+            if self.fork_server is not None and pid == self.fork_server[0]:
+                self.fork_server[1].close()
+                self.fork_server = None
                 continue
             self.sessions.died(pid)
 
@@ -343,7 +343,7 @@ def main():
     srv.sessions.base_anon = status_kb(os.getpid(), "RssAnon")
     settings.LIMIT_PLAN = limit_plan(settings.LIM, settings.BASE_VM)
     modules = sorted({m.partition(".")[0] for m in sys.modules})   # what cells find loaded: the fork server's
-    srv.start_zygote()
+    srv.start_fork_server()
     srv.prefork()
     write_frame(ctl_out, {"op": "ready", "pid": os.getpid(), "uid": os.getuid(), "vm_size": settings.BASE_VM,
                           "preloaded": [m for m in init.get("preload", []) if m in sys.modules],

@@ -8,11 +8,11 @@ SCRIPT = "main.py"          # a cell runs as `python3 main.py` in its working di
 SPARE_CWD = "/tmp/call"     # a stateless cell's working directory
 INTERRUPTED = -2            # run_cell's status for an uncaught KeyboardInterrupt (CPython then dies by SIGINT)
 
-HDR = struct.Struct(">I")       # a frame's length
-REQ = struct.Struct(">II")      # a stateless cell's request: code bytes, stdin bytes
-ZREQ = struct.Struct("=i")      # pid 1 -> fork server: 0 = fork a spare (its fds attached), > 0 = reap this cell
-ZFORK = struct.Struct("=i")     # fork server -> pid 1: the new spare's pid (<= 0: the fork failed)
-ZEXIT = struct.Struct("=iid")   # fork server -> pid 1: a reaped cell's pid, wait status (-1: not ours), CPU s
+HDR = struct.Struct(">I")                   # a frame's length
+REQ = struct.Struct(">II")                  # a stateless cell's request: code bytes, stdin bytes
+FORK_SERVER_REQUEST = struct.Struct("=i")   # pid 1 -> fork server: 0 = fork a spare (fds attached), > 0 = reap this pid
+FORKED = struct.Struct("=i")                # fork server -> pid 1: the new spare's pid (<= 0: the fork failed)
+REAPED = struct.Struct("=iid")              # fork server -> pid 1: a cell's pid, wait status (-1: not ours), CPU s
 
 # signals pid 1 ignores (and the fork server and holders inherit); cells get what plain python has
 IGNORED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
