@@ -9,7 +9,15 @@ class Become(BaseException):
     forked at, they run at boot -> loop, and the cells they fork (called directly: unwinding costs a forked
     cell ~60 copy-on-write faults) always start at the same depth: 5 frames below a script's module frame,
     so a cell recurses 5 levels less deep than `python3 main.py` before RecursionError. Without it, a
-    session's holders would nest one generation deeper with every cell."""
+    session's holders would nest one generation deeper with every cell.
+
+    Why an exception, and why a BaseException: become() is called right after a fork, deep in pid 1's call
+    chain (serve -> Sessions.run -> new_holder, prefork -> ask_fork_server -> start_fork_server) or at the end of
+    a session cell (holder_loop -> session_cell -> continue_session), and only unwinding can drop those frames;
+    returning a value instead would thread "this is the child now" back through every caller on those paths. Like
+    SystemExit, it must pass any `except Exception` on the way to boot(). Only our own frames are on that stack
+    (a session cell's code has returned before it forks), and none of them has a finally or with block around
+    a become() that would act in the child."""
 
     def __init__(self, target, args):
         self.target, self.args = target, args
@@ -29,7 +37,7 @@ def boot(main):
     while True:
         try:
             target(*args)
-        except Become as b:   # a child forked by the target (the fork server's cells, a cell's next holder)
+        except Become as b:   # a process forked under the target (a session cell's next holder)
             target, args = b.target, b.args
             continue
         except BaseException:
