@@ -42,6 +42,7 @@ from megatron.core.optimizer import DistributedOptimizer
 
 from rstar_hpc.exchange.checkpoints import CommittedDirs
 from rstar_hpc.trainer import host_device
+from rstar_hpc.trainer.model import collective_device
 
 FORMAT = "rstar-hpc-trainer-v2"  # v1: torch AdamW state, tensor parallelism only
 OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}  # reshardable in tp, pp, dp
@@ -316,8 +317,7 @@ class SaveOnSignal:
         self.requested = True
 
     def should_save(self) -> bool:
-        device = "cuda" if torch.cuda.is_available() else "cpu"  # NCCL reduces CUDA tensors only
-        flag = torch.tensor(float(self.requested), device=device)
+        flag = torch.tensor(float(self.requested), device=collective_device())
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
         return bool(flag.item())

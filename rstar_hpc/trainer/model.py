@@ -137,7 +137,9 @@ def init_distributed(tp: int = 1, pp: int = 1, backend: Backend = "cpu", seed: i
         if backend == "cuda":
             local = int(env.get("LOCAL_RANK", env.get("SLURM_LOCALID", 0)))
             torch.cuda.set_device(local)
-        torch.distributed.init_process_group("nccl" if backend == "cuda" else "gloo", rank=rank,
+        # NCCL reduces CUDA tensors only; gloo in the same group serves the CPU ones (a flag, a checkpoint's
+        # metadata), so neither side has to move a tensor to suit the other
+        torch.distributed.init_process_group("cpu:gloo,cuda:nccl" if backend == "cuda" else "gloo", rank=rank,
                                              world_size=world)
     dims = ParallelDims(world_size=torch.distributed.get_world_size(), tp=tp, pp=pp, vpp=vpp)
     if parallel_state.model_parallel_is_initialized():
@@ -154,6 +156,13 @@ def init_distributed(tp: int = 1, pp: int = 1, backend: Backend = "cpu", seed: i
     if backend == "cuda":
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return dims
+
+
+def collective_device() -> str:
+    """Where a small tensor for a collective lives: CUDA where the group runs NCCL, else the CPU (gloo)."""
+    if torch.distributed.is_initialized() and "nccl" in str(torch.distributed.get_backend()):
+        return "cuda"
+    return "cpu"
 
 
 def destroy_distributed() -> None:

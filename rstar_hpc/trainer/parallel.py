@@ -23,7 +23,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
 from rstar_hpc.trainer import host_device
-from rstar_hpc.trainer.model import Backend, Qwen3Arch, Recompute, build_model
+from rstar_hpc.trainer.model import Backend, Qwen3Arch, Recompute, build_model, collective_device
 
 
 class Policy(torch.nn.Module):
@@ -108,13 +108,9 @@ def build_optimizer(policy: Policy, trainer, lr: float):
 # reductions the step's metrics need
 
 
-def _device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 def dp_sum(values: list[float]) -> list[float]:
     """Sums over data-parallel ranks (float64)."""
-    t = torch.tensor(values, dtype=torch.float64, device=_device())
+    t = torch.tensor(values, dtype=torch.float64, device=collective_device())
     if parallel_state.get_data_parallel_world_size() > 1:
         torch.distributed.all_reduce(t, group=parallel_state.get_data_parallel_group())
     return t.tolist()
@@ -124,7 +120,7 @@ def from_last_stage(values: dict[str, float], op: str = "sum") -> dict[str, floa
     """Per-rank metric values that only the last pipeline stage has (its loss function's): reduced over
     data-parallel ranks (`sum` or `max`) there, then sent to every stage."""
     if parallel_state.is_pipeline_last_stage(ignore_virtual=True) and values:
-        t = torch.tensor(list(values.values()), dtype=torch.float64, device=_device())
+        t = torch.tensor(list(values.values()), dtype=torch.float64, device=collective_device())
         if parallel_state.get_data_parallel_world_size() > 1:
             torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM if op == "sum" else
                                          torch.distributed.ReduceOp.MAX, group=parallel_state.get_data_parallel_group())

@@ -48,6 +48,7 @@ from rstar_hpc.exchange.errors import ExchangeError, StepNotReadyError
 from rstar_hpc.exchange.reader import Consumer
 from rstar_hpc.exchange.rundir import RunPaths
 from rstar_hpc.exchange.state import silence_s, write_heartbeat
+from rstar_hpc.trainer.model import collective_device
 from rstar_hpc.trainer.parallel import from_last_stage
 from rstar_hpc.trainer.step import MicroBatch, forward_logprobs, pack, train_step
 
@@ -165,7 +166,7 @@ def build_batch(table: pa.Table, step: int, algo: AlgoConfig, trainer: TrainerCo
 
 def _any_rank(*flags: bool) -> list[bool]:
     """Each flag, true if it is true on any trainer rank."""
-    t = torch.tensor([float(f) for f in flags], device="cuda" if torch.cuda.is_available() else "cpu")
+    t = torch.tensor([float(f) for f in flags], device=collective_device())
     if torch.distributed.is_initialized():
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
     return [bool(x) for x in t.tolist()]

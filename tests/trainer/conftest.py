@@ -54,6 +54,7 @@ def dist1():
     os.environ["MASTER_PORT"] = str(free_port())
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
-    dims = init_distributed(tp=1)
+    # with a GPU, NCCL for the cuda variants' tensors and gloo for the cpu ones, in one group
+    dims = init_distributed(tp=1, backend="cuda" if torch.cuda.is_available() else "cpu")
     yield dims
     destroy_distributed()
