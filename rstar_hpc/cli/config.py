@@ -32,7 +32,8 @@ def show(config: str, overrides: tuple[str, ...]) -> None:
                                               "are not: off the cluster).")
 def validate(config: str, overrides: tuple[str, ...], no_data: bool) -> None:
     """Check a config and every data file it names (stages[].data, eval benchmarks; as `rstar-hpc data check` does);
-    exit 0 if all is usable, 3 with the offending keys or files named if not."""
+    exit 0 if all is usable, 3 with the offending keys or files named if not. A file not on this machine is only
+    named (a recipe's placeholder path, or data on a file system this node does not mount): `launch` refuses it."""
     cfg = load_config(config, overrides)
     stages = " -> ".join(f"{s.name}({s.kind})" for s in cfg.stages) or "no stages"
     if not no_data:
@@ -43,6 +44,7 @@ def validate(config: str, overrides: tuple[str, ...], no_data: bool) -> None:
 def _check_data(cfg, config: str) -> None:
     """Read every data file of `cfg` with the stages' readers; DatasetError (exit 3) listing every problem."""
     from rstar_hpc.cli.data import describe, summary_line
+    from rstar_hpc.data.files import DataFileMissing
     from rstar_hpc.datasets import DatasetError, config_data_files
 
     done: dict[tuple[str, str], str | DatasetError] = {}
@@ -54,7 +56,9 @@ def _check_data(cfg, config: str) -> None:
             except DatasetError as e:
                 done[kind, data] = e
         got = done[kind, data]
-        if isinstance(got, DatasetError):
+        if isinstance(got, DataFileMissing):
+            click.echo(f"data: {where}: {data}: not on this machine, not checked (launch checks it again)", err=True)
+        elif isinstance(got, DatasetError):
             problems.append(f"{where}: {got}")
         else:
             click.echo(f"data: {where}: {data}: {got}")
