@@ -25,7 +25,9 @@ def healthy(sb):
     for code, kind in (("print(6 * 7)", "light"), ("import sympy\nprint(6 * 7)", "math")) * 2:   # every sandbox
         r = sb.run(code)
         assert r["status"] == "ok" and r["stdout"] == "42\n" and r["sandbox"] == kind, r
-        assert r["wall_s"] < 0.5, r
+        # not stuck behind what the hostile call left (a timeout would show as its status); the speed of a warm call
+        # is bench/sandbox_service.py's figure, and on a loaded 2-core machine a call may take most of a second
+        assert r["wall_s"] < 2.0, r
     snap = sb.snapshot()
     assert snap["workers_alive"] == snap["workers"] == 2, snap
     assert snap["light_workers_alive"] == snap["light_workers"] == 2, snap

@@ -295,7 +295,7 @@ def test_killing_or_stopping_the_fork_server_costs_nothing(healthy, kind, sig):
         r = run(healthy, code, kind=kind)
         assert r["status"] == "ok" and r["stdout"] == "True\n", r
         r = run(healthy, "print(6 * 7)", kind=kind)
-        assert r["status"] == "ok" and r["stdout"] == "42\n" and r["wall_s"] < 0.5, r
+        assert r["status"] == "ok" and r["stdout"] == "42\n" and r["wall_s"] < 2.0, r   # (bound: see `healthy`)
 
 
 def test_clone_parent_is_denied(healthy):

@@ -86,7 +86,7 @@ def test_a_lone_call_is_sent_without_waiting_for_a_batch(cluster):
         r = await c.run("print('alone')")
         return r, time.monotonic() - t
     r, dt = with_client(lt, go, run_dir=str(run_dir))
-    assert r["stdout"] == "alone\n" and dt < 0.5, (r, dt)
+    assert r["stdout"] == "alone\n" and dt < 2.0, (r, dt)   # no batch window to wait for (a loaded machine: ~0.5 s)
 
 
 def test_a_session_stays_on_its_node(cluster):

@@ -43,7 +43,7 @@ def test_routing_is_linear_on_hostile_input():
     for code in ("import os\n" + "not " * 4000 + "1", "import os\n" + "[" * 5000, "import " + "a." * 200000):
         t = time.perf_counter()
         route(code, HEAVY, LOADED)
-        assert time.perf_counter() - t < 0.05
+        assert time.perf_counter() - t < 0.5   # linear: ~ms; a quadratic scan of these inputs takes seconds
 
 
 def test_calls_land_in_the_right_kind_of_sandbox(healthy):
