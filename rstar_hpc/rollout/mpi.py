@@ -3,26 +3,27 @@
 Every message has its own tag, listed here and nowhere else; both sides import the tags from this module. Payloads
 are pickled Python objects; sends are never blocking where the peer may be dead. One step, in order:
 
-    tag      direction  payload                                     meaning
-    START    0 -> e     {policy_version, policy_dir, stage, step,   run this step: load that policy (in place if new)
-                         limits}
-    SKIP     0 -> e     None                                        the step is committed already: nothing to run
-    ACK      e -> 0     {loading}                                   START received (sent at once, before loading)
-    HELLO    e -> 0     {capacity_tokens, policy_version}           policy loaded: ready for work, this much KV
-    WORK     0 -> e     [step.WorkItem, ...]                        admitted trajectories (any number of times)
-    KV       e -> 0     {kv_usage, running, contexts, movable}      the engine's heartbeat (every heartbeat_s)
-    RESULT   e -> 0     messages.TrajectoryResult                   one trajectory, finished or paused (its state)
-    MIGRATE  0 -> e     {key}                                       pause it at its next turn boundary (migration)
-    MOVED    e -> 0     {key}                                       MIGRATE declined: it was gone already
-    PAUSE    0 -> e     None                                        the step closed (partial rollouts): every live
-                                                                    trajectory comes back paused or finished
-    ALIVE    0 -> e     None                                        rank 0's heartbeat (every heartbeat_s)
-    DEAD     e -> 0     "reason"                                    the engine failed: re-run its work elsewhere
-    DONE     0 -> e     None                                        the step is over: report
-    STATS    e -> 0     {done, paused, idle_s, wall_s, ...}         the engine's figures of the step
-    EXIT     0 -> e     {finalize}                                  after the job's last step: leave
-    BYE      e -> 0     None                                        after a rank's death: this rank has shut down
-    ABORT    0 -> e     "reason"                                    at any point: rank 0 failed, engine ranks leave
+    tag      dir      payload                                            meaning
+    START    0 -> e   {policy_version, policy_dir, stage, step, limits}  run the step; load that policy if new
+    SKIP     0 -> e   None                                               the step is committed already: nothing to run
+    ACK      e -> 0   {loading}                                          START received (sent at once, before loading)
+    HELLO    e -> 0   {capacity_tokens, policy_version}                  policy loaded: ready, with this much KV
+    WORK     0 -> e   [step.WorkItem, ...]                               admitted trajectories (any number of times)
+    KV       e -> 0   {kv_usage, running, contexts, movable}             the engine's heartbeat (every heartbeat_s)
+    RESULT   e -> 0   messages.TrajectoryResult                          one trajectory, finished or paused (its state)
+    MIGRATE  0 -> e   {key}                                              pause it at its next turn boundary
+    MOVED    e -> 0   {key}                                              MIGRATE declined: it was gone already
+    PAUSE    0 -> e   None                                               the step closed: pause every live trajectory
+    ALIVE    0 -> e   None                                               rank 0's heartbeat (every heartbeat_s)
+    DEAD     e -> 0   "reason"                                           the engine failed: re-run its work elsewhere
+    DONE     0 -> e   None                                               the step is over: report
+    STATS    e -> 0   {done, paused, idle_s, wall_s, ...}                the engine's figures of the step
+    EXIT     0 -> e   {finalize}                                         after the job's last step: leave
+    BYE      e -> 0   None                                               after a rank's death: this rank has shut down
+    ABORT    0 -> e   "reason"                                           at any point: rank 0 failed, engine ranks leave
+
+A step already committed gets SKIP instead of START. PAUSE: partial rollouts; every live trajectory comes back
+as a paused (or finished) RESULT. EXIT and BYE end the job; ABORT may come at any point.
 """
 from __future__ import annotations
 
