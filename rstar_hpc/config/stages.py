@@ -19,6 +19,8 @@ from pydantic import Field, model_validator
 from rstar_hpc.config.base import Section
 
 STAGE_OUTPUT = "@"   # `data: "@<stage>"`: the data set an earlier hard_subset stage wrote
+# the values the one flat stage spec of earlier versions wrote into every saved config.yaml for every kind
+_FLAT_DEFAULTS = {"num_steps": 1, "reset_optimizer": False, "drop_unsolved": False, "benchmarks": {}}
 
 
 class _Stage(Section):
@@ -32,6 +34,19 @@ class _Stage(Section):
     max_prompts: int | None = Field(None, ge=1)
     """Use only the first N prompts of `data` (of each benchmark, in eval): a quick eval, a hard subset mined from
     part of a large set, a CI-sized run. Null: all of them."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _earlier_flat_spec(cls, data):
+        """A run directory saved by an earlier version holds every field of every kind at its default (null, false,
+        {}, num_steps 1): those are dropped, so `launch RUN/config.yaml` resumes it. Any other value of a field of
+        another kind is still refused."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items()
+                if not (k not in fields and (v is None or (k in _FLAT_DEFAULTS and v == _FLAT_DEFAULTS[k])))
+                and not (k in fields and v is None and fields[k].default is not None)}
 
 
 class _TrainerStage(_Stage):

@@ -251,3 +251,20 @@ def test_explain_lists_every_stage_kind():
     for kind in ("sft", "rl", "hard_subset", "eval"):
         assert f"[stages.{kind}]" in text
     assert "drop_unsolved" in explain_section("stages.hard_subset") and "lr" not in explain_section("stages.eval")
+
+
+def test_a_run_directory_saved_with_the_flat_stage_spec_still_loads(tmp_path):
+    """Earlier versions saved every field of every kind at its default in RUN/config.yaml; resuming such a run
+    (`launch RUN/config.yaml`) must work, while a real value of another kind's field is still refused."""
+    flat = {"num_steps": 1, "data": None, "prompts_per_step": 512, "max_response_length": None, "max_turns": None,
+            "lr": None, "warmup_steps": None, "reset_optimizer": False, "num_samples": None, "max_prompts": None,
+            "drop_unsolved": False, "benchmarks": {}, "temperature": None, "top_p": None, "hard_subset_of": None}
+    tree = yaml.safe_load(dump_config(load_config("tiny-cpu")))
+    tree["stages"] = [{**flat, **{k: v for k, v in s.items() if v not in (None, {}, False)}}
+                      for s in tree["stages"]]
+    cfg = build_config(tree)
+    assert cfg == load_config("tiny-cpu")
+    assert cfg.stage("hard").num_samples == 4 and cfg.stage("eval").num_samples == 4
+    tree["stages"][5]["lr"] = 0.1
+    with pytest.raises(ConfigError, match=r"stages\.5\.lr: not a field of an eval stage"):
+        build_config(tree)
