@@ -18,15 +18,12 @@ import time
 import torch
 
 from rstar_hpc.models.shapes import PUBLISHED
+from rstar_hpc.trainer.plan import model_flops
 
 
 def step_flops(arch, seqlens: list[int]) -> tuple[float, int]:
     """(model FLOPs of one training step over samples of these lengths, N): see the module docstring."""
-    h, d = arch.hidden_size, arch.head_dim
-    per_layer = h * d * (arch.num_heads + 2 * arch.num_kv_heads) + arch.num_heads * d * h + 3 * h * arch.intermediate_size
-    n = arch.num_layers * per_layer + arch.vocab_size * h
-    attention = 6 * arch.num_layers * arch.num_heads * d * sum(s * s for s in seqlens)
-    return 6.0 * n * sum(seqlens) + attention, n
+    return model_flops(arch, seqlens, passes=3)
 
 
 def flash_sdpa_ok(arch) -> bool:

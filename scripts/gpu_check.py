@@ -1,0 +1,220 @@
+"""The trainer on one GPU in bf16, measured: `scripts/gpu-check.sh` runs this (see there for wheels and --dry).
+
+For each recompute setting (none, selective MLP) on a randomly initialised Qwen3 of a published shape (default
+qwen3-0.6b, 0.6 B parameters): warm-up steps, then timed steps of
+  SFT  the trainer's packed SFT step (`step.train_step` over `step.pack`): `--samples` random-token sequences of
+       lengths in [seq_len/8, seq_len/2], token-mean NLL, AdamW, clipping;
+  RL   the trainer's GRPO-RoC step on committed-shape trajectories (`rl.build_batch`: RoC, group advantages,
+       packing; `rl.rl_step`: pi_old recomputed, the clipped loss, AdamW), 2G = 8 rollouts per prompt, G = 4 kept.
+Figures per step kind: tokens/s (trained tokens), MFU (model FLOPs, `plan.model_flops`: 3 passes for the update,
+1 more for the RL step's recompute, over the card's dense bf16 peak), and the peak memory from the model's build
+on, beside `rstar-hpc trainer plan`'s prediction for the same shape and layout. The last stdout line is one JSON
+object of every figure. `--dry` runs the same steps on the CPU at a tiny shape (a check of the script, no figures).
+On a GPU an untimed pass of the first setting comes first (see main).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from rstar_hpc.models.shapes import PUBLISHED, ModelShape  # noqa: E402
+
+# dense bf16 peak TFLOP/s by the name CUDA reports (vendor figures, without sparsity)
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0, "L40S": 362.0}
+DRY_SHAPE = ModelShape(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
+                       num_kv_heads=2, head_dim=32)
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dry", action="store_true", help="the same steps on the CPU at a tiny shape")
+    ap.add_argument("--model", default="qwen3-0.6b", choices=sorted(PUBLISHED))
+    ap.add_argument("--seq-len", type=int, default=8192, help="micro-batch tokens (packed)")
+    ap.add_argument("--samples", type=int, default=16, help="SFT sequences per step")
+    ap.add_argument("--rl-prompts", type=int, default=8, help="RL prompts per step (8 rollouts each, 4 kept)")
+    ap.add_argument("--rl-response-tokens", type=int, default=1500, help="mean response length of a rollout")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (torch.compile, allocator)")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps")
+    ap.add_argument("--peak-tflops", type=float, default=None, help="MFU denominator [by the GPU's name]")
+    ap.add_argument("--recompute", default="none,selective", help="settings to measure, in this order")
+    args = ap.parse_args()
+    if args.dry:
+        args.seq_len, args.samples, args.rl_prompts, args.rl_response_tokens = 512, 4, 2, 120
+        args.warmup, args.steps = 1, 1
+    return args
+
+
+def peak_tflops(args) -> float | None:
+    if args.peak_tflops or args.dry:
+        return args.peak_tflops
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+
+
+def trainer_config(args, device: str, recompute: str):
+    from rstar_hpc.config.trainer import TrainerConfig
+
+    return TrainerConfig(backend=device, params_dtype="float32" if args.dry else "bfloat16",
+                         micro_batch_tokens=args.seq_len, recompute=recompute, recompute_modules=["mlp"],
+                         recompute_old_logprobs=True,
+                         optimizer={"lr": 1e-5, "weight_decay": 0.0, "grad_clip": 1.0})
+
+
+def planned_gib(shape: ModelShape, args, recompute: str) -> dict:
+    """`rstar-hpc trainer plan` for this shape on one GPU (tp = pp = dp = 1)."""
+    from rstar_hpc.config import load_config
+    from rstar_hpc.trainer.plan import make_plan
+
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / "config.json").write_text(json.dumps({
+            "vocab_size": shape.vocab_size, "hidden_size": shape.hidden_size,
+            "intermediate_size": shape.intermediate_size, "num_hidden_layers": shape.num_layers,
+            "num_attention_heads": shape.num_heads, "num_key_value_heads": shape.num_kv_heads,
+            "head_dim": shape.head_dim, "tie_word_embeddings": shape.tie_word_embeddings}))
+        cfg = load_config("tiny-cpu", [f"model.path={d}", "launch.trainer.num_nodes=1",
+                                       "launch.trainer.tasks_per_node=1", "trainer.use_distributed_optimizer=false",
+                                       f"trainer.params_dtype={'float32' if args.dry else 'bfloat16'}",
+                                       f"trainer.micro_batch_tokens={args.seq_len}", f"trainer.recompute={recompute}",
+                                       "trainer.recompute_modules=[mlp]"])
+        plan = make_plan(cfg)
+    return {"total": round(plan.total_gib, 2), **plan.memory_gib}
+
+
+def sft_batches(args, vocab: int) -> list[list]:
+    gen = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(args.warmup + args.steps):
+        lens = torch.randint(args.seq_len // 8, args.seq_len // 2 + 1, (args.samples,), generator=gen).tolist()
+        out.append([(torch.randint(0, vocab, (n,), generator=gen), torch.arange(n) > 0) for n in lens])
+    return out
+
+
+def rl_tables(args, vocab: int) -> list:
+    """Trajectory steps as the trainer reads them (exchange rows), tokens in the model's vocabulary."""
+    from rstar_hpc.exchange.columns import to_table
+    from rstar_hpc.exchange.synthetic import make_step
+
+    rng, out = np.random.default_rng(0), []
+    for step in range(args.warmup + args.steps):
+        trajs = make_step("gpu-check", "rl", step, args.rl_prompts, 8, mean_tokens=args.rl_response_tokens, seed=step,
+                          text=False)
+        for t in trajs:
+            t.prompt_ids = np.asarray(t.prompt_ids[:256]) % vocab
+            t.response_ids = np.asarray(t.response_ids[:args.seq_len - 256]) % vocab
+            for name in ("loss_mask", "logprobs"):
+                setattr(t, name, np.asarray(getattr(t, name))[:len(t.response_ids)])
+            t.turns = [dataclasses.replace(t.turns[0], start=0, end=len(t.response_ids))]
+            t.turns[0].role, t.tool_calls = "assistant", []
+            t.reward = float(t.sample_index % 2 == 0 or rng.random() < 0.3)
+        out.append(to_table(trajs))
+    return out
+
+
+def timed(args, steps: list, run, peak: float | None) -> dict:
+    """Run `run(step) -> (trained seqlens, FLOP passes)` over `steps`; medians over the timed ones."""
+    from rstar_hpc.trainer.plan import model_flops
+
+    cuda = torch.cuda.is_available() and not args.dry
+    times, tokens, flops = [], [], []
+    for i, item in enumerate(steps):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        seqlens, passes = run(item)
+        if cuda:
+            torch.cuda.synchronize()
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+            tokens.append(sum(seqlens))
+            flops.append(sum(model_flops(args.shape, seqlens, p)[0] for p in passes))
+    out = {"tokens_per_s": round(statistics.median(t / s for t, s in zip(tokens, times)), 1),
+           "step_s": round(statistics.median(times), 3), "tokens_per_step": round(statistics.mean(tokens), 1)}
+    if peak:
+        out["mfu"] = round(statistics.median(f / s / (peak * 1e12) for f, s in zip(flops, times)), 4)
+    return out
+
+
+def check(args, device: str, recompute: str, peak: float | None) -> dict:
+    """One recompute setting: build the policy, time SFT then RL steps, the peak memory over both."""
+    from rstar_hpc.config.algo import AlgoConfig
+    from rstar_hpc.trainer.model import Qwen3Arch
+    from rstar_hpc.trainer.parallel import build_optimizer, build_policy
+    from rstar_hpc.trainer.rl import build_batch, rl_step
+    from rstar_hpc.trainer.step import pack, train_step
+
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    tcfg = trainer_config(args, device, recompute)
+    algo = AlgoConfig(num_samples_per_prompt=8, roc={"down_sample_to_n": 4, "min_zero_reward_trace_num": 1,
+                                                      "min_non_zero_reward_trace_num": 1})
+    policy = build_policy(Qwen3Arch(**dataclasses.asdict(args.shape)), tcfg, device)
+    opt = build_optimizer(policy, tcfg, 1e-5)
+
+    def sft(batch):
+        train_step(policy, opt, None, pack(batch, args.seq_len))
+        return [len(ids) for ids, _ in batch], [3]
+
+    def rl(table):
+        batch = build_batch(table, 0, algo, tcfg, run_seed=0)
+        rl_step(policy, opt, None, batch, algo.loss, tcfg)
+        lens = [len(ids) for ids, _ in batch.samples]
+        return lens, [3, 1]   # the update, and pi_old recomputed
+    out = {"sft": timed(args, sft_batches(args, args.shape.vocab_size), sft, peak),
+           "rl": timed(args, rl_tables(args, args.shape.vocab_size), rl, peak),
+           "planned_gib": planned_gib(args.shape, args, recompute)}
+    if device == "cuda":
+        out["peak_mem_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    return out   # the policy and optimizer go with this frame: the next setting starts from an empty GPU
+
+
+def main() -> None:
+    args = parse_args()
+    device = "cpu" if args.dry else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        sys.exit("gpu-check: no CUDA device visible; --dry runs the same steps on the CPU")
+    args.shape = DRY_SHAPE if args.dry else PUBLISHED[args.model]
+    for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29591"), ("RANK", "0"), ("WORLD_SIZE", "1")):
+        os.environ.setdefault(k, v)
+    from rstar_hpc.trainer.model import destroy_distributed, have_transformer_engine, init_distributed
+
+    init_distributed(tp=1, backend=device)
+    peak = peak_tflops(args)
+    t0 = time.perf_counter()
+    settings = args.recompute.split(",")
+    if not args.dry:
+        # an untimed pass first: on an H200 the first setting measured ran at ~40% of the same setting measured
+        # again later, whichever it was (kernels compiled for each new packed shape, autotuning), warm-up steps or not
+        check(args, device, settings[0], peak)
+    figures = {}
+    for recompute in settings:
+        figures[recompute] = check(args, device, recompute, peak)
+        print(f"gpu-check: recompute {recompute}: {json.dumps(figures[recompute])}", file=sys.stderr, flush=True)
+    destroy_distributed()
+    from rstar_hpc.trainer.plan import model_flops
+    out = {"check": "gpu", "device": torch.cuda.get_device_name() if device == "cuda" else "cpu (--dry)",
+           "torch": torch.__version__, "model": "dry" if args.dry else args.model,
+           "params": model_flops(args.shape, [1])[1], "seq_len": args.seq_len,
+           "dtype": "float32" if args.dry else "bfloat16 (fp32 main weights)",
+           "layer_spec": "transformer_engine" if device == "cuda" and have_transformer_engine() else "local+sdpa",
+           "peak_tflops": peak, "wall_s": round(time.perf_counter() - t0, 1), **figures}
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
