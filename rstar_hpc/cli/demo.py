@@ -149,7 +149,7 @@ def _report(sft, runs: dict, wall_s: float) -> dict:
     for label in runs:
         key, mine = MODES[label][0], head if label == "RoC" else head["compare"][label]
         if label != "RoC":
-            out[f"pass1_{key}"] = mine["pass1_rl"]
+            out[f"pass1_{key}"], out[f"pass1_{key}_stderr"] = mine["pass1_rl"], mine["pass1_rl_stderr"]
             out[f"{key}_positive_tool_error_ratio"] = mine["positive_tool_error_ratio"]
         out["sampled_per_group"][key] = _round(mine["sampled_per_group"])
         out["trained_per_group"][key] = _round(mine["trained_per_group"])
