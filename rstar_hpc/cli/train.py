@@ -80,7 +80,7 @@ def command(config: str, overrides: tuple[str, ...], stage_name: str | None, fol
 
 def _pick_stage(cfg, name: str | None, none_left_ok: bool = False):
     from rstar_hpc.exchange.rundir import RunPaths
-    from rstar_hpc.exchange.state import read_stage_state
+    from rstar_hpc import pipeline
 
     if name is not None:
         try:
@@ -88,7 +88,7 @@ def _pick_stage(cfg, name: str | None, none_left_ok: bool = False):
         except KeyError as e:
             raise click.BadParameter(str(e.args[0]), param_hint="--stage") from None
     for s in cfg.stages:
-        if s.kind in ("sft", "rl") and read_stage_state(RunPaths(cfg.run.dir), s.name).status != "DONE":
+        if s.kind in pipeline.TRAINER_KINDS and not pipeline.stage_done(RunPaths(cfg.run.dir), s.name):
             return s
     if none_left_ok:
         return None
