@@ -51,10 +51,16 @@ def dist1():
 
     from rstar_hpc.trainer.model import destroy_distributed, init_distributed
 
-    os.environ["MASTER_PORT"] = str(free_port())
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
+    saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
+    os.environ.update(MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
     # with a GPU, NCCL for the cuda variants' tensors and gloo for the cpu ones, in one group
     dims = init_distributed(tp=1, backend="cuda" if torch.cuda.is_available() else "cpu")
+    # the group is up: later tests' subprocesses (a bench, a trainer job) must not inherit this world's port, which
+    # this process holds for the rest of the session (EADDRINUSE)
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
     yield dims
     destroy_distributed()
