@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import json
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
+from datafiles import openai_chat, verl_row, write_jsonl, write_parquet
 
 from rstar_hpc.cli import main
 from rstar_hpc.cli.status import EXIT_CONFIG
@@ -16,33 +15,6 @@ from rstar_hpc.eval import compose as c
 from rstar_hpc.models import chat_format as fmt
 
 RATIONALE = "First we add the two numbers together and then we divide the result by two, which gives the answer."
-
-
-def verl_row(i: int, question: str, answer: str, system: str | None = None) -> dict:
-    """A row as microsoft/rStar's data_preprocess/*.py writes it (the verl schema)."""
-    prompt = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": question}]
-    return {"data_source": "rstar_x", "prompt": prompt, "ability": "math",
-            "reward_model": {"style": "rule", "ground_truth": answer}, "extra_info": {"split": "test", "index": i}}
-
-
-def openai_chat(content=None) -> dict:
-    call = {"id": "call_1", "type": "function",
-            "function": {"name": fmt.TOOL_NAME, "arguments": json.dumps({"code": "print(12 * 13)", "input": ""})}}
-    return {"messages": [{"role": "user", "content": [{"type": "text", "text": "Compute 12 * 13."}]},
-                         {"role": "assistant", "content": content, "tool_calls": [call]},
-                         {"role": "tool", "tool_call_id": "call_1", "content": "156"},
-                         {"role": "assistant", "content": "<answer>\\boxed{156}</answer>"}],
-            "tools": [fmt.TOOL_SCHEMA]}
-
-
-def write_parquet(path, rows):
-    pq.write_table(pa.Table.from_pylist(rows), path)
-    return path
-
-
-def write_jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
 
 
 def _run(argv: list[str], capsys) -> tuple[int, str, str]:

@@ -7,6 +7,7 @@ import sys
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from datafiles import CALL, openai_chat, verl_row, write_jsonl, write_parquet
 
 from rstar_hpc.config import load_config
 from rstar_hpc.data.answers import ground_truth
@@ -112,25 +113,6 @@ def test_rollout_cli_refuses_bad_data_before_starting_ranks(tmp_path):
 
 # -- the layouts users have --------------------------------------------------------------------------------------
 
-def verl_row(i: int, question: str, answer: str, system: str | None = None) -> dict:
-    """A row as microsoft/rStar's data_preprocess/*.py writes it (the verl schema)."""
-    prompt = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": question}]
-    return {"data_source": "rstar_HuggingFaceH4/aime_2024", "agent_name": "rstar2_agent", "prompt": prompt,
-            "ability": "math", "reward_model": {"style": "rule", "ground_truth": answer},
-            "extra_info": {"split": "test", "index": i, "answer": answer, "question": question,
-                           "need_tools_kwargs": False}}
-
-
-def write_parquet(path, rows):
-    pq.write_table(pa.Table.from_pylist(rows), path)
-    return path
-
-
-def write_jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
 def test_an_rstar_prepared_verl_parquet_is_read_as_it_is(tmp_path):
     f = write_parquet(tmp_path / "aime.parquet", [verl_row(0, "Find x.", "204"), verl_row(1, "Find y.", "25"),
                                                   verl_row(2, fmt.USER_PREFIX + "Find z.", "7")])
@@ -216,19 +198,6 @@ def test_a_rationale_with_no_final_answer_is_refused_naming_the_column(tmp_path,
 
 
 # -- OpenAI-style chat files (sft) ---------------------------------------------------------------------------------
-
-CALL = {"id": "call_1", "type": "function",
-        "function": {"name": fmt.TOOL_NAME, "arguments": json.dumps({"code": "print(12 * 13)", "input": ""})}}
-
-
-def openai_chat(content=None, call=CALL, tool_call_id="call_1") -> dict:
-    return {"messages": [{"role": "user", "content": [{"type": "text", "text": "Compute "}, {"type": "text",
-                                                                                            "text": "12 * 13."}]},
-                         {"role": "assistant", "content": content, "tool_calls": [call]},
-                         {"role": "tool", "tool_call_id": tool_call_id, "content": "156"},
-                         {"role": "assistant", "content": "<answer>\\boxed{156}</answer>"}],
-            "tools": [fmt.TOOL_SCHEMA]}
-
 
 def test_openai_tool_calls_are_rendered_in_the_rstar2_format(tmp_path):
     f = write_jsonl(tmp_path / "sft.jsonl", [openai_chat(), openai_chat(content="Let me compute it.")])
