@@ -48,6 +48,11 @@ def previous_trainer_stage(cfg, name: str):
     return earlier[-1] if earlier else None
 
 
+def rollout_stages(cfg, stage: str | None = None) -> list:
+    """The stages a rollout job works on: `stage` alone, else every rollout-kind stage of the run, in order."""
+    return [cfg.stage(stage)] if stage else [s for s in cfg.stages if s.kind in ROLLOUT_KINDS]
+
+
 def warmup_steps(cfg, name: str) -> int:
     """The linear lr warm-up trainer stage `name` starts with. The optimizer warms up once per phase, as the paper
     does: in the run's first trainer stage, where the kind changes (sft -> rl: RL's own lr), and where a stage

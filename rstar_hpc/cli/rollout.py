@@ -96,6 +96,6 @@ def check_rollout_data(cfg, stage: str | None) -> None:
     """Read the prompts of the rollout stages (or `stage`) now: a bad file is an error before any engine starts.
     A stage reading an earlier hard_subset's output is checked when it starts (the file does not exist yet)."""
     from rstar_hpc import pipeline
-    for s in [cfg.stage(stage)] if stage else [s for s in cfg.stages if s.kind in pipeline.ROLLOUT_KINDS]:
+    for s in pipeline.rollout_stages(cfg, stage):
         if not (s.data or "").startswith("@"):
             pipeline.stage_prompts(cfg, s)

@@ -120,7 +120,7 @@ def _scheduler_steps(cfg, paths, stage, steps, progress, tok, comm, MPI) -> tupl
 
     score = Scorer(cfg.run.name, cfg.algo.reward, cfg.algo.roc)
     dead: set[int] = set()
-    stages = [stage] if stage else [s.name for s in cfg.stages if s.kind in pipeline.ROLLOUT_KINDS]
+    stages = [s.name for s in pipeline.rollout_stages(cfg, stage)]
     for name in stages:
         if stage is None and pipeline.rollout_done(cfg, paths, name):
             continue
@@ -177,8 +177,8 @@ def engine_context(cfg, stage: str | None) -> int:
     it gets the longest context of them: config validation holds each stage's prompt + response within its own."""
     from rstar_hpc import pipeline
 
-    names = [stage] if stage else [s.name for s in cfg.stages if s.kind in pipeline.ROLLOUT_KINDS]
-    return max((cfg.engine_context(cfg.stage(n)) for n in names), default=cfg.rollout.engine.max_model_len)
+    return max((cfg.engine_context(s) for s in pipeline.rollout_stages(cfg, stage)),
+               default=cfg.rollout.engine.max_model_len)
 
 
 def _engine(cfg, paths, stage, sandbox, model_dir, rank) -> tuple[int, str]:
