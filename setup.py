@@ -1,6 +1,6 @@
 """rstar-hpc: rStar2-Agent (GRPO-RoC agentic RL) as a Slurm-native batch-job suite.
 
-Install (CPU machine, what CI and the demo use):   pip install -e '.[cpu,dev]'
+Install (CPU machine, what CI and the demo use):   pip install -e '.[cpu,dev,tracking]'
 Install (GPU cluster):                             pip install -e '.[gpu]'
 The CUDA extra and the CPU extra pin different torch builds: never install both into one environment.
 """
@@ -37,6 +37,9 @@ extras_require = {
     # GPU clusters: the CUDA vLLM build and Transformer Engine (never installed on CPU machines)
     "gpu": ["vllm", "transformer-engine[pytorch]"],
     "dev": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "ruff>=0.5"],
+    # optional trackers beside the JSONL and TensorBoard (`tracking:` in the config, off by default); mlflow-skinny
+    # is the client without the server's dependencies: file store and server URLs both work
+    "tracking": ["wandb==0.31.0", "mlflow-skinny==3.17.2", "nvidia-ml-py==13.615.71"],
 }
 
 setup(

@@ -134,6 +134,9 @@ def config_data_files(cfg) -> list[tuple[str, str, str]]:
         named = ({f"stages.{s.name}.benchmarks.{k}": v for k, v in s.benchmarks.items()} if s.kind == "eval" and
                  s.benchmarks else {f"stages.{s.name}.data": s.data})
         kind = {"sft": "sft", "eval": "eval"}.get(s.kind, "rl")
-        out += [(where, kind, data) for where, data in named.items()
+        if s.kind == "rl":   # held-out validation problems are read like eval benchmarks
+            named.update({f"stages.{s.name}.val_data" + (f".{k}" if isinstance(s.val_data, dict) else ""): v
+                          for k, v in s.val_files().items()})
+        out += [(where, "eval" if ".val_data" in where else kind, data) for where, data in named.items()
                 if data and not is_demo(data) and not data.startswith("@")]
     return out

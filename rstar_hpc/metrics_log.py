@@ -12,6 +12,11 @@ turned into `_unit` (TensorBoard's tag alphabet). Each record is flushed as it i
 loses nothing; each process writes its own event file (host and pid in the name), so a requeued job appends
 beside the old one. TensorBoard is a view: if it is missing or fails, the role logs one warning and goes on with
 the JSONL alone. RSTAR_HPC_TENSORBOARD=0 turns it off.
+
+The trackers the run's config.yaml enables (`tracking:`: W&B, MLflow; rstar_hpc/tracking/) get the same numbers
+under the same tags, prefixed with the stage (`rl-8k/trainer/loss` at the stage's step). Where NVML finds a GPU,
+each step record (one without a group) also brings `<role>/gpu<i>/util_%` and `mem_used_GiB` to every view.
+A tracker that fails is dropped with one warning, like TensorBoard.
 """
 from __future__ import annotations
 
@@ -61,24 +66,54 @@ class MetricsSink:
         self.path = paths.metrics(role)
         self.tensorboard = os.environ.get(TB_ENV, "1") != "0" if tensorboard is None else tensorboard
         self._writers: dict[str, Any] = {}
+        self._trackers: list | None = None   # opened at the first record they get
+        self._gpu: bool | None = None        # tracking.gpu, read at the first record
 
     def write(self, record: dict, *, step: int | None = None, group: str | None = None) -> None:
-        """Append `record` as one JSON line; mirror its numbers to TensorBoard at `step` (default: the record's
-        own `step`; records without one, or without a `stage`, are not mirrored)."""
+        """Append `record` as one JSON line; mirror its numbers to TensorBoard and the trackers at `step` (default:
+        the record's own `step`; records without one, or without a `stage`, are not mirrored)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
         step = record.get("step") if step is None else step
-        if self.tensorboard and isinstance(record.get("stage"), str) and isinstance(step, int):
-            self._to_tensorboard(record, step, group)
+        if not (isinstance(record.get("stage"), str) and isinstance(step, int)):
+            return
+        values = self._tagged(record, group)
+        if self.tensorboard:
+            self._to_tensorboard(record, values, step)
+        self._to_trackers(record["stage"], values, step)
 
-    def _to_tensorboard(self, record: dict, step: int, group: str | None) -> None:
+    def _tagged(self, record: dict, group: str | None) -> dict[str, float]:
+        """The record's numbers by view tag, `<role>[/<group>]/<key>`; a step record brings this node's GPUs."""
+        from rstar_hpc.tracking import gpu_enabled
+        from rstar_hpc.tracking.gpu import gpu_figures
+
+        prefix = "/".join([self.role] + ([tb_tag(group)] if group else []))
+        values = {f"{prefix}/{tb_tag(key)}": value for key, value in scalars(record)}
+        if self._gpu is None:
+            self._gpu = gpu_enabled(self.paths)
+        if group is None and self._gpu:
+            values.update({f"{prefix}/{tb_tag(key)}": value for key, value in gpu_figures().items()})
+        return values
+
+    def _to_trackers(self, stage: str, values: dict[str, float], step: int) -> None:
+        if self._trackers is None:
+            from rstar_hpc.tracking import open_trackers
+            self._trackers = open_trackers(self.paths, self.role)
+        for tracker in list(self._trackers):
+            try:
+                tracker.log(stage, step, values)
+            except Exception as e:   # noqa: BLE001  (a view must never stop a role's step)
+                log.warning("%s off for %s: %s: %s (metrics/%s.jsonl is unaffected)", type(tracker).__name__,
+                            self.role, type(e).__name__, e, self.role)
+                self._trackers.remove(tracker)
+
+    def _to_tensorboard(self, record: dict, values: dict[str, float], step: int) -> None:
         try:
             writer = self._writer(record["stage"])
-            prefix = "/".join([self.role] + ([tb_tag(group)] if group else []))
             wall = record.get("time") if isinstance(record.get("time"), (int, float)) else time.time()
-            for key, value in scalars(record):
-                writer.add_scalar(f"{prefix}/{tb_tag(key)}", value, step, walltime=wall)
+            for tag, value in values.items():
+                writer.add_scalar(tag, value, step, walltime=wall)
             writer.flush()   # a preempted job keeps every record it wrote
         except Exception as e:   # noqa: BLE001  (a view must never stop a role's step)
             log.warning("TensorBoard output off for %s: %s: %s (metrics/%s.jsonl is unaffected)", self.role,
@@ -99,6 +134,12 @@ class MetricsSink:
         for writer in self._writers.values():
             writer.close()
         self._writers.clear()
+        for tracker in self._trackers or ():
+            try:
+                tracker.close()
+            except Exception as e:   # noqa: BLE001  (at exit: the records are written already)
+                log.warning("closing %s for %s: %s", type(tracker).__name__, self.role, e)
+        self._trackers = None
 
 
 def metrics_sink(paths: RunPaths, role: str) -> MetricsSink:

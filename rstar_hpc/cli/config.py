@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import click
 
-from rstar_hpc.config import dump_config, load_config
+from rstar_hpc.config import ConfigError, dump_config, load_config
 from rstar_hpc.config.loader import DEFAULT_CONFIG
 
 
@@ -35,6 +35,10 @@ def validate(config: str, overrides: tuple[str, ...], no_data: bool) -> None:
     exit 0 if all is usable, 3 with the offending keys or files named if not. A file not on this machine is only
     named (a recipe's placeholder path, or data on a file system this node does not mount): `launch` refuses it."""
     cfg = load_config(config, overrides)
+    try:
+        cfg.tracking.check_installed()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     stages = " -> ".join(f"{s.name}({s.kind})" for s in cfg.stages) or "no stages"
     if not no_data:
         _check_data(cfg, config)

@@ -229,6 +229,10 @@ def dump_config(cfg: RunConfig) -> str:
 def prepare_run_dir(cfg: RunConfig) -> RunPaths:
     """The run directory of a resolved config: created (striped on Lustre) with the config saved as config.yaml.
     Every role's rank 0 calls this at start, so any job leaves the config it ran with."""
+    try:   # a role with W&B or MLflow on fails at its start, not at its first step's metrics
+        cfg.tracking.check_installed()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     paths = RunPaths(cfg.run.dir)
     paths.create()
     atomic_write_text(paths.config, dump_config(cfg))

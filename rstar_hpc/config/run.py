@@ -8,6 +8,7 @@
     algo:      reward, RoC, advantages, loss                    (config/algo.py)
     trainer:   Megatron trainer, optimizer, checkpoints         (config/trainer.py)
     eval:      the evaluation protocol (k, temperature, turns)
+    tracking:  W&B and MLflow beside the JSONL and TensorBoard, off by default   (config/tracking.py)
     stages:    the pipeline, in order (SFT -> RL 8K -> RL 12K -> hard subset -> RL hard -> eval)   (config/stages.py)
 
 Aliases: `augmentation.down_sampling_config.*` (the public rStar recipe's path) is read as `algo.roc.*`.
@@ -24,7 +25,8 @@ from rstar_hpc.config.base import Section
 from rstar_hpc.config.launch import LaunchConfig
 from rstar_hpc.config.rollout import RolloutConfig
 from rstar_hpc.config.sandbox import SandboxConfig
-from rstar_hpc.config.stages import STAGE_OUTPUT, StageConfig
+from rstar_hpc.config.stages import STAGE_OUTPUT, StageConfig, val_stage
+from rstar_hpc.config.tracking import TrackingConfig
 from rstar_hpc.config.trainer import TrainerConfig, layout_problems
 from rstar_hpc.exchange.rundir import default_run_root
 
@@ -107,6 +109,7 @@ class RunConfig(Section):
     algo: AlgoConfig = AlgoConfig()
     trainer: TrainerConfig = TrainerConfig()
     eval: EvalConfig = EvalConfig()
+    tracking: TrackingConfig = TrackingConfig()
     stages: list[StageConfig] = Field(default_factory=list)
 
     @model_validator(mode="after")
@@ -115,6 +118,10 @@ class RunConfig(Section):
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"stage names must be unique; repeated: {', '.join(dupes)}")
+        for s in self.stages:
+            if s.kind == "rl" and s.val_every and val_stage(s.name) in names:
+                raise ValueError(f"stage name {val_stage(s.name)!r} is where stage {s.name!r} keeps its validation "
+                                 f"trajectories (traj/{val_stage(s.name)}/): rename that stage")
         for i, s in enumerate(self.stages):
             if s.data and s.data.startswith(STAGE_OUTPUT):
                 ref = s.data[len(STAGE_OUTPUT):]

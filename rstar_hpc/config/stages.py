@@ -2,7 +2,8 @@
 kind is an error that names the kind (`stages.5 (eval): lr is not a field of an eval stage`).
 
     sft          trainer            chat samples of `data`, `num_steps` optimizer steps
-    rl           trainer + rollout  GRPO-RoC on the prompts of `data`, `num_steps` steps
+    rl           trainer + rollout  GRPO-RoC on the prompts of `data`, `num_steps` steps (`val_every`: validated
+                                    on `val_data` every N steps)
     hard_subset  rollout            `num_samples` rollouts per prompt of `data` with the stage's starting policy; keeps
                                     the prompts it does not solve every time (later stages: `data: "@<this stage>"`)
     eval         rollout            the `eval` section's protocol on `benchmarks`
@@ -83,6 +84,34 @@ class RLStage(_TrainerStage, _RolloutStage):
     """GRPO-RoC: the rollout samples each step's prompts, the trainer trains on what it committed."""
 
     kind: Literal["rl"]
+    val_every: int | None = Field(None, ge=1)
+    """Validate every N steps (the public recipe: 5): the policy of step 0, N, 2N, ... and the stage's final one
+    scored avg@val_k pass@1 on `val_data` by the rollout (rstar_hpc/rollout/validation.py). Null: no validation."""
+    val_data: str | dict[str, str] | None = None
+    """Held-out problems with answers: a JSONL or Parquet file ('demo': the demo's eval set), or {name: file}."""
+    val_k: int | None = Field(None, ge=1)
+    """Samples per validation problem (default eval.k); temperature and top_p are the eval section's, the turn and
+    response budget this stage's."""
+    val_max_prompts: int | None = Field(None, ge=1)
+    """Use only the first N problems of each validation file. Null: all of them."""
+
+    @model_validator(mode="after")
+    def _validation(self) -> RLStage:
+        if self.val_every and not self.val_data:
+            raise ValueError(f"stage {self.name!r} (rl): val_every={self.val_every} needs the held-out problems: set "
+                             f"stages[{self.name}].val_data to a file (or {{name: file}}), or drop val_every")
+        if self.val_data and not self.val_every:
+            raise ValueError(f"stage {self.name!r} (rl): val_data is set but val_every is not: set stages["
+                             f"{self.name}].val_every to N to validate every N steps, or drop val_data")
+        return self
+
+    def val_files(self) -> dict[str, str]:
+        """Name -> file of each validation set (none without validation)."""
+        if not self.val_data:
+            return {}
+        if isinstance(self.val_data, dict):
+            return dict(self.val_data)
+        return {Path(self.val_data).stem if self.val_data != "demo" else "demo": self.val_data}
 
 
 class HardSubsetStage(_RolloutStage):
@@ -127,6 +156,11 @@ class EvalStage(_RolloutStage):
         if self.benchmarks:
             return dict(self.benchmarks)
         return {Path(self.data).stem if self.data != "demo" else "demo": self.data}
+
+
+def val_stage(name: str) -> str:
+    """Where rl stage `name`'s validation passes keep their trajectories: traj/<name>-val/step-<N>/ (N the step)."""
+    return f"{name}-val"
 
 
 STAGE_KINDS = {"sft": SFTStage, "rl": RLStage, "hard_subset": HardSubsetStage, "eval": EvalStage}

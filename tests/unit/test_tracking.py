@@ -1,0 +1,105 @@
+"""The metrics sink's trackers in their offline/file modes, read back: W&B offline run files (wandb_offline.py)
+and MLflow's client API over a file store. A second sink for the same role (a requeued job) continues the same
+W&B id and the same MLflow run; the resolved config is each run's hyperparameters."""
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from rstar_hpc.config import ConfigError, load_config
+from rstar_hpc.exchange.rundir import RunPaths
+from rstar_hpc.metrics_log import MetricsSink
+from rstar_hpc.tracking.identity import run_id
+
+pytest.importorskip("wandb", reason="the tracking extra: pip install -e '.[tracking]'")
+pytest.importorskip("mlflow", reason="the tracking extra: pip install -e '.[tracking]'")
+
+import wandb_offline  # noqa: E402
+
+
+def _run_dir(tmp_path, **tracking) -> RunPaths:
+    paths = RunPaths(tmp_path / "runs" / "trk")
+    paths.create(stripe=False)
+    cfg = {"run": {"name": "trk", "seed": 3}, "trainer": {"optimizer": {"lr": 0.001}}, "tracking": tracking}
+    paths.config.write_text(yaml.safe_dump(cfg))
+    return paths
+
+
+def _job(paths: RunPaths, records: list[dict]) -> None:
+    """One job of the trainer role: its own sink, closed at its end (what atexit does)."""
+    sink = MetricsSink(paths, "trainer", tensorboard=False)
+    for r in records:
+        sink.write(r)
+    sink.write({"stage": "rl", "benchmark": "b", "pass1": 0.25}, step=records[-1]["step"], group="b")
+    sink.close()
+
+
+def test_wandb_offline_and_mlflow_file_store_hold_every_step_across_a_requeue(tmp_path, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    paths = _run_dir(tmp_path, wandb={"enabled": True, "project": "p"}, mlflow={"enabled": True}, gpu=False)
+    _job(paths, [{"stage": "rl", "step": 0, "loss": 0.5, "time/step(s)": 2.0},
+                 {"stage": "rl", "step": 1, "loss": 0.25, "time/step(s)": 1.0}])
+    _job(paths, [{"stage": "rl", "step": 2, "loss": 0.125, "time/step(s)": 1.5}])   # the requeued job
+
+    key = run_id(paths, "trainer")
+    files = wandb_offline.run_files(paths.dir, key)
+    assert len(files) == 2, "each job writes its own offline file of the one W&B run id"
+    rows = [r for f in files for r in wandb_offline.history(f)]
+    steps = [(r["rl/step"], r["rl/trainer/loss"]) for r in rows if "rl/trainer/loss" in r]
+    assert steps == [(0, 0.5), (1, 0.25), (2, 0.125)]
+    assert [r["rl/trainer/b/pass1"] for r in rows if "rl/trainer/b/pass1" in r] == [0.25, 0.25]
+    assert any(r.get("rl/trainer/time/step_s") == 1.5 for r in rows)
+    hp = wandb_offline.config(files[0])
+    assert hp["run"] == {"name": "trk", "seed": 3} and hp["trainer"]["optimizer"]["lr"] == 0.001
+
+    client = MlflowClient(tracking_uri=f"file:{paths.dir / 'mlruns'}")
+    exp = client.get_experiment_by_name("trk")
+    runs = client.search_runs([exp.experiment_id])
+    assert len(runs) == 1, "the requeued job continues the role's MLflow run"
+    run = runs[0]
+    assert run.data.tags["rstar.run_id"] == key and run.data.tags["rstar.role"] == "trainer"
+    history = client.get_metric_history(run.info.run_id, "rl/trainer/loss")
+    assert sorted((m.step, m.value) for m in history) == [(0, 0.5), (1, 0.25), (2, 0.125)]
+    assert run.data.params["trainer.optimizer.lr"] == "0.001" and run.data.params["run.seed"] == "3"
+
+
+def test_each_role_its_own_run_id_in_one_group(tmp_path):
+    paths = RunPaths(tmp_path / "r")
+    assert run_id(paths, "trainer") != run_id(paths, "rollout")
+    assert run_id(paths, "trainer") == run_id(RunPaths(tmp_path / "r"), "trainer")
+    assert run_id(paths, "trainer") != run_id(RunPaths(tmp_path / "other"), "trainer")
+
+
+def test_no_tracker_without_a_config_or_with_all_off(tmp_path):
+    paths = _run_dir(tmp_path)
+    sink = MetricsSink(paths, "trainer", tensorboard=False)
+    sink.write({"stage": "rl", "step": 0, "loss": 1.0})
+    assert sink._trackers == [] and not (paths.dir / "wandb").exists() and not (paths.dir / "mlruns").exists()
+
+
+def test_a_backend_on_but_not_installed_names_the_extra(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    cfg = load_config("tiny-cpu", ["tracking.wandb.enabled=true"])
+    with pytest.raises(ValueError, match=r"tracking.wandb.enabled is on but wandb is not installed.*\.\[tracking\]"):
+        cfg.tracking.check_installed()
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["stages.rl-short.val_every=2"], r"val_every=2 needs the held-out problems: set stages\[rl-short\].val_data"),
+    (["stages.rl-short.val_data=demo"], r"val_data is set but val_every is not"),
+    (["tracking.wandb.mode=cloud"], r"tracking.wandb.mode"),
+])
+def test_bad_tracking_and_validation_config_is_named(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config("tiny-cpu", overrides)
+
+
+def test_validation_stage_name_is_kept_free():
+    with pytest.raises(ConfigError, match="'rl-short-val' is where stage 'rl-short' keeps its validation"):
+        load_config("tiny-cpu", ["stages.rl-short.val_every=1", "stages.rl-short.val_data=demo",
+                                 "stages.eval.name=rl-short-val"])
