@@ -4,7 +4,8 @@ the run directory alone (the roles never talk to each other):
 
     kind         trainer                         rollout
     sft          trains it                       -
-    rl           trains each step's trajectories  generates step N with the policy trained through N - lag
+    rl           trains each step's trajectories  generates step N with the policy trained through N - lag;
+                                                 validates it every val_every steps and at the end
     hard_subset  -                               samples num_samples rollouts per prompt with the stage's
                                                  starting policy; writes data/<stage>.parquet (+ stats)
     eval         -                               the eval protocol on the stage's benchmarks; eval/<stage>/
@@ -91,6 +92,24 @@ def rollout_steps(stage, num_prompts: int | None = None) -> int:
     return max(1, math.ceil((num_prompts or 0) / stage.prompts_per_step))
 
 
+def val_points(stage) -> list[int]:
+    """The steps at which an rl stage's policy is validated (stages[].val_every N): 0, N, 2N, ... and the stage's
+    end, num_steps (its final policy). Point p scores the policy rollout step p runs; point num_steps the final."""
+    if stage.kind != "rl" or not stage.val_every:
+        return []
+    return sorted(set(range(0, stage.num_steps, stage.val_every)) | {stage.num_steps})
+
+
+def val_need(cfg, stage, point: int) -> PolicyNeed:
+    """The policy validation point `point` scores: rollout step `point`'s (engines hold it already), or at the
+    stage's end the final one."""
+    return PolicyNeed(stage.name, point) if point >= stage.num_steps else policy_need(cfg, stage.name, point)
+
+
+def val_done(paths: RunPaths, stage, point: int) -> bool:
+    return paths.val_results(stage.name, point).exists()
+
+
 def stage_done(paths: RunPaths, stage: str) -> bool:
     """Whether a stage is over for every role: its owner marks it DONE (the trainer at an sft or rl stage's last
     checkpoint; the rollout once a hard_subset stage's subset or an eval stage's results are written)."""
@@ -104,8 +123,9 @@ def rollout_done(cfg, paths: RunPaths, stage: str) -> bool:
         return True
     if s.kind == "rl":
         from rstar_hpc.exchange.writer import ShardWriter
-        return stage_done(paths, stage) or all(
+        steps_done = stage_done(paths, stage) or all(
             ShardWriter.is_committed(paths, stage, n, PRODUCER) for n in range(s.num_steps))
+        return steps_done and all(val_done(paths, s, p) for p in val_points(s))
     return stage_done(paths, stage)
 
 

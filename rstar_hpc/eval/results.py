@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from collections.abc import Iterable
 
 from rstar_hpc import pipeline
 from rstar_hpc.eval.metrics import benchmark_metrics
@@ -46,12 +47,13 @@ def trajectory_row(t) -> dict:
             "finish_reason": t.finish_reason, "turns": sum(turn.role == "assistant" for turn in t.turns)}
 
 
-def collect(paths: RunPaths, stage: str, num_steps: int) -> tuple[dict[str, list[dict]], list[int]]:
-    """Rows by benchmark (uids are "<benchmark>/<uid>"), and the policy versions that generated them."""
+def collect(paths: RunPaths, stage: str, steps: int | Iterable[int]) -> tuple[dict[str, list[dict]], list[int]]:
+    """Rows by benchmark (uids are "<benchmark>/<uid>"), and the policy versions that generated them, over the
+    first `steps` steps (or those listed)."""
     reader = StepReader(paths, stage)
     rows: dict[str, list[dict]] = defaultdict(list)
     versions = []
-    for step in range(num_steps):
+    for step in (range(steps) if isinstance(steps, int) else steps):
         for t in from_table(reader.read(step, [pipeline.PRODUCER])):
             rows[t.prompt_uid.partition("/")[0]].append(trajectory_row(t))
             versions.append(int(t.policy_version))
@@ -119,3 +121,10 @@ def read_results(paths: RunPaths, stage: str) -> dict | None:
         return json.loads((paths.eval_dir(stage) / "results.json").read_text())
     except FileNotFoundError:
         return None
+
+
+def read_val_results(paths: RunPaths, stage: str) -> list[dict]:
+    """The validation passes of rl stage `stage` (eval/<stage>/val/step-*.json, rstar_hpc/rollout/validation.py),
+    by step."""
+    folder = paths.val_results(stage, 0).parent
+    return [json.loads(f.read_text()) for f in sorted(folder.glob("step-*.json"))] if folder.is_dir() else []

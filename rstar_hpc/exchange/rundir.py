@@ -152,6 +152,10 @@ class RunPaths:
     def eval_dir(self, stage: str) -> Path:
         return self.dir / "eval" / _check("stage", stage)
 
+    def val_results(self, stage: str, step: int) -> Path:
+        """The scores of rl stage `stage`'s validation pass at step `step` (rstar_hpc/rollout/validation.py)."""
+        return self.eval_dir(stage) / "val" / f"step-{_step(step):08d}.json"
+
     @property
     def launch_record(self) -> Path:
         return self.dir / "launch" / "jobs.json"

@@ -126,9 +126,25 @@ def stage_status(cfg, paths: RunPaths, stage, trainer: dict, rollout: dict, eval
     if results:
         out["pass1"] = {b: {"pass1": m["pass1"], "stderr": m["pass1_stderr"]} for b, m in results["benchmarks"].items()}
         out["policy_label"] = results["policy"]["label"]
+    if stage.kind == "rl":
+        out.update(validation_status(paths, stage.name))
     if stage.kind == "hard_subset" and paths.stage_data_stats(stage.name).is_file():
         out["subset"] = json.loads(paths.stage_data_stats(stage.name).read_text())
     return out
+
+
+def validation_status(paths: RunPaths, stage: str) -> dict:
+    """An rl stage's validation (stages[].val_every): its latest pass as the stage's pass1, and every pass's
+    pass@1 by step under "validation"; {} before the first."""
+    from rstar_hpc.eval.results import read_val_results
+
+    passes = read_val_results(paths, stage)
+    if not passes:
+        return {}
+    pass1 = [{b: {"pass1": m["pass1"], "stderr": m["pass1_stderr"]} for b, m in v["benchmarks"].items()}
+             for v in passes]
+    return {"pass1": pass1[-1], "val_step": passes[-1]["step"],
+            "validation": [{"step": v["step"], "pass1": p} for v, p in zip(passes, pass1)]}
 
 
 # ------------------------------------------------------------------------------------------------ Slurm

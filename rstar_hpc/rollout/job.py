@@ -117,6 +117,7 @@ def _scheduler_steps(cfg, paths, stage, steps, progress, tok, comm, MPI) -> tupl
     from rstar_hpc.rollout.scheduler import StepScheduler
     from rstar_hpc.rollout.step import Scorer
     from rstar_hpc.rollout.tasks import finish_stage, stage_steps
+    from rstar_hpc.rollout.validation import validate_due
 
     score = Scorer(cfg.run.name, cfg.algo.reward, cfg.algo.roc)
     dead: set[int] = set()
@@ -128,22 +129,31 @@ def _scheduler_steps(cfg, paths, stage, steps, progress, tok, comm, MPI) -> tupl
         # a bar where someone watches (the local launcher says whether its stderr is a terminal), else log lines
         bar = StageProgress(name, *stage_problem_counts(cfg, paths, name),
                             tty=progress and (sys.stderr.isatty() or os.environ.get(TTY_ENV) == "1"))
+        kind = cfg.stage(name).kind
         sc = cfg.rollout.scheduler
-        if next(s for s in cfg.stages if s.name == name).kind != "rl":   # only training steps may carry work on
+        if kind != "rl":   # only training steps may carry work on
             sc = sc.model_copy(update={"partial_rollouts": False})
+
+        def run_step(stage_name, step, items, limits, need, dropped, progress=None, sc=sc, name=name):
+            return StepScheduler(
+                comm, MPI, sc if stage_name == name else sc.model_copy(update={"partial_rollouts": False}), paths,
+                stage_name, step, items, limits=limits, need=need, score=score, dropped=dropped, progress=progress,
+                dead_ranks=dead, beat=lambda text: write_heartbeat(paths, "rollout", text, stage=name),
+                stop=lambda: _STOP[0] if _STOP else None).run()
+        last = pipeline.rollout_steps(cfg.stage(name)) - 1 if kind == "rl" else None
         for task in stage_steps(cfg, paths, name, tok, steps=steps):
             bar.start_step(task.items)
             write_heartbeat(paths, "rollout", f"step {task.step} of stage {name}: starting", stage=name,
                             step=task.step)
-            summary = StepScheduler(
-                comm, MPI, sc, paths, name, task.step, task.items, limits=task.limits,
-                need=task.need, score=score, dropped=task.dropped, progress=bar,
-                dead_ranks=dead, beat=lambda text: write_heartbeat(paths, "rollout", text, stage=name),
-                stop=lambda: _STOP[0] if _STOP else None).run()
+            summary = run_step(name, task.step, task.items, task.limits, task.need, task.dropped, bar)
             print(json.dumps(summary), flush=True)
             write_heartbeat(paths, "rollout", f"step {task.step} of stage {name}: committed", stage=name,
                             step=task.step)
+            if kind == "rl":   # the points up to this step; after the last one, the final policy's too
+                validate_due(cfg, paths, name, task.step + (task.step == last), tok, run_step)
         bar.close()
+        if kind == "rl" and steps is None:   # points a requeue left behind, with every step committed already
+            validate_due(cfg, paths, name, last + 1, tok, run_step)
         if steps is None:
             out = finish_stage(cfg, paths, name)
             if out is not None:
