@@ -163,6 +163,10 @@ class RunPaths:
     def heartbeat(self, role: str) -> Path:
         return self.dir / "heartbeat" / f"{_check('role', role)}.json"
 
+    def observed_placement(self, role: str, rank: int) -> Path:
+        """What task `rank` of `role` got when it last started (host, GPUs, CPUs): exchange/placement.py."""
+        return self.dir / "placement" / f"{_check('role', role)}-{int(rank)}.json"
+
     # -- rendezvous, logs, metrics ------------------------------------------------------------------------------
     def rendezvous_dir(self, role: str) -> Path:
         return Path(rendezvous.rendezvous_dir(self.dir, role))
