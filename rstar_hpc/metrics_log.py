@@ -152,7 +152,9 @@ def metrics_sink(paths: RunPaths, role: str) -> MetricsSink:
 
 
 @atexit.register
-def _close_all() -> None:
+def close_all() -> None:
+    """Close every sink of this process (at exit; before an os._exit, which skips atexit: a W&B run not finished
+    may lose its last records)."""
     for sink in _SINKS.values():
         sink.close()
     _SINKS.clear()

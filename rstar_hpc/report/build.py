@@ -80,6 +80,10 @@ def _draw(runs: list[RunData], out: Path, notes: list[str]) -> list[tuple[str, s
             for f, title, series, ylabel, cap in LINE_PLOTS]
     jobs.insert(1, ("pass1.png", "pass@1 ± standard error at each eval stage",
                     lambda p: plots.pass1_plot(runs, p)))
+    if any(r.series.get("val_pass1") for r in runs):   # only runs with stages[].val_every
+        jobs.insert(2, ("validation.png", "pass@1 on the held-out validation files (stages[].val_data, mean over "
+                        "files) at each validation point", lambda p: plots.line_plot(
+                            runs, [("val_pass1", "")], "Validation pass@1", "pass@1 (avg@k)", p)))
     jobs.append(("step_time.png", ("Step time breakdown (rollout: generation, tool calls, reward; trainer: "
                  "training, policy publish, checkpoint)"), lambda p: plots.time_plot(runs, p)))
     figures = []
@@ -108,6 +112,11 @@ def _document(runs: list[RunData], heads: list[dict], figures: list[tuple[str, s
     rows = pass1_rows(runs)
     doc.append(("table", PASS1_HEADER, rows) if rows else
                ("p", "No eval results yet (eval/<stage>/results.json, written by an eval stage)."))
+    val = [[r.label, v["stage"], str(v["step"]), name, fmt(m.get("pass1")), fmt(m.get("pass1_stderr")), fmt(v["k"])]
+           for r in runs for v in r.validation for name, m in v["benchmarks"].items()]
+    if val:
+        doc += [("h2", "Validation during RL (stages[].val_every)"),
+                ("table", ["run", "stage", "step", "file", "pass@1", "± stderr", "k"], val)]
     doc.append(("h2", "Plots"))
     doc += [("figure", name, caption) for name, caption in figures]
     if notes:

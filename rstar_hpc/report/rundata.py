@@ -6,6 +6,7 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from rstar_hpc.eval.results import read_val_results
 from rstar_hpc.exchange.rundir import RunPaths
 from rstar_hpc.report.records import ReadCounts, iter_records
 from rstar_hpc.report.series import ROLLOUT_KEYS, TRAINER_KEYS, derive
@@ -21,6 +22,7 @@ class RunData:
     offsets: dict[str, int] = field(default_factory=dict)     # x of a stage's step 0 on the RL step axis
     series: dict[str, list[tuple[int, float]]] = field(default_factory=dict)   # name -> [(x, value)], x ascending
     evals: list[dict] = field(default_factory=list)           # eval/<stage>/results.json objects, in run order
+    validation: list[dict] = field(default_factory=list)      # eval/<stage>/val/step-*.json of each rl stage
     records: dict[str, int] = field(default_factory=dict)     # role -> records read
     notes: list[str] = field(default_factory=list)
 
@@ -101,6 +103,11 @@ def load_run(paths: RunPaths, label: str) -> RunData:
         for name, v in derive(values).items():
             if not name.startswith("_"):
                 series[name].append((run.offsets[stage] + step, v))
+    run.validation = [v for stage in run.rl_stages for v in read_val_results(paths, stage)]
+    for v in run.validation:   # the mean over the validation files, on the RL step axis
+        scores = [m["pass1"] for m in v["benchmarks"].values() if isinstance(m.get("pass1"), (int, float))]
+        if scores:
+            series["val_pass1"].append((run.offsets[v["stage"]] + v["step"], sum(scores) / len(scores)))
     run.series = {k: sorted(v) for k, v in series.items()}
     return run
 
@@ -109,6 +116,8 @@ def _evals(paths: RunPaths, config: list[dict], run: RunData) -> list[dict]:
     """results.json of every eval stage: base, sft, rl models, each in config order (else by trainer step)."""
     out = []
     for stage in paths.eval_stages():
+        if (paths.eval_dir(stage) / "val").is_dir():   # an rl stage's validation passes, not an eval stage
+            continue
         try:
             results = json.loads((paths.eval_dir(stage) / "results.json").read_text())
         except FileNotFoundError:

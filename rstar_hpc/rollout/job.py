@@ -42,6 +42,8 @@ def run(cfg, stage: str | None = None, steps: Sequence[int] | None = None, *, sa
         code, end = _scheduler(cfg, paths, stage, steps, progress, model_dir)
     else:
         code, end = _engine(cfg, paths, stage, sandbox, model_dir, rank)
+    from rstar_hpc.metrics_log import close_all
+    close_all()   # os._exit below skips atexit
     sys.stdout.flush()
     sys.stderr.flush()
     if end != "exit":

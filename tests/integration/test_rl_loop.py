@@ -20,6 +20,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+import wandb_offline  # noqa: E402  (tests/unit's reader of W&B offline run files)
+
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 2
 
@@ -42,13 +45,16 @@ def test_trainer_and_rollout_take_turns_through_the_run_directory(tiny_model_dir
     cfg["algo"]["roc"] = {"reject_equal_reward": False, "down_sample_to_n": 0}
     cfg["trainer"]["micro_batch_tokens"] = 1024
     cfg["trainer"]["trajectory_timeout_s"] = 300
-    cfg["stages"] = [{"name": "rl", "kind": "rl", "num_steps": STEPS, "prompts_per_step": 2, "data": "demo"}]
+    # validation every 2 steps (points 0 and the final policy, 2) into W&B offline and an MLflow file store
+    cfg["stages"] = [{"name": "rl", "kind": "rl", "num_steps": STEPS, "prompts_per_step": 2, "data": "demo",
+                      "val_every": 2, "val_data": "demo", "val_k": 2, "val_max_prompts": 2}]
+    cfg["tracking"] = {"wandb": {"enabled": True}, "mlflow": {"enabled": True}}
     path = tmp_path / "loop.yaml"
     path.write_text(yaml.safe_dump(cfg))
     run = tmp_path / "runs" / "loop"
     cli = [sys.executable, "-m", "rstar_hpc"]
     logs = {name: open(tmp_path / f"{name}.log", "w") for name in ("sandbox", "trainer", "rollout")}  # noqa: SIM115
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "WANDB_SILENT": "true"}
 
     def tail(name: str) -> str:
         return (tmp_path / f"{name}.log").read_text()[-3000:]
@@ -90,3 +96,33 @@ def test_trainer_and_rollout_take_turns_through_the_run_directory(tiny_model_dir
     assert read_stage_state(paths, "rl").status == "DONE"
     assert consumer_cursors(paths, "rl") == {"trainer": STEPS}
     assert all(StepReader(paths, "rl").commits(s) for s in range(STEPS))
+    _validation_in_every_view(paths)
+
+
+def _validation_in_every_view(paths) -> None:
+    """The validation points (0 and the final policy's, 2) in the results, TensorBoard, W&B offline and MLflow."""
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from rstar_hpc.eval.results import read_val_results
+    from rstar_hpc.tracking.identity import run_id
+
+    passes = read_val_results(paths, "rl")
+    assert [(v["step"], v["policy"]["trainer_step"], v["benchmarks"]["demo"]["trajectories"]) for v in passes] == \
+        [(0, 0, 4), (2, 2, 4)]
+    expected = [(v["step"], v["benchmarks"]["demo"]["pass1"]) for v in passes]
+    tb = EventAccumulator(str(paths.tb_dir("rl")))
+    tb.Reload()
+    assert [(e.step, round(e.value, 6)) for e in tb.Scalars("validation/demo/pass1")] == \
+        [(s, round(p, 6)) for s, p in expected]
+    files = wandb_offline.run_files(paths.dir, run_id(paths, "validation"))
+    rows = [r for f in files for r in wandb_offline.history(f) if "rl/validation/demo/pass1" in r]
+    assert [(r["rl/step"], r["rl/validation/demo/pass1"]) for r in rows] == expected
+    assert wandb_offline.run_files(paths.dir, run_id(paths, "trainer")), "every role under the run's group"
+    client = MlflowClient(tracking_uri=f"file:{paths.dir / 'mlruns'}")
+    runs = {r.data.tags["rstar.role"]: r for r in client.search_runs(
+        [client.get_experiment_by_name("loop").experiment_id])}
+    assert {"trainer", "rollout", "validation"} <= set(runs)
+    history = client.get_metric_history(runs["validation"].info.run_id, "rl/validation/demo/pass1")
+    assert sorted((m.step, m.value) for m in history) == expected
+    assert runs["trainer"].data.params["stages"].startswith("[{")   # the resolved config as hyperparameters

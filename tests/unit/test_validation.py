@@ -79,3 +79,11 @@ def test_scores_of_a_pass_reach_results_metrics_and_status(cfg):
         _commit_pass(paths, point, {"demo/a": [1.0, 1.0]})
         validation.write_scores(paths, stage, point, 2, pipeline.PolicyNeed(None))
     assert pipeline.rollout_done(cfg, paths, "rl-short")
+
+    from rstar_hpc.metrics_log import metrics_sink
+    from rstar_hpc.report.build import build_report
+    metrics_sink(paths, "rollout").write({"stage": "rl-short", "step": 0, "mean_reward": 0.5})
+    report = build_report(paths, out=paths.dir / "report")
+    md = report.markdown.read_text()
+    assert "Validation during RL" in md and "| rl-short | 2 | demo | 0.750 |" in md
+    assert (paths.dir / "report" / "validation.png").is_file()
