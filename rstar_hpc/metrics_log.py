@@ -15,7 +15,7 @@ the JSONL alone. RSTAR_HPC_TENSORBOARD=0 turns it off.
 
 The trackers the run's config.yaml enables (`tracking:`: W&B, MLflow; rstar_hpc/tracking/) get the same numbers
 under the same tags, prefixed with the stage (`rl-8k/trainer/loss` at the stage's step). Where NVML finds a GPU,
-each step record (one without a group) also brings `<role>/gpu<i>/util_%` and `mem_used_GiB` to every view.
+each step record (one without a group) also brings `<role>/gpu<i>/util_pct`, `mem_used_GiB` and `mem_pct` to every view.
 A tracker that fails is dropped with one warning, like TensorBoard.
 """
 from __future__ import annotations

@@ -17,7 +17,7 @@ def _nvml():
 
 
 def gpu_figures() -> dict[str, float]:
-    """{"gpu<i>/util(%)", "gpu<i>/mem_used(GiB)", "gpu<i>/mem(%)"} per GPU NVML sees ({} without one); under
+    """{"gpu<i>/util_pct", "gpu<i>/mem_used(GiB)", "gpu<i>/mem_pct"} per GPU NVML sees ({} without one); under
     Slurm's cgroups that is the job's GPUs of this node."""
     nvml = _nvml()
     if nvml is None:
@@ -27,9 +27,9 @@ def gpu_figures() -> dict[str, float]:
         for i in range(nvml.nvmlDeviceGetCount()):
             handle = nvml.nvmlDeviceGetHandleByIndex(i)
             mem = nvml.nvmlDeviceGetMemoryInfo(handle)
-            out[f"gpu{i}/util(%)"] = float(nvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+            out[f"gpu{i}/util_pct"] = float(nvml.nvmlDeviceGetUtilizationRates(handle).gpu)
             out[f"gpu{i}/mem_used(GiB)"] = mem.used / 2**30
-            out[f"gpu{i}/mem(%)"] = 100.0 * mem.used / mem.total if mem.total else 0.0
+            out[f"gpu{i}/mem_pct"] = 100.0 * mem.used / mem.total if mem.total else 0.0
     except Exception:   # noqa: BLE001  (a GPU fallen off the bus must not stop a step's metrics)
         return out
     return out

@@ -119,6 +119,7 @@ def _validation_in_every_view(paths) -> None:
     rows = [r for f in files for r in wandb_offline.history(f) if "rl/validation/demo/pass1" in r]
     assert [(r["rl/step"], r["rl/validation/demo/pass1"]) for r in rows] == expected
     assert wandb_offline.run_files(paths.dir, run_id(paths, "trainer")), "every role under the run's group"
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")   # MLflow 3 reads a file store only when asked
     client = MlflowClient(tracking_uri=f"file:{paths.dir / 'mlruns'}")
     runs = {r.data.tags["rstar.role"]: r for r in client.search_runs(
         [client.get_experiment_by_name("loop").experiment_id])}

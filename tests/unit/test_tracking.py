@@ -103,3 +103,36 @@ def test_validation_stage_name_is_kept_free():
     with pytest.raises(ConfigError, match="'rl-short-val' is where stage 'rl-short' keeps its validation"):
         load_config("tiny-cpu", ["stages.rl-short.val_every=1", "stages.rl-short.val_data=demo",
                                  "stages.eval.name=rl-short-val"])
+
+
+def test_gpu_figures_reach_the_views_and_cpu_nodes_log_none(tmp_path, monkeypatch):
+    """No GPU here: NVML's answers are played by a stand-in module (nvidia-ml-py's API names and shapes), which
+    is what a GPU node's pynvml returns; on this CPU machine the real lookup gives nothing."""
+    import types
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from rstar_hpc.tracking import gpu
+
+    gpu._nvml.cache_clear()
+    assert gpu.gpu_figures() == {} or gpu._nvml() is not None   # a CPU node: nothing, silently
+    fake = types.SimpleNamespace(
+        nvmlInit=lambda: None, nvmlDeviceGetCount=lambda: 1, nvmlDeviceGetHandleByIndex=lambda i: i,
+        nvmlDeviceGetMemoryInfo=lambda h: types.SimpleNamespace(used=2 * 2**30, total=8 * 2**30),
+        nvmlDeviceGetUtilizationRates=lambda h: types.SimpleNamespace(gpu=75))
+    monkeypatch.setitem(__import__("sys").modules, "pynvml", fake)
+    gpu._nvml.cache_clear()
+    try:
+        assert gpu.gpu_figures() == {"gpu0/util_pct": 75.0, "gpu0/mem_used(GiB)": 2.0, "gpu0/mem_pct": 25.0}
+        paths = _run_dir(tmp_path)
+        sink = MetricsSink(paths, "rollout")
+        sink.write({"stage": "rl", "step": 4, "mean_reward": 0.5})
+        sink.write({"stage": "rl", "benchmark": "b", "pass1": 0.5}, step=4, group="b")   # no GPU figures twice
+        sink.close()
+        tb = EventAccumulator(str(paths.tb_dir("rl")))
+        tb.Reload()
+        assert [(e.step, e.value) for e in tb.Scalars("rollout/gpu0/util_pct")] == [(4, 75.0)]
+        assert not any(t.startswith("rollout/b/gpu") for t in tb.Tags()["scalars"])
+        assert "gpu0" not in paths.metrics("rollout").read_text(), "the JSONL is the record as written"
+    finally:
+        gpu._nvml.cache_clear()
