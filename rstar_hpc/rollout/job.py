@@ -119,7 +119,7 @@ def _scheduler_steps(cfg, paths, stage, steps, progress, tok, comm, MPI) -> tupl
     from rstar_hpc.rollout.scheduler import StepScheduler
     from rstar_hpc.rollout.step import Scorer
     from rstar_hpc.rollout.tasks import finish_stage, stage_steps
-    from rstar_hpc.rollout.validation import validate_due
+    from rstar_hpc.rollout.validation import val_prompts, validate_due
 
     score = Scorer(cfg.run.name, cfg.algo.reward, cfg.algo.roc)
     dead: set[int] = set()
@@ -143,6 +143,8 @@ def _scheduler_steps(cfg, paths, stage, steps, progress, tok, comm, MPI) -> tupl
                 dead_ranks=dead, beat=lambda text: write_heartbeat(paths, "rollout", text, stage=name),
                 stop=lambda: _STOP[0] if _STOP else None).run()
         last = pipeline.rollout_steps(cfg.stage(name)) - 1 if kind == "rl" else None
+        if pipeline.val_points(cfg.stage(name)):
+            val_prompts(cfg, cfg.stage(name))   # an unreadable val_data file fails the job now, not after step 0
         for task in stage_steps(cfg, paths, name, tok, steps=steps):
             bar.start_step(task.items)
             write_heartbeat(paths, "rollout", f"step {task.step} of stage {name}: starting", stage=name,
