@@ -90,6 +90,20 @@ def render_prompt(question: str, *, tools: list[dict] | None = None, system: str
             f"{GENERATION_PROMPT}")
 
 
+# The tools section and a tool turn (consecutive ones merged into one user turn), shared by both templates
+_TOOLS_JINJA = (
+    "{%- if tools -%}{{- '\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query."
+    "\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>' -}}"
+    "{%- for tool in tools -%}{{- '\\n' + (tool | tojson) -}}{%- endfor -%}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
+    "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}\\n</tool_call>' -}}{%- endif -%}"
+)
+_TOOL_TURN_JINJA = (
+    "{%- if loop.first or loop_messages[loop.index0 - 1]['role'] != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}"
+    "{{- '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' -}}"
+    "{%- if loop.last or loop_messages[loop.index0 + 1]['role'] != 'tool' -%}{{- '<|im_end|>\\n' -}}{%- endif -%}"
+)
 # The same format as a Hugging Face chat template, so `tokenizer.apply_chat_template` (and vLLM's chat
 # API) render exactly what render_prompt / render_tool_responses produce. Tool messages are merged into one
 # user turn; `add_generation_prompt` prefills <reason>.
@@ -98,19 +112,49 @@ CHAT_TEMPLATE = (
     "{%- if messages and messages[0]['role'] == 'system' -%}"
     "{{- '<|im_start|>system\\n' + messages[0]['content'] -}}{%- set loop_messages = messages[1:] -%}"
     "{%- else -%}{{- '<|im_start|>system\\n' + default_system -}}{%- set loop_messages = messages -%}{%- endif -%}"
-    "{%- if tools -%}{{- '\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query."
-    "\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>' -}}"
-    "{%- for tool in tools -%}{{- '\\n' + (tool | tojson) -}}{%- endfor -%}"
-    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
-    "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": "
-    "<args-json-object>}\\n</tool_call>' -}}{%- endif -%}"
+    + _TOOLS_JINJA +
     "{{- '<|im_end|>\\n' -}}"
     "{%- for message in loop_messages -%}"
     "{%- if message['role'] == 'tool' -%}"
-    "{%- if loop.first or loop_messages[loop.index0 - 1]['role'] != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}"
-    "{{- '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' -}}"
-    "{%- if loop.last or loop_messages[loop.index0 + 1]['role'] != 'tool' -%}{{- '<|im_end|>\\n' -}}{%- endif -%}"
+    + _TOOL_TURN_JINJA +
     "{%- else -%}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}{%- endif -%}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n<reason>' -}}{%- endif -%}"
 )
+
+
+def serving_chat_template(default_system: str) -> str:
+    """The chat template of an exported model (`rstar-hpc export`): CHAT_TEMPLATE plus the defaults that make a
+    plain chat render what the rollout fed the model. Without a system message the system turn is
+    `default_system` (the run's: the preamble and the python tool's schema), or the preamble with the `tools`
+    given; a user turn without the rStar2 instruction (USER_PREFIX) gets it; an assistant turn gets the `<reason>`
+    the generation prompt prefilled, and its `tool_calls` (a parser's output) back as <tool_call> text, as
+    render_function_call writes them. So `apply_chat_template([{"role": "user", "content": q}], tools=[TOOL_SCHEMA],
+    add_generation_prompt=True)` is render_prompt(q), and a served model's replies append without changing it."""
+    return (
+        "{%- set default_system = " + json.dumps(default_system) + " -%}"
+        "{%- set user_prefix = " + json.dumps(USER_PREFIX) + " -%}"
+        "{%- if messages and messages[0]['role'] == 'system' -%}"
+        "{{- '<|im_start|>system\\n' + messages[0]['content'] -}}{%- set loop_messages = messages[1:] -%}"
+        "{%- elif tools -%}{{- '<|im_start|>system\\n' + " + json.dumps(SYSTEM_PREAMBLE) + " -}}"
+        "{%- set loop_messages = messages -%}"
+        "{%- else -%}{{- '<|im_start|>system\\n' + default_system -}}{%- set loop_messages = messages -%}{%- endif -%}"
+        + _TOOLS_JINJA +
+        "{{- '<|im_end|>\\n' -}}"
+        "{%- for message in loop_messages -%}"
+        "{%- if message['role'] == 'tool' -%}" + _TOOL_TURN_JINJA +
+        "{%- elif message['role'] == 'user' -%}{%- set text = message['content'] -%}"
+        "{{- '<|im_start|>user\\n' + ('' if text.startswith(user_prefix) else user_prefix) + text + '<|im_end|>\\n' -}}"
+        "{%- elif message['role'] == 'assistant' -%}{%- set ns = namespace(text=message['content'] or '') -%}"
+        "{%- for call in message['tool_calls'] or [] -%}"
+        "{%- set fn = call['function'] if call['function'] is defined else call -%}"
+        "{%- set args = fn['arguments'] if fn['arguments'] is string else fn['arguments'] | tojson -%}"
+        "{%- set ns.text = (ns.text + '\\n' if ns.text | trim else '') + '<tool_call>\\n{\"name\": ' + fn['name'] | tojson"
+        " + ', \"arguments\": ' + args + '}\\n</tool_call>' -%}"
+        "{%- endfor -%}"
+        "{{- '<|im_start|>assistant\\n' + ('' if ns.text.startswith('<reason>') else '<reason>') + ns.text"
+        " + '<|im_end|>\\n' -}}"
+        "{%- else -%}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}{%- endif -%}"
+        "{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n<reason>' -}}{%- endif -%}"
+    )
