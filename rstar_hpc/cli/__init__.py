@@ -33,6 +33,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "run": ("run", "Follow a run: status (stages, steps, ETA, jobs, health), logs, cancel."),
     "report": ("report", "Render a run's report (md, html, PNG plots; runs compared); TensorBoard: RUN/tb."),
     "eval": ("eval", "Evaluate a policy on benchmark files the paper's way (avg@k pass@1, pass@k, maj@k, ...)."),
+    "export": ("export", "A trainer checkpoint as a Hugging Face model: safetensors, training chat template, sampling."),
 }
 
 
