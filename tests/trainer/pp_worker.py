@@ -64,6 +64,7 @@ def run(hf_dir: str, layout: dict) -> dict:
         state.step = step + 1
         if step == 1 and layout.get("save"):
             save_checkpoint(state, layout["save"])
+            out["saved_weights"] = gather_hf_state(policy)   # what an export of that checkpoint must give
     out.update(losses=[m["loss"] for m in steps], grad_norms=[m["grad_norm"] for m in steps],
                weights=gather_hf_state(policy))
     if layout.get("export"):  # each stage writes its own safetensors files, the first one the index

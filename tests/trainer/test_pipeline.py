@@ -82,13 +82,23 @@ def _same_weights(ref: dict, got: dict) -> None:
 @pytest.mark.parametrize("name,world,layout", [
     ("pp2", 2, {"pp": 2}),
     ("pp2_vpp2", 2, {"pp": 2, "vpp": 2}),
-    ("tp2_pp2", 4, {"tp": 2, "pp": 2, "trainer": {"recompute": "full"}}),
+    ("tp2_pp2", 4, {"tp": 2, "pp": 2, "trainer": {"recompute": "full"}, "save": "ckpt"}),
 ])
 def test_pipeline_layouts_match_one_rank(tiny4_hf_dir, reference, tmp_path, name, world, layout):
+    if "save" in layout:
+        layout = {**layout, "save": str(tmp_path / layout["save"])}
     got = _launch(tiny4_hf_dir, tmp_path, name, world,
                   {**layout, "resume": str(reference["ckpt"]), "export": str(tmp_path / "hf")})
     _same_step(reference, got)
     _same_weights(reference, got)
+    if "save" in layout:   # `rstar-hpc export` merges the checkpoint's tensor and pipeline shards, in one process
+        from rstar_hpc.export.weights import write_hf_weights
+
+        write_hf_weights(Path(layout["save"]) / "step-00000002", tmp_path / "merged", model_dir=tiny4_hf_dir,
+                         params_dtype="float32", max_shard_bytes=2**20)
+        merged = read_hf_weights(tmp_path / "merged")
+        assert merged.keys() == got["saved_weights"].keys()
+        assert all(torch.equal(merged[k], w) for k, w in got["saved_weights"].items())
     exported = read_hf_weights(got["exported"])  # written stage by stage, one index
     assert exported.keys() == got["weights"].keys() and (tmp_path / "hf" / "model.safetensors.index.json").is_file()
     assert all(torch.equal(exported[k], w) for k, w in got["weights"].items())
@@ -167,3 +177,8 @@ def test_trainer_role_on_two_pipeline_stages_resumes_and_trains_like_one_rank(ti
     staged = read_hf_weights(policy)
     for name, w in read_hf_weights(one / "tiny-cpu" / "policy" / "v-00000001").items():
         torch.testing.assert_close(staged[name], w, rtol=0, atol=1e-3, msg=name)  # 6 AdamW steps, see _same_weights
+    # `rstar-hpc export` of the newest checkpoint, saved by two stages: the published policy's weights
+    from rstar_hpc.export import export_model
+
+    merged = read_hf_weights(export_model(pp2 / "tiny-cpu", tmp_path / "exported").out)
+    assert merged.keys() == staged.keys() and all(torch.equal(merged[k], w) for k, w in staged.items())
