@@ -18,7 +18,8 @@ from rstar_hpc.config.loader import DEFAULT_CONFIG
 
 @click.command("eval")
 @click.option("--policy", required=True, help="A run directory (its newest published policy), a trainer checkpoint "
-              "directory (the policy published at its step) or a Hugging Face model directory.")
+              "directory RUN/ckpt/<stage>[/step-N] (any committed one: the policy published at its step, else the "
+              "checkpoint exported to OUT/model) or a Hugging Face model directory.")
 @click.option("--data", "data", multiple=True, required=True, help="Benchmark: FILE (named after its stem) or "
               "NAME=FILE, JSONL or Parquet with question + answer. Repeatable.")
 @click.option("--k", type=click.IntRange(min=1), default=None, help="Samples per problem [eval.k: 16].")
@@ -54,6 +55,7 @@ def command(policy, data, k, temperature, top_p, max_turns, max_tokens, launcher
     seed = load_config(config, list(overrides)).run.seed
     benchmarks = c.parse_benchmarks(data, seed)   # before anything starts: a bad file fails here
     out_dir = Path(out).expanduser().absolute() if out else c.default_out(pol, benchmarks)
+    pol = c.export_policy(pol, out_dir)   # a checkpoint without a kept policy: OUT/model
     protocol = {"k": k, "temperature": temperature, "top_p": top_p, "max_turns": max_turns,
                 "max_response_length": max_tokens}
     cfg = c.compose(config, list(overrides), pol, benchmarks, out_dir, protocol=protocol,

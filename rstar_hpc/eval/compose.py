@@ -9,13 +9,15 @@ from pathlib import Path
 
 from rstar_hpc.config import ConfigError, RunConfig, build_config, load_config
 from rstar_hpc.datasets import ANSWER_KEYS, DatasetError, load_prompt_file
-from rstar_hpc.exchange.checkpoints import MARKER
 from rstar_hpc.exchange.rundir import RunPaths, default_run_root
+from rstar_hpc.export.choose import Checkpoint, ExportError, find_checkpoint
 
 STAGE = "eval"
 POLICY_FORMS = ("a run directory (its newest published policy, policy/latest), a trainer checkpoint directory "
-                "(<run>/ckpt/<stage>/step-N: the policy published at that step), or a Hugging Face model directory "
+                "(<run>/ckpt/<stage>/step-N, or <run>/ckpt/<stage> for its newest: any committed checkpoint, "
+                "exported when no policy of its step is kept), or a Hugging Face model directory "
                 "(config.json + *.safetensors + tokenizer files)")
+EXPORTED = "model"   # OUT/model: a checkpoint exported for this evaluation (rstar_hpc.export)
 
 
 class PolicyNotFound(ConfigError):
@@ -24,9 +26,15 @@ class PolicyNotFound(ConfigError):
 
 @dataclass(frozen=True)
 class Policy:
-    hf_dir: Path
+    hf_dir: Path | None
+    """None until `export_policy` writes the checkpoint `source` as a Hugging Face directory."""
     what: str
     """How it was found, for the user ("run R, policy v-7 (stage rl, trainer step 40)")."""
+    source: Checkpoint | None = None
+
+    @property
+    def name(self) -> str:
+        return self.hf_dir.name if self.hf_dir is not None else f"{self.source.stage}-step-{self.source.step}"
 
 
 def is_hf_dir(path: Path) -> bool:
@@ -53,30 +61,43 @@ def resolve_policy(spec: str) -> Policy:
                                  f"no complete v-* directory yet); evaluate it once its trainer has published one, "
                                  f"or pass a Hugging Face model directory")
         return Policy(latest[1], f"run {path}, {_describe(latest[0], dirs.marker(latest[0]))}")
-    m = re.fullmatch(r"step-(\d+)", path.name)
-    if m and path.parent.parent.name == "ckpt":
-        return _checkpoint_policy(spec, path, path.parent.name, int(m.group(1)))
-    if (path / "latest").is_file() and path.parent.name == "ckpt":   # ckpt/<stage>/: its latest checkpoint
-        m = re.fullmatch(r"step-(\d+)", (path / "latest").read_text().strip())
-        if m and (path / m.group(0) / MARKER).is_file():
-            return _checkpoint_policy(spec, path / m.group(0), path.name, int(m.group(1)))
+    if path.parent.name == "ckpt" or path.parent.parent.name == "ckpt":   # ckpt/<stage>[/step-N]
+        try:
+            return _checkpoint_policy(find_checkpoint(path))
+        except ExportError as e:
+            raise PolicyNotFound(f"--policy {spec}: {e}") from None
     raise PolicyNotFound(f"--policy {spec}: {path} is none of what --policy takes: {POLICY_FORMS}")
 
 
-def _checkpoint_policy(spec: str, ckpt: Path, stage: str, step: int) -> Policy:
-    """A trainer checkpoint holds Megatron shards vLLM cannot load; the policy published at the same trainer step
-    holds the same weights as a Hugging Face directory."""
-    run = ckpt.parents[2]
-    dirs = RunPaths(run).policies()
-    found = []
+def _checkpoint_policy(ckpt: Checkpoint) -> Policy:
+    """A trainer checkpoint holds Megatron shards vLLM cannot load: the policy published at the same trainer step
+    holds the same weights as a Hugging Face directory; without one kept, `export_policy` exports it."""
+    dirs = ckpt.paths.policies()
     for v in reversed(dirs.complete_steps()):
         marker = dirs.marker(v)
-        found.append(f"v-{v} ({marker.get('stage')}, step {marker.get('trainer_step')})")
-        if marker.get("stage") == stage and marker.get("trainer_step") == step:
-            return Policy(dirs.path(v), f"checkpoint {ckpt} -> {_describe(v, marker)}")
-    raise PolicyNotFound(f"--policy {spec}: no published policy of stage {stage!r} at trainer step {step} in {run}/policy "
-                         f"(kept: {', '.join(found) or 'none'}); a checkpoint's Megatron shards are not loadable by "
-                         f"vLLM: evaluate a kept version (--policy {run}/policy/v-N) or the run directory")
+        if marker.get("stage") == ckpt.stage and marker.get("trainer_step") == ckpt.step:
+            return Policy(dirs.path(v), f"{ckpt} -> {_describe(v, marker)}")
+    return Policy(None, f"{ckpt} (no policy of its step kept)", ckpt)
+
+
+def export_policy(policy: Policy, out: Path) -> Policy:
+    """The policy with its Hugging Face directory: a checkpoint is exported to OUT/model once (a rerun of the same
+    evaluation finds it there)."""
+    if policy.source is None:
+        return policy
+    from rstar_hpc.export import PROVENANCE, export_checkpoint
+
+    ckpt, target = policy.source, out / EXPORTED
+    if (target / PROVENANCE).is_file():
+        made = json.loads((target / PROVENANCE).read_text())
+        if (made.get("run"), made.get("stage"), made.get("step")) != (str(ckpt.paths.dir), ckpt.stage, ckpt.step):
+            raise ConfigError(f"{target} holds an export of another checkpoint ({made.get('stage')} step "
+                              f"{made.get('step')} of {made.get('run')}); pass another --out")
+    elif (out / "config.yaml").is_file():
+        raise ConfigError(f"{out} holds another evaluation; pass another --out, or delete {out} to start over")
+    else:
+        export_checkpoint(ckpt, target)
+    return Policy(target, f"{ckpt}, exported to {target} (no policy of its step kept)", ckpt)
 
 
 def parse_benchmarks(items: tuple[str, ...] | list[str], seed: int = 0) -> dict[str, str]:
@@ -109,7 +130,7 @@ def parse_benchmarks(items: tuple[str, ...] | list[str], seed: int = 0) -> dict[
 
 
 def default_out(policy: Policy, benchmarks: dict[str, str]) -> Path:
-    name = re.sub(r"[^A-Za-z0-9._-]+", "-", f"eval-{policy.hf_dir.name}-{'-'.join(benchmarks)}")[:120]
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", f"eval-{policy.name}-{'-'.join(benchmarks)}")[:120]
     return default_run_root().absolute() / name
 
 

@@ -55,10 +55,14 @@ def test_policy_forms(tmp_path):
     (ckpt / "COMMITTED.json").write_text("{}")
     pol = c.resolve_policy(str(ckpt))   # a checkpoint: the policy published at its step
     assert pol.hf_dir == v1 and "trainer step 50" in pol.what
+    assert c.resolve_policy(str(ckpt.parent)).hf_dir == v1   # ckpt/<stage>: its newest
     missing = run / "ckpt" / "rl" / "step-00000009"
-    missing.mkdir()
-    with pytest.raises(c.PolicyNotFound, match=r"no published policy of stage 'rl' at trainer step 9.*kept: v-2"):
+    missing.mkdir()   # never committed
+    with pytest.raises(c.PolicyNotFound, match=r"no committed checkpoint of stage 'rl'.*committed: sft: steps 50"):
         c.resolve_policy(str(missing))
+    (missing / "COMMITTED.json").write_text("{}")   # committed, its policy not kept: exported into OUT/model
+    pol = c.resolve_policy(str(missing))
+    assert pol.hf_dir is None and (pol.source.stage, pol.source.step) == ("rl", 9) and pol.name == "rl-step-9"
     empty = tmp_path / "empty_run"
     (empty / "policy").mkdir(parents=True)
     with pytest.raises(c.PolicyNotFound, match="without a published policy"):
