@@ -158,8 +158,26 @@ def check_shm() -> Check:
     return Check("shm", OK, f"/dev/shm {gib:.1f} GiB free")
 
 
+def check_placement() -> Check:
+    """Inside a job step: what this task got (host, GPUs, CPU affinity), as each role records it at start."""
+    from rstar_hpc.exchange.placement import observe
+
+    seen = observe("doctor")
+    where = f"{seen['node'] or seen['host']}, task {seen['rank']} (local {seen['local_rank']})"
+    detail = (f"{where}: CUDA_VISIBLE_DEVICES={seen['cuda_visible_devices'] if seen['cuda_visible_devices'] is not None else '(unset)'}, "
+              f"{seen['cpus']} CPUs in its affinity")
+    if "SLURM_STEP_ID" not in os.environ:
+        return Check("placement", OK, f"not in a job step ({detail})")
+    want = int(os.environ.get("SLURM_CPUS_PER_TASK", "0") or 0)
+    if want and seen["cpus"] < want:
+        return Check("placement", WARN, f"job {seen['job']} step {seen['step']}, {detail}; asked for {want} CPUs per "
+                     "task", "pass --cpus-per-task to srun (Slurm >= 22.05 does not pass the job's on to steps)")
+    return Check("placement", OK, f"job {seen['job']} step {seen['step']}, {detail}")
+
+
 CHECKS: dict[str, Callable[..., Check]] = {
     "bwrap": check_bwrap, "slurm": check_slurm, "mpi": check_mpi, "vllm": check_vllm, "gpus": check_gpus,
+    "placement": check_placement,
     "run-dir": check_run_root, "offline": check_offline, "shm": check_shm,
 }
 

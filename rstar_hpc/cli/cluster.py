@@ -27,12 +27,14 @@ def command() -> None:
 @click.option("--gpu-nodes", default=2, show_default=True, help="Nodes in partition gpu.")
 @click.option("--cpu-nodes", default=2, show_default=True, help="Nodes in partition cpu.")
 @click.option("--cpus-per-node", default=4, show_default=True, help="CPUs each node claims (may exceed the host's).")
-def up(state_dir, gpu_nodes: int, cpu_nodes: int, cpus_per_node: int) -> None:
+@click.option("--gpus-per-node", default=0, show_default=True,
+              help="Fake GPUs (GRES) of each gpu node; also binds tasks to cores (task/affinity). Needs root.")
+def up(state_dir, gpu_nodes: int, cpu_nodes: int, cpus_per_node: int, gpus_per_node: int) -> None:
     """Start the cluster (a no-op if it is already up) and wait until every node is idle."""
     from rstar_hpc.cluster import ClusterError, ClusterSpec, LocalCluster
 
     cluster = LocalCluster(state_dir, ClusterSpec(num_gpu_nodes=gpu_nodes, num_cpu_nodes=cpu_nodes,
-                                                  cpus_per_node=cpus_per_node))
+                                                  cpus_per_node=cpus_per_node, gpus_per_node=gpus_per_node))
     try:
         cluster.up()
     except ClusterError as e:

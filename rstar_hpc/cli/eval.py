@@ -35,7 +35,7 @@ from rstar_hpc.config.loader import DEFAULT_CONFIG
 @click.option("--config", default=DEFAULT_CONFIG, show_default=True,
               help="Config for the machinery (engines, sandbox, launch); its stages and model are replaced.")
 @click.option("--engines", type=click.IntRange(min=1), default=None,
-              help="local: engine ranks [launch.rollout ranks - 1, at least 1].")
+              help="local: engine ranks [launch.rollout's: num_nodes x tasks_per_node].")
 @click.option("--prompts-per-step", type=click.IntRange(min=1), default=64, show_default=True,
               help="Problems per rollout step (the unit that is committed; the step journal keeps the rest).")
 @click.option("--mpirun", default="mpirun", show_default=True, help="local: the MPI launcher.")
@@ -89,8 +89,8 @@ def _local(cfg, paths, engines, mpirun) -> int:
     from rstar_hpc.eval.local import LocalRunFailed, run_local
     if shutil.which(mpirun) is None:
         raise click.ClickException(f"{mpirun!r} not found: install Open MPI, or use --launcher sbatch|submitit")
-    res = cfg.launch.rollout
-    n = engines or max(1, res.num_nodes * res.tasks_per_node - 1)
+    from rstar_hpc.launch.placement import num_engines
+    n = engines or num_engines(cfg)
     try:
         return run_local(paths, paths.config, c.STAGE, engines=n, mpirun=mpirun)
     except LocalRunFailed as e:

@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from rstar_hpc.cli.status import EXIT_FAILED
+from rstar_hpc.cli.status import EXIT_CONFIG, EXIT_FAILED
 
 
 @click.command("launch")
@@ -18,7 +18,9 @@ from rstar_hpc.cli.status import EXIT_FAILED
 @click.option("--dry-run", is_flag=True, help="Print the job script (sbatch) or job parameters (submitit); submit "
               "nothing.")
 @click.option("--timeout-s", type=float, default=None, help="With --wait: give up following after this long.")
-@click.option("--json", "as_json", is_flag=True, help="End with one JSON line: run, jobs, and (with --wait) status.")
+@click.option("--json", "as_json", is_flag=True, help="End with one JSON line: run, jobs, placement (one entry per "
+              "task), and (with --wait) status; with --dry-run also the script or parameters and each role's srun "
+              "line.")
 def command(config: str, overrides: tuple[str, ...], launcher, wait: bool, dry_run: bool, timeout_s, as_json) -> None:
     """Submit every stage of CONFIG (sft -> rl ... -> hard_subset -> rl -> eval) as one run.
 
@@ -30,19 +32,30 @@ def command(config: str, overrides: tuple[str, ...], launcher, wait: bool, dry_r
     """
     from rstar_hpc.config import load_config
     from rstar_hpc.launch.launcher import LaunchError, launch_run
+    from rstar_hpc.launch.placement import PlacementError, Task, table
 
     cfg = load_config(config, list(overrides))
     try:
         info = launch_run(cfg, launcher, wait=wait, dry_run=dry_run, timeout_s=timeout_s,
                           echo=lambda line: click.echo(line, err=as_json))
+    except PlacementError as e:
+        click.echo(f"rstar-hpc launch: {e}\n  nothing was submitted; `rstar-hpc config explain launch` lists the "
+                   f"keys", err=True)
+        sys.exit(EXIT_CONFIG)
     except LaunchError as e:
         click.echo(f"rstar-hpc launch: {e}", err=True)
         sys.exit(EXIT_FAILED)
     if dry_run:
+        if as_json:
+            click.echo(json.dumps(info))
+            return
         if info["launcher"] == "sbatch":
             click.echo(info["script"], nl=False)
         else:
             click.echo(json.dumps(info["parameters"], indent=1))
+        tasks = [Task(**{**t, "gpus": tuple(t["gpus"])}) for t in info["placement"]]
+        click.echo("\n# placement (node numbers within each role's nodes):\n"
+                   + "\n".join("# " + line for line in table(tasks).splitlines()))
         return
     status = info.get("status")
     if not as_json:

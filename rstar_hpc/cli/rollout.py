@@ -50,6 +50,8 @@ def command(config, steps, stage, engines, sandbox, mpirun, progress, overrides)
 
         init_logging("rollout", env_rank())
         cfg = load_config(config, list(overrides))
+        from rstar_hpc.launch.binding import bind
+        bind(cfg, "rollout")   # before vLLM sees CUDA: this rank's tensor-parallel block, none for rank 0
         run(cfg, stage, list(steps) or None, sandbox=sandbox, progress=progress)
         return
     if engines < 1:
@@ -69,9 +71,23 @@ def command(config, steps, stage, engines, sandbox, mpirun, progress, overrides)
                  "--progress", *overrides]
     cmd += [sys.executable, "-m", "rstar_hpc", "rollout", *rank_args]
     from rstar_hpc.rollout.progress import TTY_ENV
-    rc = _run_mpirun(cmd, {**os.environ, TTY_ENV: "1" if sys.stderr.isatty() else "0"})
+    rc = _run_mpirun(cmd, {**own_mpirun_env(os.environ), TTY_ENV: "1" if sys.stderr.isatty() else "0"})
     if rc:
         raise SystemExit(rc)
+
+
+_SLURM_MPI_VARS = ("SLURM_", "PMIX_", "PMI_", "OMPI_")
+
+
+def own_mpirun_env(env) -> dict[str, str]:
+    """The environment of this command's own mpirun inside a Slurm task (launch.mpi=none, or submitit's one-node
+    rollout): without Slurm's task and MPI variables, else mpirun takes the ranks for a Slurm step of its own and
+    tries to launch them through srun on the node names Slurm knows. The job id stays, renamed, for the ranks'
+    placement records."""
+    out = {k: v for k, v in env.items() if not k.startswith(_SLURM_MPI_VARS)}
+    if "SLURM_JOB_ID" in env:
+        out["RSTAR_SLURM_JOB_ID"] = env["SLURM_JOB_ID"]
+    return out
 
 
 def _run_mpirun(cmd: list[str], env: dict) -> int:

@@ -46,11 +46,15 @@ def command(config: str, overrides: tuple[str, ...], stage_name: str | None, fol
 
     warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")  # megatron-core's import-time notes
 
+    from rstar_hpc.launch.binding import bind
     from rstar_hpc.logs import init_logging
-    from rstar_hpc.trainer.job import EXIT_REQUEUE, run
 
     rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
     init_logging("trainer", rank, rank0_only=True)
+    bind(cfg, "trainer")   # before torch sees CUDA
+
+    from rstar_hpc.trainer.job import EXIT_REQUEUE, run
+
     code = 0
     while stage is not None:
         # the bar only on an interactive terminal of rank 0; batch logs get the fixed-field step lines

@@ -15,12 +15,16 @@ class RoleResources(Section):
     gpus_per_node: int = Field(0, ge=0)
     cpus_per_task: int = Field(1, ge=1)
     tasks_per_node: int = Field(1, ge=1)
-    """Tasks per node: the trainer one per GPU; the rollout one per engine, plus rank 0 (the scheduler) on the
-    first node; the sandbox one per node (it sizes its pool from the node's cores)."""
+    """Tasks per node: the trainer one per GPU; the rollout one per vLLM engine (each holds
+    rollout.engine.tensor_parallel_size GPUs; rank 0, the scheduler, is an extra GPU-less task on the first node);
+    the sandbox one service per node, whatever this says. `rstar-hpc launch --dry-run` prints the placement."""
     time_min: int = Field(60, ge=1)
     """Slurm time limit; jobs checkpoint on the pre-timeout signal and are requeued."""
     mem: str | None = None
     """Slurm --mem of each node ("0": the whole node, "200G"); null: the partition's default."""
+    cores_per_node: int | None = Field(None, ge=1)
+    """The node's cores, where you know them: `launch` then refuses a layout that asks for more (tasks x
+    cpus_per_task). Null: checked against `sinfo` when Slurm is reachable."""
     gres: str | None = None
     """Slurm --gres (e.g. "gpu:8"), where a site asks for it instead of --gpus-per-node."""
     constraint: str | None = None
@@ -31,6 +35,19 @@ class RoleResources(Section):
     """More sbatch options for this role, verbatim (e.g. ["--reservation=rl"])."""
 
 
+class ContainerConfig(Section):
+    """A container every job step runs in: the image must hold this project's environment (or set
+    launch.python/launch.setup to one on shared storage)."""
+
+    image: str | None = None
+    """pyxis/enroot: an image or squashfs (--container-image); apptainer: a .sif path. Null: no container."""
+    runtime: Literal["pyxis", "apptainer"] = "pyxis"
+    """pyxis: srun's --container-image/--container-mounts (Slurm with the pyxis plugin); apptainer: each step's
+    command runs under `apptainer exec --nv --bind ...`."""
+    mounts: list[str] = Field(default_factory=list)
+    """Host paths to mount (SRC[:DST]); the run root is always mounted at the same path."""
+
+
 class LaunchConfig(Section):
     launcher: Literal["sbatch", "submitit"] = "sbatch"
     """sbatch: one heterogeneous job (trainer / rollout / sandbox groups) runs every stage; submitit: one job per
@@ -39,6 +56,16 @@ class LaunchConfig(Section):
     trainer: RoleResources = RoleResources(partition="gpu")
     rollout: RoleResources = RoleResources(partition="gpu")
     sandbox: RoleResources = RoleResources(partition="cpu")
+    mpi: Literal["pmix", "pmi2", "none"] = "pmix"
+    """How the rollout's MPI ranks are wired up: `srun --mpi=pmix` (Open MPI >= 5, most sites), `--mpi=pmi2`
+    (sites whose Slurm lacks PMIx; MPICH, Open MPI built with Slurm's PMI-2), or none: the rollout command starts
+    its own `mpirun` on its first node (one rollout node; the pattern for an MPI inside a container)."""
+    gpu_gres: bool = True
+    """The site schedules GPUs as GRES (most do): jobs ask for --gpus-per-node and steps bind each task to its
+    GPUs. false: nothing asks Slurm for GPUs, and each task takes its GPUs from SLURM_LOCALID instead."""
+    cpu_bind: str | None = "cores"
+    """srun --cpu-bind of every step: each task pinned to its cpus_per_task cores. Null: the site's default."""
+    container: ContainerConfig = ContainerConfig()
     account: str | None = None
     """Slurm --account of every job."""
     qos: str | None = None

@@ -37,7 +37,8 @@ def observe(role: str, rank: int | None = None, env: Mapping[str, str] | None = 
     env = os.environ if env is None else env
     visible = env.get("CUDA_VISIBLE_DEVICES")
     return {"role": role, "rank": task_rank(env) if rank is None else rank, "local_rank": task_local_rank(env),
-            "host": socket.gethostname(), "node": env.get("SLURMD_NODENAME"), "job": env.get("SLURM_JOB_ID"),
+            "host": socket.gethostname(), "node": env.get("SLURMD_NODENAME"),
+            "job": env.get("SLURM_JOB_ID") or env.get("RSTAR_SLURM_JOB_ID"),
             "step": env.get("SLURM_STEP_ID"), "cuda_visible_devices": visible,
             "gpus": [int(g) for g in visible.split(",") if g.strip().isdigit()] if visible else [],
             "cpus": len(os.sched_getaffinity(0)), "pid": os.getpid(), "at": time.time()}
@@ -45,7 +46,9 @@ def observe(role: str, rank: int | None = None, env: Mapping[str, str] | None = 
 
 def record_placement(paths: RunPaths, role: str, rank: int | None = None) -> dict:
     record = observe(role, rank)
-    atomic_write_json(paths.observed_placement(role, record["rank"]), record)
+    path = paths.observed_placement(role, record["rank"])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(path, record)
     return record
 
 

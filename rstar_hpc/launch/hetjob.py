@@ -12,29 +12,26 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
-from rstar_hpc.launch.roles import python_of, roles_needed
+from rstar_hpc.launch import placement
+from rstar_hpc.launch.placement import het_groups
+from rstar_hpc.launch.roles import python_of
 from rstar_hpc.launch.slurm import SBATCH_DIR
 
 TEMPLATE = SBATCH_DIR / "run.sbatch"
 HEADER_MARK = "#RSTAR-HEADER"   # the line of the template the rendered #SBATCH header replaces
-HET_ROLES = ("trainer", "rollout", "sandbox")
-
-
-def het_groups(cfg) -> dict[str, int]:
-    """role -> het group index, for the roles this run needs, in HET_ROLES order."""
-    need = roles_needed(cfg)
-    return {r: i for i, r in enumerate(r for r in HET_ROLES if r in need)}
 
 
 def _hours(minutes: int) -> str:
     return f"{minutes // 60:d}:{minutes % 60:02d}:00"
 
 
-def role_options(res) -> list[str]:
+def role_options(cfg, role: str) -> list[str]:
     """The sbatch resource options of one role's component."""
-    opts = [f"--partition={res.partition}", f"--nodes={res.num_nodes}", f"--ntasks-per-node={res.tasks_per_node}",
+    res = getattr(cfg.launch, role)
+    per_node = {"rollout": placement.rollout_tasks_per_node(cfg), "sandbox": 1}.get(role, res.tasks_per_node)
+    opts = [f"--partition={res.partition}", f"--nodes={res.num_nodes}", f"--ntasks-per-node={per_node}",
             f"--cpus-per-task={res.cpus_per_task}", f"--time={_hours(res.time_min)}"]
-    if res.gpus_per_node:
+    if res.gpus_per_node and cfg.launch.gpu_gres:
         opts.append(f"--gpus-per-node={res.gpus_per_node}")
     for key in ("mem", "gres", "constraint"):
         if getattr(res, key):
@@ -62,8 +59,10 @@ def header(cfg, run_dir: str | Path) -> str:
         if i:
             lines.append("#SBATCH hetjob")
         lines.append(f"# component {i}: {role}")
-        opts = (job_options(cfg, run_dir) if i == 0 else []) + role_options(getattr(cfg.launch, role))
+        opts = (job_options(cfg, run_dir) if i == 0 else []) + role_options(cfg, role)
         lines += [f"#SBATCH {o}" for o in opts]
+    lines.append("# job steps the supervisor starts (placement: `rstar-hpc launch CONFIG --dry-run`):")
+    lines += [f"#   {role}: {line}" for role, line in placement.steps(cfg, run_dir).items()]
     return "\n".join(lines)
 
 

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from rstar_hpc.exchange.rundir import RunPaths
+from rstar_hpc.launch import placement
 from rstar_hpc.launch.hetjob import render
 from rstar_hpc.launch.record import add_launch
 from rstar_hpc.launch.roles import run_done
@@ -52,6 +53,9 @@ def preflight(cfg) -> None:
             datasets.load_sft_conversations(s, cfg.run.seed)
         elif not (s.data or "").startswith("@"):
             pipeline.stage_prompts(cfg, s)
+        if s.kind == "rl" and s.val_every:
+            from rstar_hpc.rollout.validation import val_prompts
+            val_prompts(cfg, s)
     resolve_model(cfg)   # builds the tiny model once here, so no two roles race to build it
 
 
@@ -62,7 +66,8 @@ def _active_jobs(paths: RunPaths, env) -> list[dict]:
 def launch_run(cfg, launcher: str | None = None, *, wait: bool = False, dry_run: bool = False, env=None,
                echo=print, timeout_s: float | None = None, poll_s: float = 5.0) -> dict:
     """Submit every stage of `cfg` (or print what would be submitted with `dry_run`); with `wait`, follow the run
-    until it is done (or every job of it ended) and return its final status under "status"."""
+    until it is done (or every job of it ended) and return its final status under "status". A layout that cannot
+    fit raises placement.PlacementError before anything is submitted."""
     from rstar_hpc.config import prepare_run_dir
 
     launcher = launcher or cfg.launch.launcher
@@ -70,14 +75,19 @@ def launch_run(cfg, launcher: str | None = None, *, wait: bool = False, dry_run:
         raise LaunchError(f"unknown launcher {launcher!r}; launchers: {', '.join(LAUNCHERS)}")
     paths = RunPaths(cfg.run.dir)
     info: dict = {"run": paths.name, "dir": str(paths.dir), "launcher": launcher}
+    env = slurm_env(env)
+    # a dry run plans for any cluster (it may run far from the one it is for): the cores it knows come from the
+    # config alone; a real launch checks against the partitions' nodes too
+    placement.check(cfg, placement.partition_cores(cfg, env) if shutil.which("sinfo") and not dry_run else None)
+    info["placement"] = [t.to_dict() for t in placement.plan(cfg)]
     if dry_run:
+        info["steps"] = placement.steps(cfg, paths.dir)
         if launcher == "sbatch":
             info["script"] = render(cfg, paths.dir)
         else:
             from rstar_hpc.launch.submitit_launch import role_parameters
             info["parameters"] = role_parameters(cfg)
         return info
-    env = slurm_env(env)
     if shutil.which("sbatch") is None:
         raise LaunchError("sbatch not found: run this on a Slurm login node (or install slurm-client; for the local "
                           "emulated cluster: `rstar-hpc cluster up`)")

@@ -60,9 +60,14 @@ def run_done(cfg, paths: RunPaths) -> bool:
     return role_done(cfg, paths, "trainer") and role_done(cfg, paths, "rollout")
 
 
-def first_host(nodelist: str) -> str:
+def hostnames(nodelist: str) -> list[str]:
+    """A Slurm node list ("gpu[1-3]") expanded, in Slurm's order."""
     out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=30)
-    return (out.stdout.split() or [nodelist.split(",")[0]])[0]
+    return out.stdout.split() or [nodelist.split(",")[0]]
+
+
+def first_host(nodelist: str) -> str:
+    return hostnames(nodelist)[0]
 
 
 def node_addr(node: str) -> str:
@@ -84,5 +89,8 @@ def role_env(cfg, role: str, nodelist: str | None, attempt: int, env=None) -> di
         env.setdefault("MASTER_ADDR", node_addr(first_host(nodelist)) if nodelist else "127.0.0.1")
         job = int(env.get("SLURM_JOB_ID", "0") or 0)
         env["MASTER_PORT"] = env.get("RSTAR_MASTER_PORT") or str(20000 + (job * 7 + attempt) % 20000)
+    if not getattr(cfg.launch, role).gpus_per_node:
+        env.pop("CUDA_VISIBLE_DEVICES", None)   # the batch step's GPUs are not this GPU-less step's
     env.setdefault("OMP_NUM_THREADS", str(getattr(cfg.launch, role).cpus_per_task))
+    env["RSTAR_BIND"] = "1"   # the role binds itself to its GPUs from the placement (launch/binding.py)
     return env

@@ -1,6 +1,7 @@
 """What a run is doing, from its run directory and Slurm: `rstar-hpc run status` (and `launch --wait`'s progress).
 
-    run_status(cfg, paths) -> {"run", "dir", "done", "stages": [...], "jobs": [...], "roles": {...}, "problems": [...]}
+    run_status(cfg, paths) -> {"run", "dir", "done", "stages": [...], "jobs": [...], "roles": {...},
+                               "placement": [...], "problems": [...]}
 
 Per stage: name, kind, state (pending|running|done|failed), step/steps, the step time breakdown (generation, tool
 calls, reward, training, checkpoint: means over the stage's steps so far), ETA, last mean reward, pass@1 (eval).
@@ -19,7 +20,7 @@ from pathlib import Path
 from rstar_hpc import pipeline
 from rstar_hpc.exchange.rundir import RunPaths
 from rstar_hpc.exchange.state import read_heartbeat, read_stage_state
-from rstar_hpc.launch.hetjob import het_groups
+from rstar_hpc.launch.placement import het_groups, plan
 from rstar_hpc.launch.record import cancelled, read_record
 from rstar_hpc.launch.roles import roles_needed
 
@@ -210,9 +211,20 @@ def run_status(cfg, paths: RunPaths, env=None, *, with_slurm: bool = True) -> di
         roles[role] = {"doing": beat["doing"], "age_s": round(now - beat["time"], 1), "host": beat.get("host"),
                        "job": beat.get("slurm_job_id")} if beat else None
     status = {"run": paths.name, "dir": str(paths.dir), "done": all(s["state"] == "done" for s in stages),
-              "cancelled": cancelled(paths), "stages": stages, "jobs": jobs, "roles": roles}
+              "cancelled": cancelled(paths), "stages": stages, "jobs": jobs, "roles": roles,
+              "placement": placement_status(cfg, paths)}
     status["problems"] = problems(status)
     return status
+
+
+def placement_status(cfg, paths: RunPaths) -> list[dict]:
+    """Each planned task (launch/placement.py) with what it observed at its last start (None: not started yet)."""
+    from rstar_hpc.exchange.placement import read_placements
+
+    seen = read_placements(paths)
+    keep = ("host", "node", "job", "cuda_visible_devices", "gpus", "cpus", "at")
+    return [{**t.to_dict(), "observed": {k: seen[(t.role, t.rank)].get(k) for k in keep}
+             if (t.role, t.rank) in seen else None} for t in plan(cfg)]
 
 
 def _sandbox_beat(paths: RunPaths) -> dict | None:

@@ -10,8 +10,9 @@ announcement and for each policy it needs, the trainer for each step's trajector
   is told to save (USR2) and waited for, then submitit requeues the job (launch.max_restarts times at most) and the
   requeued job starts the role again, which resumes from the run directory;
 - the sandbox job serves until the run is done, then ends.
-The rollout job takes launch.rollout's nodes; its one submitit task starts the MPI ranks itself: `mpirun` on one
-node, `srun --mpi=pmix` across several.
+Each job runs one submitit task per node, holding the cores of every task its role places there; it starts the
+role's tasks with the same srun line as the sbatch supervisor (rstar_hpc.launch.placement), with --overlap. The
+rollout on one node (or with launch.mpi=none) runs the command's own `mpirun` instead.
 
     job = submit_command(cfg, "sandbox", ["make-tiny-model", "/tmp/m"])   # any `rstar-hpc` command as a job
 """
@@ -28,10 +29,10 @@ from pathlib import Path
 
 from rstar_hpc.config import RunConfig
 from rstar_hpc.exchange.rundir import RunPaths
-from rstar_hpc.launch.roles import ROLES, role_argv, role_done, role_env, roles_needed, run_done
+from rstar_hpc.launch import placement
+from rstar_hpc.launch.roles import ROLES, hostnames, role_argv, role_done, role_env, roles_needed, run_done
 
 log = logging.getLogger("rstar_hpc.launch")
-_MPI_VARS = ("SLURM_", "PMIX_", "PMI_", "OMPI_")
 
 
 def executor(cfg: RunConfig, role: str, *, tasks_per_node: int | None = None, folder: Path | None = None):
@@ -57,11 +58,14 @@ def role_parameters(cfg: RunConfig, role: str | None = None, *, tasks_per_node: 
             extra[key] = getattr(res, key)
     if res.exclusive:
         extra["exclusive"] = True
+    # the one submitit task of a node holds the cores of every task the role starts there (placement.py)
+    per_node = {"rollout": placement.rollout_tasks_per_node(cfg), "sandbox": 1}.get(role, res.tasks_per_node)
+    tasks = tasks_per_node or res.tasks_per_node
+    cpus = res.cpus_per_task * per_node if tasks == 1 else res.cpus_per_task
     params = dict(name=f"rstar-{cfg.run.name}-{role}", timeout_min=res.time_min, nodes=res.num_nodes,
-                  tasks_per_node=tasks_per_node or res.tasks_per_node, cpus_per_task=res.cpus_per_task,
-                  slurm_partition=res.partition, slurm_signal_delay_s=launch.signal_lead_s,
-                  slurm_additional_parameters=extra)
-    if res.gpus_per_node:
+                  tasks_per_node=tasks, cpus_per_task=cpus, slurm_partition=res.partition,
+                  slurm_signal_delay_s=launch.signal_lead_s, slurm_additional_parameters=extra)
+    if res.gpus_per_node and launch.gpu_gres:
         params["gpus_per_node"] = res.gpus_per_node
     if res.mem:
         params["slurm_mem"] = res.mem
@@ -94,19 +98,25 @@ class RoleJob:
         return load_config(str(Path(self.run_dir) / "config.yaml"))
 
     def argv(self, cfg, attempt: int) -> tuple[list[str], dict[str, str]]:
-        """The child's command and environment: the role's command, run on every task of the job's allocation
-        with srun where it has several (the one submitit task only starts them)."""
-        argv, res = role_argv(cfg, self.role, self.run_dir), getattr(cfg.launch, self.role)
-        env = role_env(cfg, self.role, os.environ.get("SLURM_JOB_NODELIST"), attempt)
-        if self.role == "rollout" and res.num_nodes == 1:
-            # one node: the command's own mpirun, outside Slurm's view of the task
-            env = {k: v for k, v in env.items() if not k.startswith(_MPI_VARS)}
-            return [*argv, "--engines", str(max(1, res.tasks_per_node - 1))], env
-        per_node = 1 if self.role == "sandbox" else res.tasks_per_node   # one service per node, sized to it
-        if res.num_nodes * per_node > 1:
-            mpi = ["--mpi=pmix"] if self.role == "rollout" else []
-            return ["srun", "--overlap", *mpi, f"--ntasks-per-node={per_node}", *argv], env
-        return argv, env
+        """The child's command and environment: the role's tasks started with srun --overlap inside this job
+        (placement.step_argv, as the sbatch supervisor starts them), or the role's command itself where it is one
+        task; a one-node rollout (or launch.mpi=none) runs the command's own mpirun."""
+        from rstar_hpc.cli.rollout import own_mpirun_env
+
+        res = getattr(cfg.launch, self.role)
+        nodes = os.environ.get("SLURM_JOB_NODELIST")
+        env = role_env(cfg, self.role, nodes, attempt)
+        if self.role == "rollout" and (res.num_nodes == 1 or cfg.launch.mpi == "none"):
+            argv = role_argv(cfg, self.role, self.run_dir)
+            return [*argv, "--engines", str(placement.num_engines(cfg))], own_mpirun_env(env)
+        tasks = [t for t in placement.plan(cfg) if t.role == self.role]
+        if len(tasks) == 1:
+            return role_argv(cfg, self.role, self.run_dir), env
+        if self.role == "rollout":
+            hosts = Path(self.run_dir) / "launch" / f"rollout-{os.environ.get('SLURM_JOB_ID', 'local')}.hosts"
+            hosts.write_text("\n".join(placement.hostfile_lines(cfg, hostnames(nodes))) + "\n")
+            env["SLURM_HOSTFILE"] = str(hosts)
+        return placement.step_argv(cfg, self.role, self.run_dir, overlap=True), env
 
     def __call__(self) -> str:
         from rstar_hpc.logs import init_logging

@@ -23,8 +23,9 @@ import time
 from pathlib import Path
 
 from rstar_hpc.exchange.rundir import RunPaths
+from rstar_hpc.launch import placement
 from rstar_hpc.launch.record import cancelled
-from rstar_hpc.launch.roles import role_argv, role_done, role_env, roles_needed, run_done
+from rstar_hpc.launch.roles import hostnames, role_done, role_env, roles_needed, run_done
 
 log = logging.getLogger("rstar_hpc.launch")
 STABLE_S = 600.0   # a role that ran this long before failing starts its restart count afresh
@@ -44,21 +45,18 @@ class Supervisor:
 
     # ------------------------------------------------------------------------------------------------ steps
     def step_argv(self, role: str) -> list[str]:
-        # a trainer or rollout rank that dies takes its step down with it (the others would wait on it until a
-        # timeout); the supervisor starts the role again and it resumes from the run directory and its journal.
-        # One sandbox service dying leaves the others serving.
         # a job of one component (a run of sft stages only) is no hetjob: srun refuses --het-group there
-        group = [f"--het-group={self.groups[role]}"] if len(self.groups) > 1 else []
-        srun = ["srun", *group, "--kill-on-bad-exit=" + ("0" if role == "sandbox" else "1")]
-        if role == "rollout":
-            srun.append("--mpi=pmix")
-        if role == "sandbox":
-            srun.append("--ntasks-per-node=1")
-        return srun + role_argv(self.cfg, role, self.paths.dir)
+        group = self.groups[role] if len(self.groups) > 1 else None
+        return placement.step_argv(self.cfg, role, self.paths.dir, het_group=group)
 
     def step_env(self, role: str) -> dict[str, str]:
         nodes = os.environ.get(f"SLURM_JOB_NODELIST_HET_GROUP_{self.groups[role]}", os.environ.get("SLURM_JOB_NODELIST"))
-        return role_env(self.cfg, role, nodes, self.starts[role])
+        env = role_env(self.cfg, role, nodes, self.starts[role])
+        if role == "rollout" and self.cfg.launch.mpi != "none":
+            hosts = self.paths.launch_record.parent / f"rollout-{os.environ.get('SLURM_JOB_ID', 'local')}.hosts"
+            hosts.write_text("\n".join(placement.hostfile_lines(self.cfg, hostnames(nodes))) + "\n")
+            env["SLURM_HOSTFILE"] = str(hosts)
+        return env
 
     def start(self, role: str) -> None:
         out = open(self.paths.logs / f"{role}-{os.environ.get('SLURM_JOB_ID', 'local')}.log", "ab")  # noqa: SIM115
@@ -133,6 +131,7 @@ class Supervisor:
                       "job (see RUN/logs/%s-*.log)", role, code, self.restarts[role], self.cfg.launch.role_restarts,
                       role)
             self.stop_reason = self.stop_reason or f"{role} failed"
+            self.stop_at = self.stop_at or time.monotonic()
             self.failed = True
             self.on_signal(signal.SIGTERM, None)
             return

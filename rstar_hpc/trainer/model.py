@@ -135,8 +135,9 @@ def init_distributed(tp: int = 1, pp: int = 1, backend: Backend = "cpu", seed: i
         env.setdefault("MASTER_ADDR", "127.0.0.1")
         env.setdefault("MASTER_PORT", "29533")
         if backend == "cuda":
+            # a rank bound to its GPU (srun --gpus-per-task=1, launch/binding.py) sees that one GPU only
             local = int(env.get("LOCAL_RANK", env.get("SLURM_LOCALID", 0)))
-            torch.cuda.set_device(local)
+            torch.cuda.set_device(local if torch.cuda.device_count() > 1 else 0)
         # NCCL reduces CUDA tensors only; gloo in the same group serves the CPU ones (a flag, a checkpoint's
         # metadata), so neither side has to move a tensor to suit the other
         torch.distributed.init_process_group("cpu:gloo,cuda:nccl" if backend == "cuda" else "gloo", rank=rank,

@@ -1,0 +1,124 @@
+"""The placement of a run's tasks (rstar_hpc/launch/placement.py) and each task's own GPU binding (binding.py): the
+14B recipe's layout through `launch --dry-run --json`, layouts refused with exit 3, and the srun lines."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import defaultdict
+
+import pytest
+
+from rstar_hpc.config import load_config
+from rstar_hpc.launch import placement
+from rstar_hpc.launch.binding import task_gpus
+
+BASE = ["model.path=/lustre/models/Qwen3-14B-Base"]
+
+
+def dry_run(tmp_path, *overrides: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rstar_hpc", "launch", "qwen3-14b", f"run.root={tmp_path}", *BASE,
+                           *overrides, "--dry-run", "--json"], capture_output=True, text=True, timeout=120)
+
+
+def check_layout(info: dict, tp: int) -> None:
+    tasks = info["placement"]
+    cfg_ranks = {"trainer": 32, "rollout": 1 + 4 * 8 // tp, "sandbox": 4}
+    for role, n in cfg_ranks.items():
+        assert sorted(t["rank"] for t in tasks if t["role"] == role) == list(range(n)), role
+    used = defaultdict(list)
+    for t in tasks:
+        used[(t["role"], t["node"])] += t["gpus"]
+        if t["role"] == "trainer":
+            assert len(t["gpus"]) == 1
+        elif t["role"] == "rollout":
+            assert len(t["gpus"]) == (0 if t["rank"] == 0 else tp), t
+        else:
+            assert t["gpus"] == []
+    for key, gpus in used.items():
+        assert len(gpus) == len(set(gpus)) and all(0 <= g < 8 for g in gpus), (key, gpus)
+    scheduler = next(t for t in tasks if t["role"] == "rollout" and t["rank"] == 0)
+    assert scheduler["gpus"] == [] and scheduler["node"] == 0
+    for role in ("trainer", "rollout"):
+        assert "--cpus-per-task=" in info["steps"][role], info["steps"][role]
+    assert "--gpus-per-task=1" in info["steps"]["trainer"]
+    assert f"--ntasks={1 + 32 // tp}" in info["steps"]["rollout"] and "--mpi=pmix" in info["steps"]["rollout"]
+    assert "--ntasks-per-node=1" in info["steps"]["sandbox"]
+
+
+@pytest.mark.parametrize("tp,overrides", [(4, []), (2, ["rollout.engine.tensor_parallel_size=2",
+                                                         "launch.rollout.tasks_per_node=4"])])
+def test_14b_dry_run_places_every_task_on_its_own_gpus(tmp_path, tp, overrides):
+    proc = dry_run(tmp_path, *overrides)
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads(proc.stdout.splitlines()[-1])
+    check_layout(info, tp)
+    assert f"--ntasks-per-node={1 + 8 // tp}" in info["script"]   # the rollout component: engines + rank 0
+    assert not (tmp_path / "qwen3-14b-rstar2").exists()
+
+
+def test_human_dry_run_ends_with_a_node_by_node_table(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "rstar_hpc", "launch", "qwen3-14b", f"run.root={tmp_path}", *BASE,
+                          "--dry-run"], capture_output=True, text=True, timeout=120).stdout
+    table = out[out.index("# placement"):]
+    assert "# rollout[0]  scheduler, ranks 1-2  -|0-3|4-7" in table, table
+    assert "# trainer[3]  ranks 24-31" in table and "# sandbox[3]" in table
+    assert "#   rollout: srun --het-group=1" in out   # the steps the supervisor will start, in the script
+
+
+@pytest.mark.parametrize("overrides,says", [
+    (["launch.rollout.tasks_per_node=3"], "3 engines per node (launch.rollout.tasks_per_node) x tensor_parallel_size 4 = 12 GPUs, but a node has 8"),
+    (["launch.trainer.tasks_per_node=5"], "not a multiple of"),
+    (["launch.trainer.tasks_per_node=9", "launch.trainer.num_nodes=2", "trainer.tensor_parallel_size=2",
+      "trainer.pipeline_parallel_size=1"], "9 ranks per node (launch.trainer.tasks_per_node) but 8 GPUs"),
+    (["launch.rollout.cores_per_node=64"], "3 tasks per node (its engines plus rank 0) x cpus_per_task 32 = 96 cores"),
+    (["launch.mpi=none"], "launch.mpi=none starts the rollout's own mpirun on one node"),
+])
+def test_a_layout_that_cannot_fit_is_refused_before_anything_is_submitted(tmp_path, overrides, says):
+    proc = dry_run(tmp_path, *overrides)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert says in " ".join(proc.stderr.split()), proc.stderr
+    assert "nothing was submitted" in proc.stderr or "invalid config" in proc.stderr   # the loader knows TP x PP
+
+
+def test_srun_lines_follow_mpi_container_and_gres_settings(tmp_path):
+    cfg = load_config("qwen3-14b", [f"run.root={tmp_path}", *BASE, "launch.mpi=pmi2",
+                                    "launch.container.image=/lustre/images/rstar.sqsh", "launch.container.mounts=[/scratch]"])
+    line = placement.steps(cfg, tmp_path / "run")["rollout"]
+    assert "--mpi=pmi2" in line and "--container-image=/lustre/images/rstar.sqsh" in line
+    assert f"--container-mounts={tmp_path}:{tmp_path},/scratch" in line
+    cfg = load_config("qwen3-14b", [f"run.root={tmp_path}", *BASE, "launch.container.runtime=apptainer",
+                                    "launch.container.image=/x/rstar.sif", "launch.gpu_gres=false",
+                                    "launch.cpu_bind=null"])
+    line = placement.steps(cfg, tmp_path / "run")["trainer"]
+    assert f"apptainer exec --nv --bind={tmp_path}:{tmp_path} /x/rstar.sif" in line
+    assert "--gpus" not in line and "--cpu-bind" not in line   # no GRES: each rank picks its GPU (binding.py)
+    one = load_config("tiny-cpu", [f"run.root={tmp_path}", "launch.mpi=none"])
+    line = placement.steps(one, tmp_path / "run")["rollout"]
+    assert "--ntasks=1" in line and line.endswith("--engines 1") and "--mpi" not in line
+
+
+def test_each_task_takes_its_block_of_the_gpus_slurm_gave_it():
+    cfg = load_config("qwen3-14b", BASE)   # rollout: 2 TP-4 engines a node, rank 0 beside the first node's
+    step = {"SLURM_NODEID": "0", "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}
+    assert task_gpus(cfg, "rollout", {**step, "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}) == []
+    assert task_gpus(cfg, "rollout", {**step, "SLURM_PROCID": "1", "SLURM_LOCALID": "1"}) == ["0", "1", "2", "3"]
+    assert task_gpus(cfg, "rollout", {**step, "SLURM_PROCID": "2", "SLURM_LOCALID": "2"}) == ["4", "5", "6", "7"]
+    second = {"SLURM_NODEID": "1", "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7", "SLURM_PROCID": "4",
+              "SLURM_LOCALID": "1"}
+    assert task_gpus(cfg, "rollout", second) == ["4", "5", "6", "7"]
+    # a site that allocated a subset of the node: the block comes from what Slurm gave, not from 0..7
+    shared = {"SLURM_NODEID": "1", "CUDA_VISIBLE_DEVICES": "8,9,10,11,12,13,14,15", "SLURM_PROCID": "3",
+              "SLURM_LOCALID": "0"}
+    assert task_gpus(cfg, "rollout", shared) == ["8", "9", "10", "11"]
+    # mpirun inside a Slurm task (launch.mpi=none): MPI's own ranks win over the task's inherited SLURM_*
+    under_mpirun = {"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "OMPI_COMM_WORLD_RANK": "2",
+                    "OMPI_COMM_WORLD_LOCAL_RANK": "2"}
+    assert task_gpus(cfg, "rollout", under_mpirun) == ["4", "5", "6", "7"]
+    # trainer: Slurm's --gpus-per-task=1 left one GPU visible (kept); without GRES, SLURM_LOCALID picks it
+    assert task_gpus(cfg, "trainer", {"CUDA_VISIBLE_DEVICES": "5", "SLURM_LOCALID": "5"}) is None
+    assert task_gpus(cfg, "trainer", {"SLURM_LOCALID": "3"}) == ["3"]
+    assert task_gpus(cfg, "sandbox", {"SLURM_LOCALID": "0"}) is None
+    with pytest.raises(RuntimeError, match="needs 4 GPUs, but the step sees 2"):
+        task_gpus(cfg, "rollout", {"SLURM_NODEID": "0", "SLURM_PROCID": "1", "SLURM_LOCALID": "1",
+                                   "CUDA_VISIBLE_DEVICES": "0,1"})
