@@ -56,8 +56,9 @@ def _demo_set(data: str, seed: int) -> list[dict]:
 
 
 def load_prompts(stage, seed: int = 0, run_dir=None) -> list[dict]:
-    """The prompts of an rl or hard_subset stage as [{"uid", "question", "answer"}], in file order; `run_dir`
-    resolves `data: "@<stage>"` (the subset an earlier hard_subset stage wrote there)."""
+    """The prompts of an rl or hard_subset stage as [{"uid", "question", "answer"}] (+ "system" where the stage's
+    `keep_system` keeps a prompt's system turn), in file order; `run_dir` resolves `data: "@<stage>"` (the subset an
+    earlier hard_subset stage wrote there)."""
     if stage.data is None:
         raise DatasetError(f"stage {stage.name!r} ({stage.kind}) has no data; set stages[].data to a JSONL or "
                            f"Parquet file of prompts with answers, or to '{DEMO}' for the built-in demo set")
@@ -72,11 +73,12 @@ def load_prompts(stage, seed: int = 0, run_dir=None) -> list[dict]:
             raise DatasetError(f"stage {stage.name!r}: {path} does not exist yet; stage {data[1:]!r} (hard_subset) "
                                f"writes it, and must be done before this stage starts")
         data = str(path)
-    return load_prompt_file(data, seed)
+    return load_prompt_file(data, seed, keep_system=stage.keep_system)
 
 
 def load_prompt_file(data: str, seed: int = 0, *, keep_system: bool = False) -> list[dict]:
-    """Prompts with answers from a JSONL or Parquet file, or the demo set ('demo')."""
+    """Prompts with answers from a JSONL or Parquet file, or the demo set ('demo'); a prompt's system turn is kept
+    (as "system") only with `keep_system` (stages[].keep_system)."""
     if is_demo(data):
         return _demo_set(data, seed)
     return read_prompt_file(data, keep_system=keep_system, missing_hint=PROMPT_HINT).rows

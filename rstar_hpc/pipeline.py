@@ -130,17 +130,19 @@ def rollout_done(cfg, paths: RunPaths, stage: str) -> bool:
 
 
 def stage_prompts(cfg, stage) -> list[dict]:
-    """All prompts a rollout stage draws from (rl: its data; hard_subset: the source; eval: every benchmark's)."""
+    """All prompts a rollout stage draws from (rl: its data; hard_subset: the source; eval: every benchmark's),
+    system turns kept where the stage's `keep_system` says so."""
     from rstar_hpc.datasets import load_prompt_file, load_prompts
 
-    limit = stage.max_prompts
+    limit, keep = stage.max_prompts, stage.keep_system
     if stage.kind == "eval":
         out = []
         for name, data in stage.benchmark_files().items():
-            out += [dict(p, uid=f"{name}/{p['uid']}") for p in load_prompt_file(data, cfg.run.seed)[:limit]]
+            out += [dict(p, uid=f"{name}/{p['uid']}")
+                    for p in load_prompt_file(data, cfg.run.seed, keep_system=keep)[:limit]]
         return out
     if stage.kind == "hard_subset":
-        return load_prompt_file(stage.data, cfg.run.seed)[:limit]
+        return load_prompt_file(stage.data, cfg.run.seed, keep_system=keep)[:limit]
     return load_prompts(stage, seed=cfg.run.seed, run_dir=cfg.run.dir)[:limit]
 
 

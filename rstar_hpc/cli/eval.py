@@ -22,6 +22,8 @@ from rstar_hpc.config.loader import DEFAULT_CONFIG
               "checkpoint exported to OUT/model) or a Hugging Face model directory.")
 @click.option("--data", "data", multiple=True, required=True, help="Benchmark: FILE (named after its stem) or "
               "NAME=FILE, JSONL or Parquet with question + answer. Repeatable.")
+@click.option("--keep-system", is_flag=True, help="Keep a prompt's own system turn (a verl `prompt` list's) in "
+              "place of the run's system text (stages[].keep_system); default: dropped.")
 @click.option("--k", type=click.IntRange(min=1), default=None, help="Samples per problem [eval.k: 16].")
 @click.option("--temperature", type=click.FloatRange(min=0), default=None, help="[eval.temperature: 0.6]")
 @click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=None, help="[eval.top_p: 1]")
@@ -40,7 +42,7 @@ from rstar_hpc.config.loader import DEFAULT_CONFIG
               help="Problems per rollout step (the unit that is committed; the step journal keeps the rest).")
 @click.option("--mpirun", default="mpirun", show_default=True, help="local: the MPI launcher.")
 @click.argument("overrides", nargs=-1)
-def command(policy, data, k, temperature, top_p, max_turns, max_tokens, launcher, out, config, engines,
+def command(policy, data, keep_system, k, temperature, top_p, max_turns, max_tokens, launcher, out, config, engines,
             prompts_per_step, mpirun, overrides) -> None:
     """Evaluate POLICY on benchmark files; print the results table and the path of results.json.
 
@@ -59,7 +61,7 @@ def command(policy, data, k, temperature, top_p, max_turns, max_tokens, launcher
     protocol = {"k": k, "temperature": temperature, "top_p": top_p, "max_turns": max_turns,
                 "max_response_length": max_tokens}
     cfg = c.compose(config, list(overrides), pol, benchmarks, out_dir, protocol=protocol,
-                    prompts_per_step=prompts_per_step)
+                    prompts_per_step=prompts_per_step, keep_system=keep_system)
     c.check_resumable(cfg, RunPaths(cfg.run.dir))
     paths = prepare_run_dir(cfg)
     click.echo(f"rstar-hpc eval: {pol.what}; benchmarks {', '.join(benchmarks)}; avg@{cfg.eval.k}, T "

@@ -72,6 +72,16 @@ class _RolloutStage(_Stage):
     """The engine context this stage needs, when it is more than rollout.engine.max_model_len (an eval with the
     paper's 30K-token budget). A rollout job builds its engines with the largest context of the stages it runs; vLLM
     reserves nothing per token of context, only checks that one sequence fits the KV cache."""
+    keep_system: bool = False
+    """Keep the system turn of prompts that carry one: a verl-schema `prompt` list (microsoft/rStar's
+    data_preprocess, verl's examples) or a `system` column. Applies to every prompt file this stage reads: `data`
+    ("@<stage>" subsets too: a subset holds a system turn only where its hard_subset stage kept one), `benchmarks`
+    (eval), `val_data` (rl). False (the default): such turns are dropped, and every prompt gets the run's system
+    turn. True: a prompt's own system turn takes the place of the run's system text in that prompt, where the user's
+    data put it (the system turn, before the question): with rollout.agent.system_prompt null it replaces rStar2's
+    preamble and the python tool's schema section still follows it (as the chat template renders a conversation's
+    own system message with tools: what verl renders from the row); with a custom rollout.agent.system_prompt
+    (which carries no tool section) it replaces that text whole. Prompts without a system turn are unchanged."""
 
 
 class SFTStage(_TrainerStage):

@@ -6,7 +6,9 @@ Layouts, detected per row from its columns:
             (then the row carries it as "system"); the ground truth is `reward_model.ground_truth`; the problem id
             is `extra_info.index` when there is one. `data_source`, `ability` and the rest are ignored.
   flat      a question column (question, problem, or `prompt` as a string: DAPO's flat copies) and an answer
-            column (answer, ground_truth, solution; `reward_model.ground_truth` first when present).
+            column (answer, ground_truth, solution; `reward_model.ground_truth` first when present); a `system`
+            column (text; a hard_subset stage's output carries the turns it kept) is a system turn, dropped unless
+            `keep_system` like a verl one.
 The answer cell then goes through data.answers: GSM8K's `#### n`, the last \\boxed{} of a MATH solution, or the
 text as given; a cell that is a rationale with no final answer refuses the file, naming the column. The format
 reported is "verl", "gsm8k", "math-solution" or "question-answer" (the most common among the rows).
@@ -83,7 +85,8 @@ def _question(row: dict, where: str) -> tuple[str, str, str | None]:
     for k in QUESTION_KEYS:
         v = _scalar(row.get(k))
         if v is not None:
-            return v, k, None
+            system = row.get("system")
+            return v, k, system if isinstance(system, str) and system.strip() else None
     raise DatasetError(f"{where}: no question (looked for {', '.join(QUESTION_KEYS)}, or a verl 'prompt' list of "
                        f"chat messages; the row has {sorted(row)})")
 

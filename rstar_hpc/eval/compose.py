@@ -135,14 +135,16 @@ def default_out(policy: Policy, benchmarks: dict[str, str]) -> Path:
 
 
 def compose(config: str, overrides: list[str], policy: Policy, benchmarks: dict[str, str], out: Path, *,
-            protocol: dict, prompts_per_step: int) -> RunConfig:
+            protocol: dict, prompts_per_step: int, keep_system: bool = False) -> RunConfig:
     """The run config of the evaluation: CONFIG + OVERRIDES for the machinery (engines, sandbox, launch), the policy
-    as the model, one eval stage over the benchmarks; `protocol` (k, temperature, ...) overrides the eval section."""
+    as the model, one eval stage over the benchmarks (`keep_system`: the stage's, for prompts with a system turn);
+    `protocol` (k, temperature, ...) overrides the eval section."""
     tree = load_config(config, overrides).model_dump(mode="json")
     tree["run"].update(name=out.name, root=str(out.parent))
     tree["model"] = {"path": str(policy.hf_dir)}
     tree["eval"].update({k: v for k, v in protocol.items() if v is not None})
-    tree["stages"] = [{"name": STAGE, "kind": "eval", "benchmarks": benchmarks, "prompts_per_step": prompts_per_step}]
+    tree["stages"] = [{"name": STAGE, "kind": "eval", "benchmarks": benchmarks, "prompts_per_step": prompts_per_step,
+                       "keep_system": keep_system}]
     # room for the prompt and the whole response budget; vLLM refuses a context past the model's positions, and a
     # shorter one would cut responses short without a word
     engine, prompt = tree["rollout"]["engine"], tree["rollout"]["agent"]["max_prompt_length"]

@@ -44,7 +44,8 @@ from typing import Protocol
 from rstar_hpc.config.rollout import AgentConfig
 from rstar_hpc.exchange.schema import Timings, ToolCall, Turn
 from rstar_hpc.exchange.tool_status import INFRA_TOOL_STATUSES, TOOL_STATUSES
-from rstar_hpc.models.chat_format import IM_END, SESSION_TOOL_SCHEMA, TOOL_NAME, render_prompt, render_tool_responses
+from rstar_hpc.models.chat_format import (IM_END, SESSION_TOOL_SCHEMA, TOOL_NAME, render_prompt, render_tool_responses,
+                                          system_prompt)
 from sandbox.results import render_rstar2, truncate_middle
 
 log = logging.getLogger("rstar_hpc.rollout")
@@ -205,11 +206,17 @@ def _failure_text(message: str) -> str:
     return f"Tool call failure\nreason: {message}"
 
 
-def encode_prompt(tokenizer: Tokenizer, question: str, cfg: AgentConfig) -> tuple[list[int], str]:
+def encode_prompt(tokenizer: Tokenizer, question: str, cfg: AgentConfig,
+                  system: str | None = None) -> tuple[list[int], str]:
     """The rStar2 prompt's ids; PromptTooLong past the limit (the tool schema counts, as in microsoft/rStar's
-    prompt-length filter)."""
-    text = render_prompt(question, tools=[SESSION_TOOL_SCHEMA] if cfg.tool_state == "session" else None,
-                         system=cfg.system_prompt)
+    prompt-length filter). `system`: the prompt's own system turn (kept by stages[].keep_system), in place of the
+    run's system text: before the tool's schema section where the run's system turn has one (system_prompt null),
+    else the whole system turn."""
+    tools = [SESSION_TOOL_SCHEMA] if cfg.tool_state == "session" else None
+    own = cfg.system_prompt
+    if system is not None:
+        own = system if cfg.system_prompt is not None else system_prompt(tools, preamble=system)
+    text = render_prompt(question, tools=tools, system=own)
     ids = tokenizer.encode(text, add_special_tokens=False)
     if len(ids) > cfg.max_prompt_length:
         raise PromptTooLong(f"prompt has {len(ids)} tokens (system prompt with the tool schema included), over "
@@ -233,8 +240,8 @@ class AgentLoop:
                              f"needs a ChatML tokenizer")
         self.stop_token_id = ids[0] if stop_token_id is None else stop_token_id
 
-    def encode_prompt(self, question: str) -> tuple[list[int], str]:
-        return encode_prompt(self.tok, question, self.cfg)
+    def encode_prompt(self, question: str, system: str | None = None) -> tuple[list[int], str]:
+        return encode_prompt(self.tok, question, self.cfg, system)
 
     async def run(self, prompt_ids: Sequence[int], request_id: str, prompt_text: str = "", *,
                   seed: int | None = None, progress: Callable[[int], None] | None = None,

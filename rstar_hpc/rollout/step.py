@@ -80,14 +80,15 @@ def step_items(stage: StageConfig, step: int, tokenizer, rows: list[dict], *, ag
 
 def make_items(prompts: list[dict], tokenizer, *, agent: AgentConfig,
                samples_per_prompt: int) -> tuple[list[WorkItem], list[str]]:
-    """`prompts` ({"uid", "question", "answer"}) x samples_per_prompt as work items; over-long ones dropped."""
+    """`prompts` ({"uid", "question", "answer"}, + "system" where the stage kept a prompt's own system turn) x
+    samples_per_prompt as work items; over-long ones dropped."""
     from rstar_hpc.rollout.agent import PromptTooLong, encode_prompt
 
     items, dropped = [], []
     for p in prompts:
         uid = p["uid"]
         try:
-            ids, text = encode_prompt(tokenizer, p["question"], agent)
+            ids, text = encode_prompt(tokenizer, p["question"], agent, p.get("system"))
         except PromptTooLong as e:
             log.warning("dropping prompt %s: %s", uid, e)
             dropped.append(uid)

@@ -92,7 +92,8 @@ def test_config_validate_reads_every_data_file_it_names(tmp_path, capsys):
 def test_eval_takes_an_rstar_prepared_parquet_unchanged(tmp_path):
     from rstar_hpc import pipeline
 
-    f = write_parquet(tmp_path / "test.parquet", [verl_row(0, "Find x.", "204"), verl_row(1, "Find y.", "25")])
+    f = write_parquet(tmp_path / "test.parquet", [verl_row(0, "Find x.", "204"),
+                                                  verl_row(1, "Find y.", "25", system="Be brief.")])
     benches = c.parse_benchmarks([f"aime24={f}"])
     hf = tmp_path / "hf"
     hf.mkdir()
@@ -106,5 +107,9 @@ def test_eval_takes_an_rstar_prepared_parquet_unchanged(tmp_path):
     prompts = pipeline.stage_prompts(cfg, cfg.stage(c.STAGE))
     assert [(p["uid"], p["question"], p["answer"]) for p in prompts] == [("aime24/0", "Find x.", "204"),
                                                                           ("aime24/1", "Find y.", "25")]
+    assert not any("system" in p for p in prompts)   # dropped by default; `eval --keep-system` keeps it
+    kept = c.compose("tiny-cpu", [], c.resolve_policy(str(hf)), benches, tmp_path / "out2",
+                     protocol={"k": 2, "max_response_length": 3000}, prompts_per_step=8, keep_system=True)
+    assert [p.get("system") for p in pipeline.stage_prompts(kept, kept.stage(c.STAGE))] == [None, "Be brief."]
     with pytest.raises(Exception, match="column 'answer' holds a worked solution"):
         c.parse_benchmarks([str(write_jsonl(tmp_path / "r.jsonl", [{"question": "q", "answer": RATIONALE}]))])

@@ -139,6 +139,62 @@ def test_a_verl_system_turn_is_dropped_unless_kept(tmp_path):
         read_prompt_file(write_parquet(tmp_path / "b.parquet", [few_shot]))
 
 
+SYS = "You are a careful olympiad coach. Check every step twice."
+
+
+def test_keep_system_takes_a_kept_system_turn_into_the_rendered_prompt(tmp_path):
+    """stages[].keep_system, off: a verl prompt's system turn is dropped wherever a stage reads prompts (rl data,
+    validation, an "@<stage>" subset, hard_subset, eval benchmarks) and the run's system prompt is rendered; on: the
+    row's system turn is rendered in place of rStar2's preamble, the tool's schema still after it (what the exported
+    model's chat template renders for that conversation), or in place of a custom system_prompt whole."""
+    from rstar_hpc import pipeline
+    from rstar_hpc.config.run import TinyModelSpec
+    from rstar_hpc.exchange.rundir import RunPaths
+    from rstar_hpc.models.tiny import build_tokenizer
+    from rstar_hpc.rollout import validation
+    from rstar_hpc.rollout.step import make_items
+
+    f = write_parquet(tmp_path / "sys.parquet", [verl_row(i, f"Compute {i} + 1.", str(i + 1), system=SYS)
+                                                 for i in range(2)])
+    tok = build_tokenizer(TinyModelSpec())
+    tok.chat_template = fmt.serving_chat_template(fmt.system_prompt())   # an exported model's (rstar-hpc export)
+    expected = [tok.apply_chat_template([{"role": "system", "content": SYS},
+                                         {"role": "user", "content": f"Compute {i} + 1."}],
+                                        tools=[fmt.TOOL_SCHEMA], add_generation_prompt=True, tokenize=False)
+                for i in range(2)]
+    subset = RunPaths(tmp_path / "runs" / "tiny-cpu").stage_data("hard")   # as write_hard_subset writes it
+    subset.parent.mkdir(parents=True)
+    pq.write_table(pa.Table.from_pylist([{"uid": "0", "question": "Compute 0 + 1.", "answer": "1", "system": SYS,
+                                          "solved": 1, "samples": 4}]), subset)
+    for keep in (False, True):
+        cfg = load_config("tiny-cpu", [f"run.root={tmp_path / 'runs'}",
+                                       *(f"stages.{s}.keep_system={keep}" for s in ("rl-short", "hard", "rl-hard",
+                                                                                     "eval")),
+                                       f"stages.rl-short.data={f}", "stages.rl-short.val_every=1",
+                                       f"stages.rl-short.val_data={f}", f"stages.hard.data={f}",
+                                       f"stages.eval.benchmarks={json.dumps({'aime': str(f)})}"])
+        sets = {s: pipeline.stage_prompts(cfg, cfg.stage(s)) for s in ("rl-short", "hard", "rl-hard", "eval")}
+        sets["validation"] = validation.val_prompts(cfg, cfg.stage("rl-short"))
+        for name, prompts in sets.items():
+            assert [p.get("system") for p in prompts] == [SYS if keep else None] * len(prompts), (name, keep)
+            items, dropped = make_items(prompts, tok, agent=cfg.rollout.agent, samples_per_prompt=1)
+            assert not dropped and len(items) == len(prompts) > 0
+            for item, p in zip(items, prompts):
+                i = int(p["question"].split()[1])
+                assert item.prompt_ids == tok.encode(item.prompt_text, add_special_tokens=False)
+                if keep:
+                    assert item.prompt_text == expected[i] and fmt.SYSTEM_PREAMBLE not in item.prompt_text
+                else:
+                    assert SYS not in item.prompt_text and item.prompt_text == fmt.render_prompt(p["question"])
+    custom = load_config("tiny-cpu", [f"stages.rl-short.data={f}", "stages.rl-short.keep_system=true",
+                                      "rollout.agent.system_prompt=Answer briefly."])
+    (item,), _ = make_items(pipeline.stage_prompts(custom, custom.stage("rl-short"))[:1], tok,
+                            agent=custom.rollout.agent, samples_per_prompt=1)
+    assert item.prompt_text == fmt.render_prompt("Compute 0 + 1.", system=SYS)   # the custom prompt replaced whole
+    with pytest.raises(Exception, match="keep_system"):   # sft chats keep their system turns: no such knob
+        load_config("tiny-cpu", ["stages.sft.keep_system=true"])
+
+
 def test_dapo_repeats_are_dropped_and_counted(tmp_path):
     # the original DAPO-Math-17k: verl schema, each prompt repeated (here 5 times), every copy with its own index
     rows = [verl_row(100 * k + i, f"Problem {k}", str(k)) for i in range(5) for k in range(4)]
