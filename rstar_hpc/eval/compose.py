@@ -17,7 +17,6 @@ POLICY_FORMS = ("a run directory (its newest published policy, policy/latest), a
                 "(<run>/ckpt/<stage>/step-N, or <run>/ckpt/<stage> for its newest: any committed checkpoint, "
                 "exported when no policy of its step is kept), or a Hugging Face model directory "
                 "(config.json + *.safetensors + tokenizer files)")
-EXPORTED = "model"   # OUT/model: a checkpoint exported for this evaluation (rstar_hpc.export)
 
 
 class PolicyNotFound(ConfigError):
@@ -87,7 +86,7 @@ def export_policy(policy: Policy, out: Path) -> Policy:
         return policy
     from rstar_hpc.export import PROVENANCE, export_checkpoint
 
-    ckpt, target = policy.source, out / EXPORTED
+    ckpt, target = policy.source, RunPaths(out).exported_model
     if (target / PROVENANCE).is_file():
         made = json.loads((target / PROVENANCE).read_text())
         if (made.get("run"), made.get("stage"), made.get("step")) != (str(ckpt.paths.dir), ckpt.stage, ckpt.step):

@@ -16,6 +16,7 @@
       export/<stage>/step-00000123.{parquet,jsonl} copies made by `rstar-hpc traj export`
       data/<stage>.parquet, data/<stage>.stats.json   the prompt subset a hard_subset stage built, and its counts
       eval/<stage>/results.json, results.md      an eval stage's figures (rstar_hpc.eval)
+      model/                                     `rstar-hpc eval`'s OUT only: the checkpoint it exported to evaluate
       launch/jobs.json                           the jobs `rstar-hpc launch` submitted (run status, cancel)
       heartbeat/<role>.json                      what each role is doing now, rewritten every few seconds
       generate/<job id>/{samples.jsonl,summary.json}  output of `rstar-hpc generate` (the demo's job)
@@ -155,6 +156,12 @@ class RunPaths:
     def val_results(self, stage: str, step: int) -> Path:
         """The scores of rl stage `stage`'s validation pass at step `step` (rstar_hpc/rollout/validation.py)."""
         return self.eval_dir(stage) / "val" / f"step-{_step(step):08d}.json"
+
+    @property
+    def exported_model(self) -> Path:
+        """The Hugging Face directory `rstar-hpc eval --policy RUN/ckpt/<stage>/step-N` exports a checkpoint into
+        when no policy of its step is kept (this run directory being the evaluation's OUT)."""
+        return self.dir / "model"
 
     @property
     def launch_record(self) -> Path:

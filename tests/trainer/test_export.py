@@ -191,7 +191,7 @@ def test_eval_policy_takes_any_checkpoint(run, exported, tmp_path):
     assert c.resolve_policy(str(run.checkpoints("sft").path(4))).hf_dir == run.policies().latest()[1]
     early = c.resolve_policy(str(run.checkpoints("sft").path(2)))   # no policy of step 2 kept: exported
     got = c.export_policy(early, tmp_path / "eval")
-    assert got.hf_dir == tmp_path / "eval" / c.EXPORTED and c.is_hf_dir(got.hf_dir)
+    assert got.hf_dir == tmp_path / "eval" / "model" and c.is_hf_dir(got.hf_dir)
     weights, ref = read_hf_weights(got.hf_dir), read_hf_weights(exported["early"])
     assert all(torch.equal(weights[k], ref[k]) for k in ref)
     assert c.export_policy(early, tmp_path / "eval").hf_dir == got.hf_dir   # a rerun of the evaluation reuses it
