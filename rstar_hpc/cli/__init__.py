@@ -27,6 +27,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "generate": ("generate", "Generate from prompts with the policy in vLLM (sbatch/generate.sbatch)."),
     "train": ("train", "The trainer role (SFT, GRPO-RoC RL) with Megatron-core; --follow walks every stage."),
     "trainer": ("trainer", "Plan a trainer layout: per-GPU memory estimate and micro-batches, no GPU needed."),
+    "plan": ("plan", "Plan a run's RL steps: step time, GPU-hours, idle GPUs, on-policy vs overlap, node split."),
     "rollout": ("rollout", "The rollout role: vLLM engine ranks over MPI, agent loop, sandbox calls; walks its stages."),
     "sandbox": ("sandbox", "Run or call the bubblewrap Python sandbox service."),
     "traj": ("traj", "List, show and export trajectory shards of a run."),

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from rstar_hpc.cli import VERBS, cli
 
-PINNED_VERBS = ["demo", "launch", "doctor", "cluster", "config", "data", "make-tiny-model", "generate", "train", "trainer", "rollout", "sandbox", "traj", "run", "report", "eval", "export"]
+PINNED_VERBS = ["demo", "launch", "doctor", "cluster", "config", "data", "make-tiny-model", "generate", "train", "trainer", "plan", "rollout", "sandbox", "traj", "run", "report", "eval", "export"]
 
 
 def test_verb_list_is_pinned():
