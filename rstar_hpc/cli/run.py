@@ -69,7 +69,7 @@ def _render(st: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from rstar_hpc.launch.status import _dur
+    from rstar_hpc.launch.status import _dur, trainer_idle
 
     console = Console(width=160)
     console.print(f"[bold]run[/] {st['run']}  ({st['dir']})" + ("  [green]DONE[/]" if st["done"] else "")
@@ -106,6 +106,8 @@ def _render(st: dict) -> None:
                           " | ".join(t["observed"]["cuda_visible_devices"] or "-" for t in on),
                           ",".join(str(t["observed"]["cpus"]) for t in on))
         console.print(place)
+    if idle := trainer_idle(st["dir"]):
+        console.print(idle["text"])
     for p in st["problems"]:
         console.print(f"[red]problem:[/] {p}")
 

@@ -267,6 +267,20 @@ def problems(status: dict) -> list[str]:
     return out
 
 
+def trainer_idle(run_dir, last: int = 10) -> dict | None:
+    """The trainer's idle share of its last `last` steps that read trajectories (rl steps): time/read(s), waiting
+    on the rollout, over time/step(s), from RUN/metrics/trainer.jsonl. None before the first rl step."""
+    recs = [r for r in _read_jsonl(Path(run_dir) / "metrics" / "trainer.jsonl")
+            if "reward/mean" in r and isinstance(r.get("time/read(s)"), (int, float)) and r.get("time/step(s)")]
+    recs = sorted(recs, key=lambda r: r.get("time", 0))[-last:]
+    total = sum(r["time/step(s)"] for r in recs)
+    if not recs or total <= 0:
+        return None
+    idle = min(1.0, sum(r["time/read(s)"] for r in recs) / total)
+    return {"idle_fraction": round(idle, 4), "steps": len(recs),
+            "text": f"trainer idle {idle:.0%} of the last {len(recs)} steps, waiting on trajectories"}
+
+
 # ------------------------------------------------------------------------------------------------ text
 def _dur(seconds) -> str:
     if seconds is None:
