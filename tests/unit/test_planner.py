@@ -1,0 +1,93 @@
+"""rstar-hpc plan: the recipe's two modes at their recommended splits, idle fractions, the paper's total, and the
+errors that name the fix (exit 3 / 4). The --from-run prediction is checked on a real tiny run in
+tests/integration/test_launch.py."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from rstar_hpc.cli import cli
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _plan(*args: str):
+    return CliRunner().invoke(cli, ["plan", *args], catch_exceptions=False)
+
+
+@pytest.fixture(scope="module")
+def recipe() -> dict:
+    out = _plan("qwen3-14b", "--json")
+    assert out.exit_code == 0, out.output
+    return json.loads(out.output.splitlines()[-1])
+
+
+def test_overlap_costs_at_most_three_quarters_of_on_policy(recipe):
+    on, ov = recipe["on_policy"], recipe["overlap"]
+    assert ov["gpu_hours_per_step"] <= 0.75 * on["gpu_hours_per_step"]
+    assert recipe["overlap_vs_on_policy"] == pytest.approx(ov["gpu_hours_per_step"] / on["gpu_hours_per_step"], 1e-3)
+    for mode in (on, ov):
+        split = mode["recommended_split"]
+        assert split["trainer_nodes"] + split["rollout_nodes"] == recipe["nodes"] == 8
+        # the recommended split is the cheapest of those tried
+        assert mode["gpu_hours_per_step"] == pytest.approx(
+            min(s["on_policy" if mode is on else "overlap"] for s in recipe["splits"].values()), 1e-6)
+        assert set(mode["idle_fraction"]) == {"trainer", "rollout"}
+        for s in [mode, *mode["stages"]]:
+            assert all(0.0 <= v <= 1.0 for v in s["idle_fraction"].values())
+        for s in mode["stages"]:
+            assert s["step_s"] >= max(s["generation_s"], s["training_s"]) > 0
+    # on-policy waits: the roles idle more than overlapped
+    assert on["idle_fraction"]["rollout"] > ov["idle_fraction"]["rollout"]
+    assert [s["stage"] for s in on["stages"]] == ["rl-8k", "rl-12k", "rl-hard"]
+    assert sum(s["steps"] for s in on["stages"]) == recipe["paper"]["rl_steps"] == 510
+
+
+def test_the_recipe_total_is_below_the_papers(recipe):
+    assert recipe["paper"]["gpu_hours"] == 64 * 7 * 24
+    assert recipe["overlap"]["gpu_hours_total"] < recipe["paper"]["gpu_hours"]
+    # longer budgets cost more per step
+    steps = [s["step_s"] for s in recipe["on_policy"]["stages"]]
+    assert steps[0] < steps[1] < steps[2]
+
+
+def test_rates_move_the_plan():
+    fast = json.loads(_plan("qwen3-14b", "--json", "--gpu", "mi300x", "--stage", "rl-8k").output)
+    slow = json.loads(_plan("qwen3-14b", "--json", "--stage", "rl-8k").output)
+    assert fast["rates"]["gpu"] == "mi300x" and [s["stage"] for s in fast["on_policy"]["stages"]] == ["rl-8k"]
+    assert fast["on_policy"]["step_s"] < slow["on_policy"]["step_s"]
+    text = _plan("qwen3-14b", "--stage", "rl-8k", "--mfu", "0.2").output
+    assert "MFU 0.2" in text and "the paper: 64 mi300x" in text
+
+
+def test_bad_input_names_the_fix(tmp_path):
+    out = _plan("qwen3-14b", "--stage", "nope")
+    assert out.exit_code == 3 and "no such stage" in out.output
+    out = _plan("qwen3-14b", "--stage", "sft")
+    assert out.exit_code == 3 and "plans rl stages: rl-8k, rl-12k, rl-hard" in out.output
+    assert _plan("qwen3-14b", "--gpu", "tpu").exit_code == 3
+    assert _plan("qwen3-14b", "--response-tokens", "rl-8k").exit_code == 3
+    assert _plan("tiny-cpu", "--from-run", str(tmp_path / "missing")).exit_code == 4
+    run = tmp_path / "run"
+    (run / "metrics").mkdir(parents=True)
+    shutil.copy(REPO / "configs" / "tiny-cpu.yaml", run / "config.yaml")
+    out = _plan("tiny-cpu", "--from-run", str(run))
+    assert out.exit_code == 3 and "no RL step metrics" in out.output and "trained at least one RL step" in out.output
+
+
+def test_trainer_idle_from_the_runs_own_records(tmp_path):
+    from rstar_hpc.launch.status import trainer_idle
+
+    assert trainer_idle(tmp_path) is None
+    (tmp_path / "metrics").mkdir()
+    recs = [{"stage": "sft", "step": 1, "time": 0, "time/read(s)": 0.0, "time/step(s)": 5.0}]
+    recs += [{"stage": "rl", "step": i, "time": i, "reward/mean": 0.0, "time/read(s)": 3.0 if i > 2 else 9.0,
+              "time/step(s)": 5.0} for i in range(1, 13)]
+    (tmp_path / "metrics" / "trainer.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    idle = trainer_idle(tmp_path)
+    assert idle["steps"] == 10 and idle["idle_fraction"] == 0.6
+    assert idle["text"] == "trainer idle 60% of the last 10 steps, waiting on trajectories"
