@@ -22,6 +22,11 @@ def test_launch_runs_every_stage_kind_as_one_hetjob(sbatch_run):
     run, env, info, wall_s = sbatch_run
     assert info["launcher"] == "sbatch" and list(info["jobs"]) == ["run"]
     check_finished(run, env)
+    # the planner, with this run's own rates, predicts its mean on-policy RL step within 35% (rstar-hpc plan)
+    plan = json.loads(rstar("plan", "tiny-cpu", "--from-run", str(run), "--json", env=env).stdout.splitlines()[-1])
+    assert plan["measured_steps"] == 6 and plan["rates"]["decode_tok_s"] > 0, plan
+    assert abs(plan["predicted_step_s"] / plan["measured_step_s"] - 1) <= 0.35, (plan["predicted_step_s"],
+                                                                                 plan["measured_stage_step_s"])
     script = (run / "launch" / "run.sbatch").read_text()
     assert script.count("#SBATCH hetjob") == 2 and "#SBATCH --signal=B:USR2@30" in script
     record = json.loads((run / "launch" / "jobs.json").read_text())
