@@ -33,6 +33,22 @@ def slurm_cluster():
 
 
 @pytest.fixture(scope="session")
+def gpu_cluster():
+    """A second emulated cluster whose gpu nodes carry 2 fake GPUs each (GRES) and bind tasks to cores
+    (task/affinity): what a GPU partition does to placement, with the roles still computing on CPU."""
+    from rstar_hpc.cluster import ClusterSpec, LocalCluster
+
+    state = Path(tempfile.mkdtemp(prefix="rstar-gc-", dir="/tmp"))
+    cluster = LocalCluster(state, ClusterSpec(gpus_per_node=2))
+    cluster.up()
+    try:
+        yield cluster
+    finally:
+        cluster.down()
+        shutil.rmtree(state, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """The default tiny Qwen3 model (configs/tiny-cpu.yaml's spec), built once."""
     from rstar_hpc.config.run import TinyModelSpec

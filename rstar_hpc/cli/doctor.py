@@ -13,11 +13,13 @@ from rstar_hpc.cli.status import EXIT_FAILED
 @click.command("doctor")
 @click.option("--run-root", type=click.Path(file_okay=False), default=None,
               help="Run-directory root to test for writes [$RSTAR_HPC_RUN_ROOT or ./runs].")
-@click.option("--skip", multiple=True, help="Skip a check (repeatable): bwrap slurm mpi vllm gpus run-dir offline shm.")
+@click.option("--skip", multiple=True,
+              help="Skip a check (repeatable): bwrap slurm mpi vllm gpus placement run-dir offline shm.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def command(run_root, skip, as_json: bool) -> None:
     """Preflight a node or login host: bwrap sandboxes for this user, Slurm reachable, MPI runs, vLLM importable
-    (CPU or CUDA build), GPUs visible, run directory writable, offline settings.
+    (CPU or CUDA build), GPUs visible, run directory writable, offline settings. Inside a job step (srun ... rstar-hpc
+    doctor) it also prints the task's placement: node, CUDA_VISIBLE_DEVICES and the CPUs of its affinity.
 
     Prints a table with a concrete fix for each problem. Exit status 0 when nothing failed (warnings allowed),
     1 otherwise.

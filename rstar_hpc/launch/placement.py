@@ -195,9 +195,10 @@ def step_argv(cfg, role: str, run_dir: str | Path, *, het_group: int | None = No
     srun.append("--kill-on-bad-exit=" + ("0" if role == "sandbox" else "1"))
     gpus = res.gpus_per_node if launch.gpu_gres else 0
     argv = role_argv(cfg, role, run_dir)
+    # --ntasks always: inside another step (submitit's) srun would take that step's SLURM_NTASKS as its own
     if role == "trainer":
-        srun += [f"--nodes={res.num_nodes}", f"--ntasks-per-node={res.tasks_per_node}",
-                 f"--cpus-per-task={res.cpus_per_task}"]
+        srun += [f"--nodes={res.num_nodes}", f"--ntasks={res.num_nodes * res.tasks_per_node}",
+                 f"--ntasks-per-node={res.tasks_per_node}", f"--cpus-per-task={res.cpus_per_task}"]
         srun += ["--gpus-per-task=1"] if gpus else []
     elif role == "rollout" and launch.mpi == "none":
         # one task holding the node's engines' cores and GPUs; the command's own mpirun starts the ranks
@@ -209,7 +210,8 @@ def step_argv(cfg, role: str, run_dir: str | Path, *, het_group: int | None = No
                  "--distribution=arbitrary", f"--cpus-per-task={res.cpus_per_task}"]
         srun += [f"--gpus-per-node={gpus}"] if gpus else []
     else:
-        srun += [f"--nodes={res.num_nodes}", "--ntasks-per-node=1", f"--cpus-per-task={res.cpus_per_task}"]
+        srun += [f"--nodes={res.num_nodes}", f"--ntasks={res.num_nodes}", "--ntasks-per-node=1",
+                 f"--cpus-per-task={res.cpus_per_task}"]
     if launch.cpu_bind and not (role == "rollout" and launch.mpi == "none"):
         srun.append(f"--cpu-bind={launch.cpu_bind}")
     opts, prefix = _container(cfg, str(Path(run_dir).parent))

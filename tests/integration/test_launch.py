@@ -10,7 +10,7 @@ import shutil
 import subprocess
 
 import pytest
-from launching import _tail, check_finished, ci_config, rstar, run_facts
+from launching import _tail, check_finished, ci_config, rstar, run_facts, status
 
 pytestmark = [pytest.mark.slurm, pytest.mark.skipif(shutil.which("mpirun") is None or shutil.which("bwrap") is None,
                                                     reason="needs mpirun and bwrap")]
@@ -36,15 +36,22 @@ def test_launch_runs_every_stage_kind_as_one_hetjob(sbatch_run):
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_launch_through_submitit_runs_the_same_stages(slurm_cluster, tiny_model_dir, tmp_path, sbatch_run):
+def test_launch_through_submitit_runs_the_same_stages(gpu_cluster, tiny_model_dir, tmp_path, sbatch_run):
+    """On the cluster with fake GPUs (the sbatch run above had none): submitit's jobs place their tasks by the same
+    rules, and the run is the same."""
     config = ci_config(tmp_path, "all-stages", tiny_model_dir)
-    env = {**slurm_cluster.env, "OMP_NUM_THREADS": "1"}
-    proc = rstar("launch", str(config), "--launcher", "submitit", "--wait", "--json", "--timeout-s", "1200",
-                 env=env, timeout=1300, check=False)
+    env = {**gpu_cluster.env, "OMP_NUM_THREADS": "1"}
+    proc = rstar("launch", str(config), "launch.trainer.gpus_per_node=2", "launch.rollout.gpus_per_node=2",
+                 "--launcher", "submitit", "--wait", "--json", "--timeout-s", "1200", env=env, timeout=1300,
+                 check=False)
     run = tmp_path / "runs" / "all-stages"
     assert proc.returncode == 0, proc.stderr[-3000:] + "\n" + _tail(run)
     info = json.loads(proc.stdout.splitlines()[-1])
     assert sorted(info["jobs"]) == ["rollout", "sandbox", "trainer"]
+    seen = {(t["role"], t["rank"]): t["observed"] for t in status(run, env)["placement"]}
+    assert seen[("trainer", 0)]["cuda_visible_devices"] == "0" and seen[("trainer", 0)]["node"] == "gpu1", seen
+    assert seen[("rollout", 0)]["cuda_visible_devices"] == "" and seen[("rollout", 1)]["cuda_visible_devices"] == "0"
+    assert seen[("sandbox", 0)]["cuda_visible_devices"] is None
     facts = check_finished(run, env)
     # the same config and seed through the other launcher: the same prompts in the same steps
     assert facts["uids"] == run_facts(sbatch_run[0])["uids"]
