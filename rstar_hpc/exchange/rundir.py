@@ -167,6 +167,12 @@ class RunPaths:
     def launch_record(self) -> Path:
         return self.dir / "launch" / "jobs.json"
 
+    @property
+    def launch_events(self) -> Path:
+        """What the launchers did about faults (a role restarted, hung, a sandbox service gone): one JSON line each,
+        appended (exchange/events.py); `run status` names them."""
+        return self.dir / "launch" / "events.jsonl"
+
     def heartbeat(self, role: str) -> Path:
         return self.dir / "heartbeat" / f"{_check('role', role)}.json"
 
