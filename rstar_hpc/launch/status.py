@@ -7,7 +7,8 @@ Per stage: name, kind, state (pending|running|done|failed), step/steps, the step
 calls, reward, training, checkpoint: means over the stage's steps so far), ETA, last mean reward, pass@1 (eval).
 Per job: id, role, Slurm state and reason, nodes, elapsed. Per role: its last heartbeat and how old it is.
 `problems` says in words what looks wrong (a role silent too long, waiting on a job Slurm has not started, a failed
-stage, a job that ended while the run is not done). Nothing here writes to the run directory.
+stage, a job that ended while the run is not done, and the `faults` the launchers recorded in the last hour: roles
+restarted, hung, given up; RUN/launch/events.jsonl). Nothing here writes to the run directory.
 """
 from __future__ import annotations
 
@@ -213,8 +214,51 @@ def run_status(cfg, paths: RunPaths, env=None, *, with_slurm: bool = True) -> di
     status = {"run": paths.name, "dir": str(paths.dir), "done": all(s["state"] == "done" for s in stages),
               "cancelled": cancelled(paths), "stages": stages, "jobs": jobs, "roles": roles,
               "placement": placement_status(cfg, paths)}
+    status["faults"] = faults(paths, now)
     status["problems"] = problems(status)
+    if not (status["done"] or status["cancelled"]):
+        status["problems"] += [f["text"] for f in status["faults"]]
     return status
+
+
+def _minutes(seconds) -> str:
+    seconds = float(seconds or 0)
+    return f"{seconds:.0f} s" if seconds < 60 else f"{seconds / 60:.0f} min"
+
+
+FAULT_WINDOW_S = 3600.0   # `run status` names the faults of the last hour; the events file keeps them all
+
+
+def faults(paths: RunPaths, now: float | None = None, window_s: float = FAULT_WINDOW_S) -> list[dict]:
+    """The launchers' fault events of the last `window_s` (exchange/events.py), in words: restarts counted per role
+    and host ("sandbox service on cpu1 restarted 2x in the last 10 min"), each hang with its phase and length
+    ("role rollout hung in phase generate for 12 min, restarted"), and a role given up on."""
+    from rstar_hpc.exchange.events import read_events
+
+    now = time.time() if now is None else now
+    events = read_events(paths, since=now - window_s)
+    out = []
+    crashes: dict[tuple[str, str], list[dict]] = {}
+    for e in events:
+        if e.get("kind") == "crash":
+            crashes.setdefault((e.get("role", "?"), e.get("host") or "?"), []).append(e)
+    for (role, host), evs in crashes.items():
+        minutes = 10 * max(1, -(-(now - evs[0]["time"]) // 600))   # rounded up to 10 min
+        what = "sandbox service" if role == "sandbox" else f"role {role}"
+        code = evs[-1].get("exit")
+        out.append({"kind": "crash", "role": role, "host": host, "count": len(evs), "last": evs[-1]["time"],
+                    "text": f"{what} on {host} restarted {len(evs)}x in the last {minutes:.0f} min (last exit "
+                            f"{code})"})
+    for e in events:
+        if e.get("kind") == "hang":
+            out.append({"kind": "hang", "role": e.get("role"), "host": e.get("host"), "last": e["time"],
+                        "text": f"role {e.get('role')} hung in phase {e.get('phase') or '?'} for "
+                                f"{_minutes(e.get('silent_s'))}, restarted ({e.get('doing')}; host {e.get('host') or '?'})"})
+        elif e.get("kind") == "gave_up":
+            out.append({"kind": "gave_up", "role": e.get("role"), "host": e.get("host"), "last": e["time"],
+                        "text": f"role {e.get('role')} failed {e.get('restarts', 0) + 1}x, more than "
+                                f"launch.role_restarts={e.get('limit')}: its job stopped"})
+    return sorted(out, key=lambda f: f["last"])
 
 
 def placement_status(cfg, paths: RunPaths) -> list[dict]:
