@@ -8,7 +8,8 @@ The contract every role imports; it imports no role (tests/unit/test_layout.py c
     rundir.py       RunPaths: every location of a run (the layout is documented there) and Lustre striping
     state.py        StageState (PENDING/RUNNING/DONE/FAILED, step, data cursor, policy version), atomic
     checkpoints.py  CommittedDirs: checkpoint / policy directories, commit marker, `latest` pointer, retention
-    errors.py       ExchangeError and its kinds
+    errors.py       ExchangeError and its kinds; StorageError: a write refused by full or failing storage (path,
+                    free space), raised by every write of the exchange, nothing partial left visible
 With pyarrow (the trajectory data):
     schema.py       the one trajectory schema (versioned) and the `Trajectory` row
     columns.py      Trajectory rows <-> Arrow columns (to_table, from_table, conform, token_view)
@@ -32,6 +33,7 @@ _LAZY = {
     "Trajectory": "schema", "ToolCall": "schema", "SCHEMA_VERSION": "schema", "TOOL_STATUSES": "tool_status",
     "ShardWriter": "writer", "StepReader": "reader", "Consumer": "reader",
     "ExchangeError": "errors", "CorruptShardError": "errors", "StepNotReadyError": "errors",
+    "StorageError": "errors",
 }
 
 

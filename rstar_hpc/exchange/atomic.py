@@ -10,6 +10,8 @@ import json
 import os
 import socket
 
+from rstar_hpc.exchange.errors import storage_guard
+
 TMP_MARK = ".tmp-"   # every temporary name contains this; readers and listings skip such names
 
 
@@ -19,23 +21,36 @@ def tmp_name(path: str | os.PathLike) -> str:
     return os.path.join(head, f".{tail}{TMP_MARK}{socket.gethostname()}-{os.getpid()}")
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+def atomic_write_bytes(path: str | os.PathLike, data: bytes, what: str = "file") -> None:
+    """`data` as `path`, all or nothing. A full or failing file system raises StorageError (errors.py) naming
+    `what` and `path`, with the temporary file removed and the old `path`, if any, untouched."""
     path = os.fspath(path)
     tmp = tmp_name(path)
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    with storage_guard(path, what, cleanup=lambda: unlink_quietly(tmp)):
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
     fsync_dir(os.path.dirname(path) or ".")
 
 
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    atomic_write_bytes(path, text.encode("utf-8"))
+def atomic_write_text(path: str | os.PathLike, text: str, what: str = "file") -> None:
+    atomic_write_bytes(path, text.encode("utf-8"), what)
 
 
-def atomic_write_json(path: str | os.PathLike, record: object) -> None:
-    atomic_write_text(path, json.dumps(record, indent=1, sort_keys=True) + "\n")
+def atomic_write_json(path: str | os.PathLike, record: object, what: str = "file") -> None:
+    atomic_write_text(path, json.dumps(record, indent=1, sort_keys=True) + "\n", what)
+
+
+def unlink_quietly(path: str | os.PathLike) -> None:
+    """Remove a temporary file if it is there (a failed write may or may not have created it)."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError:
+        pass   # an I/O error removing it too: it stays a tmp name, which no reader lists
 
 
 def fsync_dir(folder: str | os.PathLike) -> None:

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from rstar_hpc.exchange.atomic import atomic_write_json, atomic_write_text, fsync_dir, is_tmp, tmp_name
-from rstar_hpc.exchange.errors import ExchangeError
+from rstar_hpc.exchange.errors import ExchangeError, storage_guard
 
 MARKER = "COMMITTED.json"
 LATEST = "latest"
@@ -43,12 +43,26 @@ class CommittedDirs:
 
     def begin(self, step: int) -> Path:
         """A fresh, empty in-progress directory for `step` (a leftover of a crashed attempt is replaced)."""
-        self.root.mkdir(parents=True, exist_ok=True)
         tmp = Path(tmp_name(self.path(step)))
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
+        with storage_guard(tmp, "directory"):
+            self.root.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir()
         return tmp
+
+    def discard(self, tmp: str | os.PathLike) -> None:
+        """Remove an in-progress directory whose save failed: it is never read, and on a full file system it
+        holds the space the next attempt needs."""
+        if not is_tmp(Path(tmp).name):
+            raise ExchangeError(f"discard({tmp}): not an in-progress directory (begin() makes those); a committed "
+                                f"directory is removed by retain() only")
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    def guard(self, tmp: str | os.PathLike, what: str):
+        """Around the caller's writes into `tmp` (step 2): a full or failing file system raises StorageError
+        naming the directory and the free space, after discarding `tmp`."""
+        return storage_guard(tmp, what, cleanup=lambda: self.discard(tmp))
 
     def commit(self, step: int, tmp: str | os.PathLike, **meta: object) -> Path:
         """Seal `tmp` as `step` and move `latest` to it; returns the final directory."""
@@ -59,17 +73,20 @@ class CommittedDirs:
                                 f"{self.path(latest[0]).name}. Resume from latest() and save later steps; a "
                                 f"committed directory is never rewritten.")
         files = {}
-        for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
-            with open(path, "rb") as f:
-                os.fsync(f.fileno())
-            files[str(path.relative_to(tmp))] = path.stat().st_size
-        atomic_write_json(tmp / MARKER, {"step": step, "files": files, "committed_at": time.time(), **meta})
-        if final.exists():
-            # a newer-than-latest orphan from a crash between rename and pointer update: latest never named it
-            shutil.rmtree(final)
-        os.rename(tmp, final)
+        # a failure before the rename leaves `latest` where it was and discards tmp (see guard)
+        with self.guard(tmp, f"commit marker of {final.name} in"):
+            for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
+                with open(path, "rb") as f:
+                    os.fsync(f.fileno())
+                files[str(path.relative_to(tmp))] = path.stat().st_size
+            atomic_write_json(tmp / MARKER, {"step": step, "files": files, "committed_at": time.time(), **meta})
+            if final.exists():
+                # a newer-than-latest orphan from a crash between rename and pointer update: latest never named it
+                shutil.rmtree(final)
+            os.rename(tmp, final)
         fsync_dir(self.root)
-        atomic_write_text(self.latest_pointer, final.name + "\n")
+        # failing here, `final` is complete and latest() already falls back to it (the newest with a marker)
+        atomic_write_text(self.latest_pointer, final.name + "\n", what="latest pointer")
         return final
 
     def is_complete(self, step: int) -> bool:

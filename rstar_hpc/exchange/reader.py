@@ -142,7 +142,8 @@ class Consumer:
                                 f"acked once, in order")
         history = (self._history + [{"step": step, "acked_at": time.time()}])[-100:]
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(self.path, {"next_step": step + 1, "state": state, "history": history})
+        atomic_write_json(self.path, {"next_step": step + 1, "state": state, "history": history},
+                          what="consumer cursor")
         self.next_step, self.state, self._history = step + 1, state, history
 
 

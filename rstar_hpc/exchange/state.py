@@ -72,7 +72,7 @@ def read_stage_state(paths: RunPaths, stage: str) -> StageState:
 def write_stage_state(paths: RunPaths, state: StageState) -> None:
     path = paths.stage_state(state.stage)
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(path, asdict(state))
+    atomic_write_json(path, asdict(state), what="stage state")
 
 
 def write_heartbeat(paths: RunPaths, role: str, doing: str, **fields: object) -> None:
@@ -81,7 +81,7 @@ def write_heartbeat(paths: RunPaths, role: str, doing: str, **fields: object) ->
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(path, {"role": role, "doing": doing, "time": time.time(), "pid": os.getpid(),
                              "host": os.uname().nodename, "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
-                             **fields})
+                             **fields}, what="heartbeat")
 
 
 def read_heartbeat(paths: RunPaths, role: str) -> dict | None:

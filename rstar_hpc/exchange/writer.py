@@ -23,10 +23,10 @@ from typing import Sequence
 
 import pyarrow as pa
 
-from rstar_hpc.exchange.atomic import atomic_write_json, fsync_dir, is_tmp, tmp_name
+from rstar_hpc.exchange.atomic import atomic_write_json, fsync_dir, is_tmp, tmp_name, unlink_quietly
 from rstar_hpc.exchange.columns import to_record_batches
 from rstar_hpc.exchange.commit import commit_record
-from rstar_hpc.exchange.errors import ExchangeError
+from rstar_hpc.exchange.errors import ExchangeError, StorageError, is_storage_failure, storage_guard
 from rstar_hpc.exchange.rundir import COMMIT_SUFFIX, RunPaths
 from rstar_hpc.exchange.schema import SCHEMA, Trajectory
 
@@ -43,7 +43,8 @@ class ShardWriter:
                 f"{self.commit_path} exists: producer {producer!r} already committed step {step} of stage "
                 f"{stage!r}. A restarted producer must skip committed steps (ShardWriter.is_committed), not "
                 f"write them twice.")
-        os.makedirs(self.step_dir, exist_ok=True)
+        with storage_guard(self.step_dir, "trajectory step directory"):
+            os.makedirs(self.step_dir, exist_ok=True)
         self._attempt = secrets.token_hex(4)
         self._shards: list[dict] = []
         self._open: _OpenShard | None = None
@@ -64,28 +65,47 @@ class ShardWriter:
             if self.validate:
                 t.validate()
         pos = 0
-        while pos < len(trajectories):
-            if self._open is None:
-                self._open = _OpenShard(self.step_dir, self._shard_name(len(self._shards)))
-            take = min(len(trajectories) - pos, self.max_rows_per_shard - self._open.rows)
-            for batch in to_record_batches(trajectories[pos:pos + take]):
-                self._open.write(batch)
-            pos += take
-            if self._open.rows >= self.max_rows_per_shard:
-                self._shards.append(self._open.publish())
-                self._open = None
+        try:
+            while pos < len(trajectories):
+                if self._open is None:
+                    self._open = _OpenShard(self.step_dir, self._shard_name(len(self._shards)))
+                take = min(len(trajectories) - pos, self.max_rows_per_shard - self._open.rows)
+                for batch in to_record_batches(trajectories[pos:pos + take]):
+                    self._open.write(batch)
+                pos += take
+                if self._open.rows >= self.max_rows_per_shard:
+                    self._shards.append(self._open.publish())
+                    self._open = None
+        except BaseException as e:
+            self._storage_failure(e, self._shard_name(len(self._shards)), "trajectory shard")
+            raise
 
     def commit(self) -> dict:
         """Publish the open shard, then the commit record; returns the record."""
         if self._committed:
             raise ExchangeError(f"{self.commit_path} already committed by this writer")
-        if self._open is not None:
-            self._shards.append(self._open.publish())
-            self._open = None
-        record = commit_record(self.paths.name, self.stage, self.step, self.producer, self._shards)
-        atomic_write_json(self.commit_path, record)
+        try:
+            if self._open is not None:
+                self._shards.append(self._open.publish())
+                self._open = None
+            record = commit_record(self.paths.name, self.stage, self.step, self.producer, self._shards)
+            atomic_write_json(self.commit_path, record, what="trajectory commit record")
+        except BaseException as e:
+            self._storage_failure(e, self._shard_name(len(self._shards)), "trajectory shard")
+            raise
         self._committed = True
         return record
+
+    def _storage_failure(self, e: BaseException, shard: str, what: str) -> None:
+        """On a full or failing file system: drop this attempt's files (they hold the space a retry needs; no
+        commit record lists them) and raise StorageError naming the file. Other errors are the caller's."""
+        if isinstance(e, StorageError):
+            self.abort()
+            raise e
+        found = is_storage_failure(e)
+        if found is not None:
+            self.abort()
+            raise StorageError(os.path.join(self.step_dir, shard), what, found) from e
 
     def abort(self) -> None:
         """Drop what this attempt wrote (readers never saw it)."""
@@ -142,7 +162,10 @@ class _OpenShard:
         return {"file": self.name, "rows": self.rows, "bytes": self._sink.size, "sha256": self._sink.hexdigest()}
 
     def discard(self) -> None:
-        self._file.close()
+        try:
+            self._file.close()   # flushes what is buffered: may fail again on a full disk
+        except OSError:
+            pass
         _unlink(self.tmp)
 
 
@@ -170,8 +193,5 @@ class _HashingSink:
 
 
 def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
+    unlink_quietly(path)
 

@@ -128,8 +128,8 @@ def test_the_exchange_imports_no_role():
 def test_what_the_sandbox_service_shares_is_stdlib_only():
     """The sandbox service never imports torch, vLLM or pyarrow: what it may share with rstar_hpc must load the
     stdlib alone (the package __init__s stay lazy)."""
-    shared = ["rstar_hpc.exchange.rendezvous", "rstar_hpc.exchange.atomic", "rstar_hpc.exchange.tool_status",
-              "rstar_hpc.logs"]
+    shared = ["rstar_hpc.exchange.rendezvous", "rstar_hpc.exchange.atomic", "rstar_hpc.exchange.errors",
+              "rstar_hpc.exchange.tool_status", "rstar_hpc.logs"]
     code = ("import json, sys\nbefore = set(sys.modules)\n" + "".join(f"import {m}\n" for m in shared) +
             "print(json.dumps(sorted(set(sys.modules) - before)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
