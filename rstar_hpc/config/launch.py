@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from rstar_hpc.config.base import Section
 
@@ -84,3 +84,18 @@ class LaunchConfig(Section):
     role_restarts: int = Field(3, ge=0)
     """Within one job: how often a role whose processes died (a crash, a kill -9) is started again while the
     others keep running."""
+    hang_timeout_s: float = Field(1800.0, ge=0)
+    """A trainer or rollout whose heartbeat (RUN/heartbeat/<role>.json) is older than this is taken for hung: the
+    supervisor (or submitit RoleJob) kills its step and starts it again, counted against role_restarts like a
+    crash. Every phase beats at least every few minutes (a step's training, generation and engine start; waiting
+    for the other role beats every few seconds); the longest silent one is a single checkpoint or policy write
+    (a 14B model with its AdamW state is ~200 GB: minutes on a parallel file system), so 30 min leaves room for a
+    slow one, and matches NCCL's own timeout. 0: never."""
+
+    @field_validator("hang_timeout_s")
+    @classmethod
+    def _hang_timeout(cls, v: float) -> float:
+        if 0 < v < 60:
+            raise ValueError(f"launch.hang_timeout_s={v:g}: use 0 (off) or at least 60 s; shorter would kill roles "
+                             f"in ordinary phases (a heartbeat comes every few seconds to minutes)")
+        return v

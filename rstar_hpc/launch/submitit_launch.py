@@ -5,7 +5,8 @@ three jobs at once, without dependencies: trainer (launch.trainer), rollout (lau
 (launch.sandbox). They need none, because they meet only in the run directory: the rollout waits for the sandbox's
 announcement and for each policy it needs, the trainer for each step's trajectories. Each job runs a `RoleJob`:
 - it starts the role's command (rstar_hpc.launch.roles) as a child process and starts it again if it dies before
-  the role is done (up to launch.role_restarts times), like the sbatch supervisor does;
+  the role is done, or if its heartbeat is older than launch.hang_timeout_s (its step killed first), up to
+  launch.role_restarts times, like the sbatch supervisor does (events in RUN/launch/events.jsonl);
 - on USR2 (`launch.signal_lead_s` before the time limit, or preemption), submitit calls `checkpoint`: the child
   is told to save (USR2) and waited for, then submitit requeues the job (launch.max_restarts times at most) and the
   requeued job starts the role again, which resumes from the run directory;
@@ -28,9 +29,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from rstar_hpc.config import RunConfig
+from rstar_hpc.exchange.events import record_event
 from rstar_hpc.exchange.rundir import RunPaths
 from rstar_hpc.launch import placement
 from rstar_hpc.launch.roles import ROLES, hostnames, role_argv, role_done, role_env, roles_needed, run_done
+from rstar_hpc.launch.watch import kill_step, stale
 
 log = logging.getLogger("rstar_hpc.launch")
 
@@ -86,6 +89,7 @@ class RoleJob:
         self.run_dir, self.role = str(run_dir), role
         self._child: subprocess.Popen | None = None
         self._stop = False
+        self.hang_timeout_s: float | None = None   # launch.hang_timeout_s unless set (tests)
 
     def __getstate__(self) -> dict:
         return {"run_dir": self.run_dir, "role": self.role}
@@ -129,29 +133,46 @@ class RoleJob:
                 return f"{self.role}: every stage of the role is done"
             argv, env = self.argv(cfg, restarts)
             log.info("starting %s: %s", self.role, " ".join(argv))
-            self._child = subprocess.Popen(argv, env=env)
-            code = self._watch(cfg, paths)
+            # a session of its own: a hung child's whole process group can be killed (watch.kill_step)
+            self._child = subprocess.Popen(argv, env=env, start_new_session=True)
+            code, hung = self._watch(cfg, paths, argv)
             if code is None:
                 return "sandbox: the run is done"
             if self._stop or (self.role != "sandbox" and role_done(cfg, paths, self.role)):
                 continue
             restarts += 1
+            host = os.environ.get("SLURM_JOB_NODELIST")
+            if hung is None:
+                record_event(paths, "crash", role=self.role, host=host, exit=code, restart=restarts)
             if restarts > cfg.launch.role_restarts:
-                raise RuntimeError(f"{self.role} ended (exit {code}) {restarts} times, more than "
-                                   f"launch.role_restarts={cfg.launch.role_restarts}; see RUN/logs/submitit/")
-            log.warning("%s ended (exit %s) before its stages were done; starting it again (%d/%d)", self.role, code,
-                        restarts, cfg.launch.role_restarts)
+                record_event(paths, "gave_up", role=self.role, host=host, exit=code, restarts=restarts - 1,
+                             limit=cfg.launch.role_restarts)
+                raise RuntimeError(f"{self.role} {'hung' if hung else f'ended (exit {code})'} {restarts} times, "
+                                   f"more than launch.role_restarts={cfg.launch.role_restarts}; see RUN/logs/submitit/")
+            log.warning("%s %s before its stages were done; starting it again (%d/%d)", self.role,
+                        "hung" if hung else f"ended (exit {code})", restarts, cfg.launch.role_restarts)
         return f"{self.role}: stopped"
 
-    def _watch(self, cfg, paths: RunPaths) -> int | None:
-        """The child's exit code; None when this is the sandbox and the run is done (the child is then stopped)."""
+    def _watch(self, cfg, paths: RunPaths, argv: list[str]) -> tuple[int | None, dict | None]:
+        """The child's exit code (None when this is the sandbox and the run is done: the child is then stopped),
+        and what a hung child was doing when its stale heartbeat got it killed (None if it was not)."""
+        since = time.time()
+        timeout = cfg.launch.hang_timeout_s if self.hang_timeout_s is None else self.hang_timeout_s
         while self._child.poll() is None:
             if self.role == "sandbox" and run_done(cfg, paths):
                 self._child.terminate()
                 self._child.wait(30)
-                return None
+                return None, None
+            hung = None if self.role == "sandbox" or self._stop else stale(paths, self.role, since, timeout)
+            if hung is not None:
+                log.error("%s hung: no heartbeat for %.0f s (more than launch.hang_timeout_s=%g), last doing: %s "
+                          "(host %s); killing it and starting it again", self.role, hung["silent_s"], timeout,
+                          hung["doing"], hung["host"] or "?")
+                record_event(paths, "hang", role=self.role, **hung, timeout_s=timeout)
+                kill_step(self._child, argv)
+                return self._child.returncode, hung
             time.sleep(2.0)
-        return self._child.returncode
+        return self._child.returncode, None
 
     def checkpoint(self, *args, **kwargs):
         """USR2 (time limit near, or preemption): the child saves and exits, then submitit requeues this job."""

@@ -6,6 +6,9 @@
 - starts each role the run still needs as a job step on its het group (`srun --het-group=N`), the sandbox first;
 - a role whose step ends before the role is done (a crash, a kill -9 of one of its processes) is started again,
   up to `launch.role_restarts` times, while the others keep running: it resumes from the run directory;
+- a trainer or rollout whose heartbeat is older than `launch.hang_timeout_s` (hung: SIGSTOPped, deadlocked, stuck
+  on a file system) has its step killed and is started again the same way, counted against the same bound;
+- every restart, hang and give-up is appended to RUN/launch/events.jsonl (exchange/events.py) for `run status`;
 - USR2 (Slurm's pre-timeout signal, --signal=B:USR2@lead) and TERM (preemption's grace time, scancel
   --signal=TERM, scontrol requeue) are passed to the trainer and rollout steps, which save and exit; once they
   have, the sandbox is stopped and the job requeues itself, unless the run is done or `run cancel` was used;
@@ -22,10 +25,12 @@ import sys
 import time
 from pathlib import Path
 
+from rstar_hpc.exchange.events import record_event
 from rstar_hpc.exchange.rundir import RunPaths
 from rstar_hpc.launch import placement
 from rstar_hpc.launch.record import cancelled
 from rstar_hpc.launch.roles import hostnames, role_done, role_env, roles_needed, run_done
+from rstar_hpc.launch.watch import kill_step, stale
 
 log = logging.getLogger("rstar_hpc.launch")
 STABLE_S = 600.0   # a role that ran this long before failing starts its restart count afresh
@@ -38,6 +43,9 @@ class Supervisor:
         self.restarts = dict.fromkeys(groups, 0)
         self.starts = dict.fromkeys(groups, 0)
         self.started_at = dict.fromkeys(groups, 0.0)
+        self.started_wall = dict.fromkeys(groups, 0.0)   # heartbeats are wall times
+        self.argv: dict[str, list[str]] = {}
+        self.hang_timeout_s = cfg.launch.hang_timeout_s
         self.done: set[str] = set()
         self.stop_reason: str | None = None
         self.stop_at = 0.0
@@ -50,7 +58,7 @@ class Supervisor:
         return placement.step_argv(self.cfg, role, self.paths.dir, het_group=group)
 
     def step_env(self, role: str) -> dict[str, str]:
-        nodes = os.environ.get(f"SLURM_JOB_NODELIST_HET_GROUP_{self.groups[role]}", os.environ.get("SLURM_JOB_NODELIST"))
+        nodes = self._nodes(role)
         env = role_env(self.cfg, role, nodes, self.starts[role])
         if role == "rollout" and self.cfg.launch.mpi != "none":
             hosts = self.paths.launch_record.parent / f"rollout-{os.environ.get('SLURM_JOB_ID', 'local')}.hosts"
@@ -64,6 +72,8 @@ class Supervisor:
         self.starts[role] += 1
         log.info("starting %s: %s", role, " ".join(argv))
         self.started_at[role] = time.monotonic()
+        self.started_wall[role] = time.time()
+        self.argv[role] = argv
         self.procs[role] = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                             env=self.step_env(role))
 
@@ -99,6 +109,7 @@ class Supervisor:
             time.sleep(1.0)
             for role in workers:
                 self.check(role)
+                self.check_hang(role)
             if "sandbox" in self.groups and self.stop_reason is None and self.procs["sandbox"].poll() is not None:
                 self.restart("sandbox", self.procs["sandbox"].returncode)
             if all(r in self.done for r in workers):
@@ -122,11 +133,35 @@ class Supervisor:
         elif self.stop_reason is None:
             self.restart(role, proc.returncode)
 
-    def restart(self, role: str, code: int) -> None:
-        if time.monotonic() - self.started_at[role] > STABLE_S:
+    def check_hang(self, role: str) -> None:
+        """A running role whose heartbeat went stale: kill its step, then restart it like a crash."""
+        proc = self.procs.get(role)
+        if self.stop_reason is not None or role in self.done or proc is None or proc.poll() is not None:
+            return
+        hung = stale(self.paths, role, self.started_wall[role], self.hang_timeout_s)
+        if hung is None:
+            return
+        log.error("%s hung: no heartbeat for %.0f s (more than launch.hang_timeout_s=%g), last doing: %s (host %s); "
+                  "killing its step and starting it again", role, hung["silent_s"], self.hang_timeout_s,
+                  hung["doing"], hung["host"] or "?")
+        record_event(self.paths, "hang", role=role, **hung, timeout_s=self.hang_timeout_s)
+        kill_step(proc, self.argv.get(role, []))
+        self.restart(role, proc.returncode, hung=hung)
+
+    def _nodes(self, role: str) -> str | None:
+        return os.environ.get(f"SLURM_JOB_NODELIST_HET_GROUP_{self.groups[role]}", os.environ.get("SLURM_JOB_NODELIST"))
+
+    def restart(self, role: str, code: int, hung: dict | None = None) -> None:
+        # a hung role's silence is no running: one that hangs again soon after each start is a loop too
+        if time.monotonic() - self.started_at[role] - (hung["silent_s"] if hung else 0.0) > STABLE_S:
             self.restarts[role] = 0   # it ran a good while: a new failure, not a crash loop
         self.restarts[role] += 1
+        if hung is None:   # a hang was recorded with what it was doing
+            record_event(self.paths, "crash", role=role, host=self._nodes(role), exit=code,
+                         restart=self.restarts[role])
         if self.restarts[role] > self.cfg.launch.role_restarts:
+            record_event(self.paths, "gave_up", role=role, host=self._nodes(role), exit=code,
+                         restarts=self.restarts[role] - 1, limit=self.cfg.launch.role_restarts)
             log.error("%s ended (exit %s) %d times in this job, more than launch.role_restarts=%d; stopping the "
                       "job (see RUN/logs/%s-*.log)", role, code, self.restarts[role], self.cfg.launch.role_restarts,
                       role)
@@ -136,8 +171,9 @@ class Supervisor:
             self.on_signal(signal.SIGTERM, None)
             return
         delay = min(60, 5 * 2 ** (self.restarts[role] - 1))
-        log.warning("%s ended (exit %s) before its stages were done; starting it again in %d s (%d/%d); it resumes "
-                    "from the run directory", role, code, delay, self.restarts[role], self.cfg.launch.role_restarts)
+        log.warning("%s %s before its stages were done; starting it again in %d s (%d/%d); it resumes from the run "
+                    "directory", role, "hung" if hung else f"ended (exit {code})", delay, self.restarts[role],
+                    self.cfg.launch.role_restarts)
         time.sleep(delay)
         self.start(role)
 

@@ -140,7 +140,7 @@ def _scheduler_steps(cfg, paths, stage, steps, progress, tok, comm, MPI) -> tupl
             return StepScheduler(
                 comm, MPI, sc if stage_name == name else sc.model_copy(update={"partial_rollouts": False}), paths,
                 stage_name, step, items, limits=limits, need=need, score=score, dropped=dropped, progress=progress,
-                dead_ranks=dead, beat=lambda text: write_heartbeat(paths, "rollout", text, stage=name),
+                dead_ranks=dead, beat=lambda text, **kw: write_heartbeat(paths, "rollout", text, stage=name, **kw),
                 stop=lambda: _STOP[0] if _STOP else None).run()
         last = pipeline.rollout_steps(cfg.stage(name)) - 1 if kind == "rl" else None
         if pipeline.val_points(cfg.stage(name)):
@@ -148,7 +148,7 @@ def _scheduler_steps(cfg, paths, stage, steps, progress, tok, comm, MPI) -> tupl
         for task in stage_steps(cfg, paths, name, tok, steps=steps):
             bar.start_step(task.items)
             write_heartbeat(paths, "rollout", f"step {task.step} of stage {name}: starting", stage=name,
-                            step=task.step)
+                            step=task.step, phase="start_step")
             summary = run_step(name, task.step, task.items, task.limits, task.need, task.dropped, bar)
             print(json.dumps(summary), flush=True)
             write_heartbeat(paths, "rollout", f"step {task.step} of stage {name}: committed", stage=name,

@@ -61,6 +61,7 @@ from rstar_hpc.rollout.mpi import (TAG_ACK, TAG_ALIVE, TAG_DEAD, TAG_DONE, TAG_H
                                    TAG_PAUSE, TAG_RESULT, TAG_SKIP, TAG_START, TAG_STATS, TAG_WORK, wait_sent)
 from rstar_hpc.rollout.step import Scorer, StageLimits, WorkItem, wait_for_policy
 
+FILE_BEAT_S = 10.0   # the role's heartbeat file during a phase: often enough for `run status`, cheap on Lustre
 log = logging.getLogger("rstar_hpc.rollout")
 
 
@@ -96,6 +97,7 @@ class StepScheduler:
         # MPI and time
         self.sends: list = []                     # non-blocking sends in flight
         self.last_beat = 0.0
+        self.last_file_beat = 0.0
         self.t_start = time.monotonic()           # generation's start (run resets it once the policy is there)
         # counters of the step's summary
         self.reward_s = 0.0
@@ -132,6 +134,7 @@ class StepScheduler:
             if not got:
                 time.sleep(0.005)
         generation_s = time.monotonic() - self.t_start
+        self.beat("committing", "commit", every_s=0.0)
         engine_stats = self.finish_engines()
         trajs = self.commit()
         return self.publish_metrics(trajs, generation_s, engine_stats)
@@ -163,8 +166,16 @@ class StepScheduler:
             self.sends += [self.comm.isend(None, dest=e, tag=TAG_ALIVE) for e in engines]
             self.sends[:] = [r for r in self.sends if not r.Test()]
             self.last_beat = now
-            if self.beat_file is not None:
-                self.beat_file(f"step {self.step} of stage {self.stage}: {text}")
+            self.beat(text, "wait_policy", every_s=0.0)
+
+    def beat(self, text: str, phase: str, every_s: float = FILE_BEAT_S) -> None:
+        """The role's heartbeat file (RUN/heartbeat/rollout.json), at most every `every_s`: `run status` shows it,
+        and a launcher restarts the rollout when it goes stale (launch.hang_timeout_s), so every phase of a step
+        beats, generation and engine start included."""
+        now = time.monotonic()
+        if self.beat_file is not None and now - self.last_file_beat >= every_s:
+            self.last_file_beat = now
+            self.beat_file(f"step {self.step} of stage {self.stage}: {text}", phase=phase)
 
     def resume_from_journal(self) -> None:
         """The trajectories an earlier attempt of this step committed to its journal: kept, not run again."""
@@ -210,6 +221,7 @@ class StepScheduler:
                 # anything else is a leftover of the previous step (a late result or KV beat): dropped
             else:
                 time.sleep(0.005)
+            self.beat(f"starting {len(engines)} engine(s), {len(hello)} ready", "start_engines")
             if now - self.last_beat > sc.heartbeat_s:   # engines that are ready wait for the slow loaders
                 self.sends += [comm.isend(None, dest=e, tag=TAG_ALIVE) for e in hello]
                 self.last_beat = now
@@ -350,6 +362,7 @@ class StepScheduler:
         for e, seen in list(self.alive.items()):
             if now - seen > self.sc.engine_timeout_s:
                 self.lose(e, f"silent for {now - seen:.0f}s")
+        self.beat(f"generating, {len(self.results)}/{len(self.items)} trajectories done", "generate")
 
     def lose(self, e: int, why: str) -> None:
         log.error("engine rank %d lost (%s); re-queueing its unfinished trajectories", e, why)

@@ -250,7 +250,7 @@ class TrajectorySource:
             waited = time.monotonic() - start
             if missing and rank0 and int(waited) % 5 == 0:
                 write_heartbeat(reader.paths, "trainer", f"stage {self.stage}: waiting for the trajectories of step "
-                                f"{step} since {waited:.0f}s", stage=self.stage, step=step)
+                                f"{step} since {waited:.0f}s", stage=self.stage, step=step, phase="wait_trajectories")
             # late: the producers said nothing for trajectory_timeout_s (a long rollout stage in between is fine)
             silent = min(silence_s(reader.paths, p, wall0) for p in ("rollout",)) if missing else 0.0
             not_ready, stop, late = _any_rank(bool(missing), stop_requested(),
@@ -309,6 +309,11 @@ class RLStageData:
         return self.source.next(stop_requested)
 
     def train(self, model, optimizer, scheduler, batch: RLBatch) -> dict[str, float]:
+        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+            # the launcher's hang check (launch.hang_timeout_s) hears the trainer at work, not still waiting
+            write_heartbeat(self.source.consumer.reader.paths, "trainer", f"stage {self.source.stage}: training on "
+                            f"the trajectories of step {batch.step}", stage=self.source.stage, step=batch.step,
+                            phase="train")
         return rl_step(model, optimizer, scheduler, batch, self.loss_cfg, self.trainer)
 
     def state_dict(self) -> dict:

@@ -1,0 +1,152 @@
+"""A role that hangs without dying (SIGSTOP) is restarted by its launcher once its heartbeat is older than
+launch.hang_timeout_s, with a message saying what it was doing and for how long; the restart counts against
+launch.role_restarts like a crash; and an srun step whose task is stopped is really ended (Slurm's own kill).
+
+The supervisor here is the real one (rstar_hpc.launch.supervise.Supervisor) with one change: its trainer "step" is a
+small script instead of srun (the srun kill is shown on the emulated cluster by the last test). The script writes
+the trainer's heartbeat as rank 0 does, then stops itself with SIGSTOP on its first start; on its second it marks
+the trainer's stages done, as a trainer that caught up would."""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from rstar_hpc.config import ConfigError, load_config
+from rstar_hpc.exchange.events import read_events
+from rstar_hpc.exchange.rundir import RunPaths
+from rstar_hpc.launch.status import faults
+from rstar_hpc.launch.supervise import Supervisor
+from rstar_hpc.launch.watch import kill_step
+
+REPO = Path(__file__).resolve().parents[2]
+
+ROLE = r"""
+import os, signal, sys
+from rstar_hpc.exchange.rundir import RunPaths
+from rstar_hpc.exchange.state import StageState, write_heartbeat, write_stage_state
+run, counter, hang_on, stages = sys.argv[1], sys.argv[2], sys.argv[3].split(","), sys.argv[4].split(",")
+attempt = len(open(counter).read()) + 1 if os.path.exists(counter) else 1
+open(counter, "a").write("x")
+paths = RunPaths(run)
+write_heartbeat(paths, "trainer", f"stage rl: training on the trajectories of step {attempt}", phase="train")
+if str(attempt) in hang_on:
+    os.kill(os.getpid(), signal.SIGSTOP)   # hung: alive, silent
+for s in stages:
+    write_stage_state(paths, StageState(stage=s, status="DONE"))
+"""
+
+
+class ScriptSupervisor(Supervisor):
+    """The real supervisor, its trainer step a script (no srun: the kill is then its process group's SIGKILL)."""
+
+    def __init__(self, cfg, paths, hang_on: str):
+        super().__init__(cfg, paths, {"trainer": 0})
+        self.hang_timeout_s = 3.0   # the config refuses under 60 s; the mechanism is the same
+        self.counter = paths.dir / "attempts"
+        self.hang_on = hang_on
+
+    def step_argv(self, role):
+        stages = ",".join(s.name for s in self.cfg.stages if s.kind in ("sft", "rl"))
+        return [sys.executable, "-c", ROLE, str(self.paths.dir), str(self.counter), self.hang_on, stages]
+
+    def step_env(self, role):
+        return {**os.environ, "PYTHONPATH": str(REPO)}
+
+
+def _supervise(tmp_path, monkeypatch, hang_on: str, role_restarts: int):
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)   # nothing to requeue
+    cfg = load_config("tiny-cpu", [f"run.root={tmp_path}", "run.name=hang", f"launch.role_restarts={role_restarts}"])
+    paths = RunPaths(tmp_path / "hang")
+    paths.logs.mkdir(parents=True)
+    sup = ScriptSupervisor(cfg, paths, hang_on)
+    saved = {s: signal.getsignal(s) for s in (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)}
+    t0 = time.monotonic()
+    try:
+        code = sup.run()
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
+    return sup, paths, code, time.monotonic() - t0
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_a_sigstopped_role_is_killed_and_restarted_saying_what_it_did(tmp_path, monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="rstar_hpc.launch")
+    sup, paths, code, wall = _supervise(tmp_path, monkeypatch, hang_on="1", role_restarts=1)
+    assert code == 0 and "trainer" in sup.done
+    assert (paths.dir / "attempts").read_text() == "xx"   # started again once, and that one finished
+    assert sup.restarts["trainer"] == 1   # counted like a crash
+    (hang,) = [e for e in read_events(paths) if e["kind"] == "hang"]
+    assert hang["role"] == "trainer" and hang["phase"] == "train" and hang["silent_s"] >= 3.0
+    assert hang["doing"] == "stage rl: training on the trajectories of step 1"
+    assert not [e for e in read_events(paths) if e["kind"] != "hang"]   # the hang is its own record, no crash too
+    said = [r.getMessage() for r in caplog.records if "hung" in r.getMessage()]
+    assert any("no heartbeat for" in m and "training on the trajectories of step 1" in m for m in said), said
+    (text,) = [f["text"] for f in faults(paths)]
+    assert text.startswith("role trainer hung in phase train for ") and text.endswith(", restarted (stage rl: "
+                                                                                      f"training on the trajectories of step 1; host {os.uname().nodename})")
+    assert wall < 60, wall   # 3 s stale + a 5 s restart delay + two interpreter starts, on a loaded machine
+
+
+def test_a_role_that_keeps_hanging_uses_up_role_restarts(tmp_path, monkeypatch):
+    sup, paths, code, _ = _supervise(tmp_path, monkeypatch, hang_on="1,2", role_restarts=0)
+    assert code == 1 and sup.failed   # no requeue: the job fails, saying so
+    assert (paths.dir / "attempts").read_text() == "x"
+    kinds = [e["kind"] for e in read_events(paths)]
+    assert kinds == ["hang", "gave_up"], kinds
+    assert any("failed 1x, more than launch.role_restarts=0" in f["text"] for f in faults(paths))
+
+
+def test_hang_timeout_is_checked():
+    with pytest.raises(ConfigError, match="hang_timeout_s"):
+        load_config("tiny-cpu", ["launch.hang_timeout_s=5"])
+    assert load_config("tiny-cpu", ["launch.hang_timeout_s=0"]).launch.hang_timeout_s == 0
+
+
+@pytest.mark.slurm
+def test_kill_step_ends_an_srun_step_whose_task_is_stopped(slurm_cluster, tmp_path):
+    """srun -> slurmstepd -> a task that stopped itself: two SIGINTs to srun make Slurm end the step (the task
+    dies of SIGKILL although stopped), and srun exits; nothing of the step is left."""
+    pid_file = tmp_path / "pid"
+    argv = ["srun", "--job-name=rstar-kill-step-test", "--nodes=1", "--ntasks=1", "--partition=cpu", sys.executable, "-c",
+            f"import os, signal; open({str(pid_file)!r}, 'w').write(str(os.getpid())); "
+            "os.kill(os.getpid(), signal.SIGSTOP)"]
+    proc = subprocess.Popen(argv, env=slurm_cluster.env, start_new_session=True, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not (pid_file.exists() and pid_file.read_text()):
+            assert time.monotonic() < deadline and proc.poll() is None, "the step did not start"
+            time.sleep(0.2)
+        pid = int(pid_file.read_text())
+        deadline = time.monotonic() + 30
+        while Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0] != "T":
+            assert time.monotonic() < deadline, "the task did not stop"
+            time.sleep(0.1)
+        t0 = time.monotonic()
+        kill_step(proc, argv, grace_s=60)
+        assert proc.returncode is not None and time.monotonic() - t0 < 60
+        deadline = time.monotonic() + 30
+        while not _gone(pid):
+            assert time.monotonic() < deadline, f"task {pid} outlived its step"
+            time.sleep(0.2)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    jobs = subprocess.run(["squeue", "-h", "-n", "rstar-kill-step-test", "-o", "%i %T"], env=slurm_cluster.env,
+                          capture_output=True, text=True, timeout=30).stdout
+    assert "RUNNING" not in jobs, jobs
