@@ -150,3 +150,27 @@ def test_kill_step_ends_an_srun_step_whose_task_is_stopped(slurm_cluster, tmp_pa
     jobs = subprocess.run(["squeue", "-h", "-n", "rstar-kill-step-test", "-o", "%i %T"], env=slurm_cluster.env,
                           capture_output=True, text=True, timeout=30).stdout
     assert "RUNNING" not in jobs, jobs
+
+
+def test_submitit_rolejob_restarts_a_sigstopped_role_too(tmp_path, monkeypatch):
+    """The submitit launcher's RoleJob runs the same check on its child (here the script, as one task)."""
+    from rstar_hpc.config import dump_config
+    from rstar_hpc.launch.submitit_launch import RoleJob
+
+    cfg = load_config("tiny-cpu", [f"run.root={tmp_path}", "run.name=hang", "launch.role_restarts=1"])
+    paths = RunPaths(tmp_path / "hang")
+    paths.dir.mkdir(parents=True)
+    (paths.dir / "config.yaml").write_text(dump_config(cfg))
+    stages = ",".join(s.name for s in cfg.stages if s.kind in ("sft", "rl"))
+
+    class ScriptRoleJob(RoleJob):
+        def argv(self, cfg, attempt):
+            return ([sys.executable, "-c", ROLE, self.run_dir, str(paths.dir / "attempts"), "1", stages],
+                    {**os.environ, "PYTHONPATH": str(REPO)})
+
+    job = ScriptRoleJob(str(paths.dir), "trainer")
+    job.hang_timeout_s = 3.0
+    assert job() == "trainer: every stage of the role is done"
+    assert (paths.dir / "attempts").read_text() == "xx"
+    (hang,) = read_events(paths)
+    assert hang["kind"] == "hang" and hang["phase"] == "train" and hang["role"] == "trainer"
