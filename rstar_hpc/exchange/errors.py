@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 
 
 class ExchangeError(RuntimeError):
@@ -73,7 +74,17 @@ def is_storage_failure(err: BaseException) -> OSError | None:
         failures = getattr(e, "failures", None)   # torch.distributed.checkpoint's CheckpointException
         if isinstance(failures, dict):
             todo += list(failures.values())
+        # errors that carry an OSError as text only: megatron's checkpoint writer processes ("Worker failure:
+        # [Errno 28] No space left on device"; torch's gather of rank failures drops exception chains) and
+        # safetensors' Rust writer ("I/O error: No space left on device (os error 28)")
+        for m in _ERRNO_TEXT.finditer(str(e)):
+            code = int(m.group(1) or m.group(4))
+            if code in STORAGE_ERRNOS:
+                return OSError(code, (m.group(2) or m.group(3)).strip())
     return None
+
+
+_ERRNO_TEXT = re.compile(r"\[Errno (\d+)\] ([^\n:'\"]+)|([^:\n]+) \(os error (\d+)\)")
 
 
 @contextlib.contextmanager

@@ -69,7 +69,7 @@ def save(paths: RunPaths, stage: str, step: int, carry: Carry) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(path, {
         "step": step, "items": [_item_row(it) for it in carry.items],
-        "finished": [t.to_row() for t in carry.finished]})
+        "finished": [t.to_row() for t in carry.finished]}, what="partial-rollout carry")
 
 
 def _item_row(it: WorkItem) -> dict:

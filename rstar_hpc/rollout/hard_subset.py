@@ -12,7 +12,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rstar_hpc import pipeline
-from rstar_hpc.exchange.atomic import atomic_write_json, tmp_name
+from rstar_hpc.exchange.atomic import atomic_write_json, tmp_name, unlink_quietly
+from rstar_hpc.exchange.errors import storage_guard
 from rstar_hpc.exchange.columns import TrajectoryColumns
 from rstar_hpc.exchange.reader import StepReader
 from rstar_hpc.exchange.rundir import RunPaths
@@ -56,9 +57,10 @@ def write_hard_subset(cfg, paths: RunPaths, stage, num_steps: int) -> dict:
     path = paths.stage_data(stage.name)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = tmp_name(path)
-    pq.write_table(pa.Table.from_pylist(keep), tmp)
-    os.replace(tmp, path)
-    atomic_write_json(paths.stage_data_stats(stage.name), stats)
+    with storage_guard(path, "hard subset", cleanup=lambda: unlink_quietly(tmp)):
+        pq.write_table(pa.Table.from_pylist(keep), tmp)
+        os.replace(tmp, path)
+    atomic_write_json(paths.stage_data_stats(stage.name), stats, what="hard subset statistics")
     return {**stats, "path": str(path)}
 
 

@@ -41,6 +41,7 @@ from megatron.core.dist_checkpointing.mapping import (
 from megatron.core.optimizer import DistributedOptimizer
 
 from rstar_hpc.exchange.checkpoints import CommittedDirs
+from rstar_hpc.exchange.errors import ExchangeError, StorageError
 from rstar_hpc.trainer import host_device
 from rstar_hpc.trainer.model import collective_device
 
@@ -71,6 +72,19 @@ def _rank() -> int:
 def _barrier() -> None:
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
+
+
+def raise_on_every_rank(failed: StorageError | None, what: str) -> None:
+    """Collective: raise `failed` where it happened and an ExchangeError pointing at it on every other rank, so no
+    rank is left alone in the next barrier when one rank's write hit a full or failing file system."""
+    flag = torch.tensor([float(failed is not None)], device=collective_device())
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    if failed is not None:
+        raise failed
+    if flag.item():
+        raise ExchangeError(f"another trainer rank could not write {what} (its log names the path and the free "
+                            f"space); free space and run the trainer again: it resumes from the last commit")
 
 
 def _rng_state() -> dict:
@@ -228,20 +242,27 @@ def save_checkpoint(state: TrainState, root: str | os.PathLike, *, keep_last: in
     if torch.distributed.is_initialized():
         torch.distributed.broadcast_object_list(holder, src=0)  # every rank writes into rank 0's fresh dir
     tmp = Path(holder[0])
-    with host_device.on_host():
+    # a full or failing file system: StorageError (path, free space) on every rank (torch's distributed checkpoint
+    # gathers each rank's write failure), with the half-written directory removed; `latest` stays where it was
+    with host_device.on_host(), dirs.guard(tmp, "checkpoint"):
         dist_checkpointing.save(_sharded_state_dict(state, loading=False), str(tmp))
     _barrier()
     if os.environ.get(DIE_IN_SAVE_ENV) == str(state.step):
         os._exit(137)
-    final = dirs.path(state.step)
+    final, failed = dirs.path(state.step), None
     if _rank() == 0:
-        final = dirs.commit(state.step, tmp, format=FORMAT, world_size=_world(),
-                            tensor_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
-                            pipeline_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
-                            virtual_pipeline_parallel_size=parallel_state.get_virtual_pipeline_model_parallel_world_size(),
-                            **meta)
-        if keep_last:
+        try:
+            final = dirs.commit(
+                state.step, tmp, format=FORMAT, world_size=_world(),
+                tensor_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+                pipeline_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+                virtual_pipeline_parallel_size=parallel_state.get_virtual_pipeline_model_parallel_world_size(),
+                **meta)
+        except StorageError as e:
+            failed = e
+        if keep_last and failed is None:
             dirs.retain(keep_last)
+    raise_on_every_rank(failed, f"the commit of checkpoint {final}")
     _barrier()
     return final
 

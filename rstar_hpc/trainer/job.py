@@ -26,6 +26,7 @@ import torch
 
 from rstar_hpc import pipeline
 from rstar_hpc.config import RunConfig, StageConfig
+from rstar_hpc.exchange.errors import StorageError
 from rstar_hpc.exchange.rundir import RunPaths
 from rstar_hpc.exchange.state import read_stage_state, write_heartbeat, write_stage_state
 from rstar_hpc.metrics_log import metrics_sink
@@ -110,7 +111,10 @@ def run(cfg: RunConfig, stage_name: str, *, on_step: Callable[[int, dict], None]
         return 0
     except BaseException as e:
         if not isinstance(e, KeyboardInterrupt):
-            _set_state(paths, stage, rank0, "FAILED", message=f"{type(e).__name__}: {e}"[:500])
+            try:
+                _set_state(paths, stage, rank0, "FAILED", message=f"{type(e).__name__}: {e}"[:500])
+            except StorageError as full:   # the disk that failed the step may refuse this too: keep the first error
+                log.error("could not record stage %s as FAILED: %s", stage.name, full)
         raise
     finally:
         signal_save.close()

@@ -25,8 +25,10 @@ from pathlib import Path
 import torch
 from megatron.core import parallel_state
 
+from rstar_hpc.exchange.errors import StorageError
 from rstar_hpc.exchange.rundir import RunPaths
 from rstar_hpc.trainer.hf_convert import export_hf_checkpoint
+from rstar_hpc.trainer.checkpoint import raise_on_every_rank
 
 FORMAT = "hf-safetensors"
 
@@ -57,12 +59,22 @@ def publish_policy(model: torch.nn.Module, paths: RunPaths, *, source_dir: str |
     if torch.distributed.is_initialized():
         torch.distributed.broadcast_object_list(holder, src=0)
     version, tmp = int(holder[0]), Path(str(holder[1]))
+    failed: StorageError | None = None
     if parallel_state.get_data_parallel_rank() == 0:  # one replica is enough; its tp ranks gather to tp rank 0
-        export_hf_checkpoint(model, tmp, source_dir=source_dir, max_shard_bytes=max_shard_bytes)
+        try:
+            with dirs.guard(tmp, "policy"):
+                export_hf_checkpoint(model, tmp, source_dir=source_dir, max_shard_bytes=max_shard_bytes)
+        except StorageError as e:
+            failed = e
+    raise_on_every_rank(failed, f"policy version {version} into {tmp}")
     _barrier()
     final = dirs.path(version)
     if _rank() == 0:
-        final = dirs.commit(version, tmp, format=FORMAT, **meta)
-        dirs.retain(keep_last)
+        try:
+            final = dirs.commit(version, tmp, format=FORMAT, **meta)
+            dirs.retain(keep_last)
+        except StorageError as e:
+            failed = e
+    raise_on_every_rank(failed, f"the commit of policy version {version}")
     _barrier()
     return version, final

@@ -154,5 +154,11 @@ def test_storage_failures_are_found_behind_wrappers():
     class CheckpointException(BaseException):
         failures = {1: Wrapped()}
     assert is_storage_failure(CheckpointException()) is eio
+    # carried as text only: megatron's checkpoint writer processes, safetensors' Rust writer
+    found = is_storage_failure(RuntimeError("Worker failure: [Errno 28] No space left on device"))
+    assert found.errno == errno.ENOSPC and found.strerror == "No space left on device"
+    found = is_storage_failure(RuntimeError("Error while serializing: I/O error: Input/output error (os error 5)"))
+    assert found.errno == errno.EIO
+    assert is_storage_failure(RuntimeError("[Errno 2] No such file or directory")) is None
     assert is_storage_failure(OSError(errno.ENOENT, "missing")) is None
     assert is_storage_failure(ValueError("bad")) is None
