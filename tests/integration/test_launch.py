@@ -79,7 +79,7 @@ def test_dry_run_renders_the_14b_hetjob_and_sbatch_accepts_it(slurm_cluster, tmp
     test = subprocess.run(["sbatch", "--test-only", str(path)], capture_output=True, text=True, env=env, timeout=60)
     assert test.returncode == 0 and "to start at" in test.stderr, test.stderr
     params = json.loads(rstar("launch", "qwen3-14b", f"run.root={tmp_path}", "--launcher", "submitit",
-                              "--dry-run", env=env).stdout)
+                              "--dry-run", "--json", env=env).stdout.splitlines()[-1])["parameters"]
     assert params["trainer"]["nodes"] == 4 and params["trainer"]["gpus_per_node"] == 8
     assert params["rollout"]["slurm_signal_delay_s"] == 300 and params["sandbox"]["slurm_partition"] == "cpu"
 
