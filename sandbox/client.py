@@ -16,6 +16,13 @@ silently (it cannot have run). A service that is alive but frozen (SIGSTOPped, w
 live TCP connection) counts as failed, like a dead one, once a call sent to it outlives its deadline: its own
 time limit (`timeout_s`, or the service's announced default) plus `reply_margin_s`, counted from the later of
 its send and the service's last reply (a busy service answering its queue is not frozen).
+A service that dies or restarts (the sbatch supervisor restarts a dead sandbox step): a call that was never sent
+cannot have run, so once its attempts are spent with no service reachable it waits, up to `service_wait_s`,
+re-reading the run directory's announcements every second, for a service to come back (the restarted one, or
+another pool), and runs there; only then is it `unavailable`. A call in flight on the dead service gets its
+`max_attempts` on the services there are and is otherwise given up at once as `internal_error` with
+`maybe_executed` (an infrastructure status, never a verdict on the code): it may have run, and its trajectory is
+tainted either way. No call is reported ok unless a service ran it and answered.
 A session whose service died continues elsewhere with fresh state, flagged by that service as state "lost"
 (the client sends each cell's `session_seq`). `await sb.release("traj-17")` ends a session: its service frees
 the process and history (after any cell already sent), and cells still queued here are dropped unsent.
@@ -36,7 +43,7 @@ log = logging.getLogger("sandbox.client")
 
 
 class _Pending:
-    __slots__ = ("attempts", "call", "fut", "sent_at", "sent_before", "size")
+    __slots__ = ("attempts", "call", "fut", "sent_at", "sent_before", "size", "waiting_since")
 
     def __init__(self, call: dict, fut: asyncio.Future):
         self.call = call
@@ -44,6 +51,7 @@ class _Pending:
         self.attempts = 0
         self.sent_at = 0.0
         self.sent_before = False   # sent at least once to a service that then failed: it may have run
+        self.waiting_since = 0.0   # when it began waiting for a service to come back (never sent, attempts spent)
         self.size = sum(len(v) for v in (call.get("code"), call.get("stdin")) if isinstance(v, str)) + 128
 
 
@@ -77,7 +85,7 @@ class SandboxClient:
     def __init__(self, addresses: list[str] | None = None, run_dir: str | None = None, *,
                  max_batch: int = MAX_BATCH, max_attempts: int = 3, max_frame_bytes: int = 16 << 20,
                  connect_timeout_s: float = 5.0, refresh_s: float = 10.0, default_timeout_s: float = 4.0,
-                 reply_margin_s: float = 30.0):
+                 reply_margin_s: float = 30.0, service_wait_s: float = 120.0):
         if not addresses and not run_dir:
             raise ValueError("SandboxClient needs addresses=[host:port, ...] or run_dir= (announcements)")
         self.max_batch = min(max_batch, MAX_BATCH)
@@ -89,6 +97,8 @@ class SandboxClient:
         self.default_timeout_s = default_timeout_s
         # beyond a call's limit: the service's hang grace, a sandbox restart, a loaded node
         self.reply_margin_s = reply_margin_s
+        # a restarted service: the supervisor's restart delay (5 s, doubling) plus a pool's start on a loaded node
+        self.service_wait_s = service_wait_s
         self._watchdog: asyncio.Task | None = None
         self.run_dir = run_dir
         self.nodes: dict[str, _Node] = {}
@@ -260,9 +270,35 @@ class SandboxClient:
 
     def _retry(self, p: _Pending, why: str) -> None:
         if p.attempts >= self.max_attempts:
+            if not p.sent_before and self._wait_for_service(p, why):
+                return
             self._give_up(p, f"{why} (gave up after {p.attempts} attempts)")
             return
         self._dispatch(p)
+
+    def _wait_for_service(self, p: _Pending, why: str) -> bool:
+        """A never-sent call whose attempts are spent: try again in a second, with the announcements re-read,
+        while it has waited less than service_wait_s (only with a run directory: nothing else can announce a
+        restarted service). False when it should be given up."""
+        now = time.monotonic()
+        if not self.run_dir or self._closed:
+            return False
+        first = not p.waiting_since
+        p.waiting_since = p.waiting_since or now
+        if now - p.waiting_since >= self.service_wait_s or p.fut.done():
+            return False
+        if first:
+            log.warning("sandbox client: no service reachable (%s); waiting up to %.0f s for one to come back",
+                        why, self.service_wait_s)
+
+        def again() -> None:
+            if p.fut.done():   # its caller gave up on it (max_tool_wait_s): never send it
+                return
+            self._maybe_refresh(force=True)
+            p.attempts = self.max_attempts - 1   # one more try; failing, it comes back here
+            self._dispatch(p)
+        asyncio.get_running_loop().call_later(1.0, again)
+        return True
 
     # ------------------------------------------------------------ connection and I/O
     async def _ensure_connected(self, node: _Node) -> None:

@@ -43,7 +43,7 @@ from typing import Protocol
 
 from rstar_hpc.config.rollout import AgentConfig
 from rstar_hpc.exchange.schema import Timings, ToolCall, Turn
-from rstar_hpc.exchange.tool_status import INFRA_TOOL_STATUSES, TOOL_STATUSES
+from rstar_hpc.exchange.tool_status import FAILED_TOOL_STATUSES, INFRA_TOOL_STATUSES, TOOL_STATUSES
 from rstar_hpc.models.chat_format import (IM_END, SESSION_TOOL_SCHEMA, TOOL_NAME, render_prompt, render_tool_responses,
                                           system_prompt)
 from sandbox.results import render_rstar2, truncate_middle
@@ -420,6 +420,12 @@ class AgentLoop:
         status = result.get("status")
         if status not in TOOL_STATUSES:
             status = "error"
+        session_info = result.get("session")
+        if status in FAILED_TOOL_STATUSES and isinstance(session_info, dict) and session_info.get("state") == "lost":
+            # it ran on fresh globals because the service lost the session's earlier cells (its service died and
+            # the session moved, or its history outgrew the limit): the failure may be the service's, so it is an
+            # infrastructure one, never charged to the model (algo.roc.drop_tool_infra_failures)
+            status = "internal_error"
         return ToolCall(turn=turn, name=call.name, arguments=args, status=status,
                         wall_time_s=float(result.get("wall_s") or 0.0), output=truncate_middle(text, max_chars),
                         output_chars=len(text)), status in INFRA_TOOL_STATUSES

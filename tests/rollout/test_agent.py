@@ -167,6 +167,19 @@ def test_unreachable_sandbox_is_a_failure_response(tok):
     assert res.tool_calls[0].output.startswith("Tool call failure")
 
 
+def test_a_cell_that_failed_on_a_session_the_service_lost_is_an_infrastructure_failure(tok):
+    """Its service died and the session moved (state "lost": fresh globals): a NameError there is not the model's."""
+    class Lost(FakeTools):
+        async def run(self, code, stdin="", session=None, timeout_s=None):
+            return {"status": "error", "stdout": "", "stderr": "NameError: name 'x' is not defined", "wall_s": 0.01,
+                    "session": {"id": session, "state": "lost"}}
+
+    eng = ScriptedEngine(tok, {"a": [call("print(x)"), ANSWER]})
+    res, _ = run(loop(tok, eng, Lost()))
+    assert res.tool_calls[0].status == "internal_error" and res.infra_failures == 1
+    assert "NameError" in res.tool_calls[0].output   # the model still sees what happened
+
+
 def test_code_errors_are_not_infrastructure_failures(tok):
     eng = ScriptedEngine(tok, {"a": [call("raise ValueError('boom')"), ANSWER]})
     res, _ = run(loop(tok, eng))
