@@ -17,6 +17,7 @@ the rollout for hard_subset and eval.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from rstar_hpc.exchange.rundir import RunPaths
@@ -127,6 +128,40 @@ def rollout_done(cfg, paths: RunPaths, stage: str) -> bool:
             ShardWriter.is_committed(paths, stage, n, PRODUCER) for n in range(s.num_steps))
         return steps_done and all(val_done(paths, s, p) for p in val_points(s))
     return stage_done(paths, stage)
+
+
+def uncommitted_steps(paths: RunPaths, stage: str, num_steps: int) -> Iterator[int]:
+    """The stage walk's steps: the lowest step not committed, looked up again after each one is done, so that a
+    step the trainer took back (corrupt on disk, exchange/quarantine.py) is written again before the walk goes on.
+    Steps a consumer acked are never looked at (consumed; retention may have deleted them)."""
+    from rstar_hpc.exchange.reader import consumer_cursors
+    from rstar_hpc.exchange.writer import ShardWriter
+
+    last = None
+    while True:
+        low = min(consumer_cursors(paths, stage).values(), default=0)
+        step = next((s for s in range(low, num_steps) if not ShardWriter.is_committed(paths, stage, s, PRODUCER)),
+                    None)
+        if step is None:
+            return
+        if step == last:
+            raise RuntimeError(f"step {step} of stage {stage!r} is still not committed after it ran "
+                               f"({paths.traj_commit(stage, step, PRODUCER)} missing); see the rollout log above")
+        last = step
+        yield step
+
+
+def taken_back(cfg, paths: RunPaths, need: PolicyNeed) -> list[int]:
+    """Trajectory steps policy `need` is trained on that are not committed (any more): steps the trainer took back
+    as corrupt. That policy cannot come before they are written again, so a step waiting for it gives way."""
+    if need.stage is None or cfg.stage(need.stage).kind != "rl":
+        return []
+    from rstar_hpc.exchange.reader import consumer_cursors
+    from rstar_hpc.exchange.writer import ShardWriter
+
+    low = min(consumer_cursors(paths, need.stage).values(), default=0)
+    return [s for s in range(low, need.trainer_step)
+            if not ShardWriter.is_committed(paths, need.stage, s, PRODUCER)]
 
 
 def stage_prompts(cfg, stage) -> list[dict]:

@@ -17,6 +17,7 @@ With pyarrow (the trajectory data):
     writer.py       ShardWriter: per-producer shards of a step, published atomically, commit record last
     reader.py       StepReader / Consumer: read only committed steps, checksums, exactly-once cursor
     retention.py    prune consumed trajectory steps
+    quarantine.py   take back the commit of a step whose shard is corrupt on disk, so its producer writes it again
     export.py       Parquet / JSON Lines copies of committed steps
     synthetic.py    paper-shaped synthetic trajectories (tests and bench/)
 

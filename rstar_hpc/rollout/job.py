@@ -116,7 +116,7 @@ def _scheduler_steps(cfg, paths, stage, steps, progress, tok, comm, MPI) -> tupl
     from rstar_hpc import pipeline
     from rstar_hpc.exchange.state import write_heartbeat
     from rstar_hpc.rollout.progress import TTY_ENV, StageProgress, stage_problem_counts
-    from rstar_hpc.rollout.scheduler import StepScheduler
+    from rstar_hpc.rollout.scheduler import StepGivesWay, StepScheduler
     from rstar_hpc.rollout.step import Scorer
     from rstar_hpc.rollout.tasks import finish_stage, stage_steps
     from rstar_hpc.rollout.validation import val_prompts, validate_due
@@ -141,7 +141,8 @@ def _scheduler_steps(cfg, paths, stage, steps, progress, tok, comm, MPI) -> tupl
                 comm, MPI, sc if stage_name == name else sc.model_copy(update={"partial_rollouts": False}), paths,
                 stage_name, step, items, limits=limits, need=need, score=score, dropped=dropped, progress=progress,
                 dead_ranks=dead, beat=lambda text, **kw: write_heartbeat(paths, "rollout", text, stage=name, **kw),
-                stop=lambda: _STOP[0] if _STOP else None).run()
+                stop=lambda: _STOP[0] if _STOP else None,
+                taken_back=(lambda: pipeline.taken_back(cfg, paths, need)) if steps is None else None).run()
         last = pipeline.rollout_steps(cfg.stage(name)) - 1 if kind == "rl" else None
         if pipeline.val_points(cfg.stage(name)):
             val_prompts(cfg, cfg.stage(name))   # an unreadable val_data file fails the job now, not after step 0
@@ -149,12 +150,15 @@ def _scheduler_steps(cfg, paths, stage, steps, progress, tok, comm, MPI) -> tupl
             bar.start_step(task.items)
             write_heartbeat(paths, "rollout", f"step {task.step} of stage {name}: starting", stage=name,
                             step=task.step, phase="start_step")
-            summary = run_step(name, task.step, task.items, task.limits, task.need, task.dropped, bar)
-            print(json.dumps(summary), flush=True)
-            write_heartbeat(paths, "rollout", f"step {task.step} of stage {name}: committed", stage=name,
-                            step=task.step)
-            if kind == "rl":   # the points up to this step; after the last one, the final policy's too
-                validate_due(cfg, paths, name, task.step + (task.step == last), tok, run_step)
+            try:
+                summary = run_step(name, task.step, task.items, task.limits, task.need, task.dropped, bar)
+                print(json.dumps(summary), flush=True)
+                write_heartbeat(paths, "rollout", f"step {task.step} of stage {name}: committed", stage=name,
+                                step=task.step)
+                if kind == "rl":   # the points up to this step; after the last one, the final policy's too
+                    validate_due(cfg, paths, name, task.step + (task.step == last), tok, run_step)
+            except StepGivesWay as e:   # the stage walk comes back to this step after the taken-back one
+                log.warning("%s", e)
         bar.close()
         if kind == "rl" and steps is None:   # points a requeue left behind, with every step committed already
             validate_due(cfg, paths, name, last + 1, tok, run_step)

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 from rstar_hpc import pipeline
 from rstar_hpc.exchange.rundir import RunPaths
-from rstar_hpc.exchange.writer import ShardWriter
 from rstar_hpc.rollout.step import StageLimits, WorkItem, make_items, step_items
 
 log = logging.getLogger("rstar_hpc.rollout")
@@ -33,16 +32,14 @@ class RolloutStep:
 
 def stage_steps(cfg, paths: RunPaths, stage_name: str, tokenizer, *, steps: Sequence[int] | None = None
                 ) -> Iterator[RolloutStep]:
-    """The rollout steps of a stage not committed yet (or exactly `steps`), in order. Work items are built only
-    for the steps that run: prompts are read once."""
+    """The rollout steps of a stage not committed yet (or exactly `steps`), in order; a step the trainer took back
+    (corrupt on disk) comes again. Work items are built only for the steps that run: prompts are read once."""
     stage = cfg.stage(stage_name)
     rows = pipeline.stage_prompts(cfg, stage)
     limits = StageLimits.of(stage, cfg.rollout.agent, cfg.eval)
     samples = pipeline.sample_count(cfg, stage)
     n = pipeline.rollout_steps(stage, len(rows))
-    for step in (range(n) if steps is None else steps):
-        if steps is None and ShardWriter.is_committed(paths, stage.name, step, pipeline.PRODUCER):
-            continue
+    for step in (pipeline.uncommitted_steps(paths, stage.name, n) if steps is None else steps):
         if stage.kind == "rl":
             items, dropped = step_items(stage, step, tokenizer, rows, agent=cfg.rollout.agent,
                                         samples_per_prompt=samples)

@@ -23,10 +23,14 @@ committed. The crash windows:
   * the cursor ahead of the checkpoint cannot arise from a crash; it means the checkpoint was rolled back by
     hand, and resuming refuses (those steps' updates would be silently lost) and says how to proceed.
 A step whose every trajectory RoC dropped is consumed with no update (logged as `train/skipped_empty_step`).
+A step whose shard is corrupt on disk when it is read was never trained: its commit is taken back
+(exchange/quarantine.py) and the step waited for again, which the rollout's stage walk writes anew with the same
+prompts (docs/run-directory.md, "A corrupt shard"). With partial rollouts it stops the trainer instead.
 """
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -44,7 +48,8 @@ from rstar_hpc.config.algo import AlgoConfig, LossConfig
 from rstar_hpc.config.run import RunConfig
 from rstar_hpc.config.trainer import TrainerConfig
 from rstar_hpc.exchange.columns import TrajectoryColumns
-from rstar_hpc.exchange.errors import ExchangeError, StepNotReadyError
+from rstar_hpc.exchange.errors import CorruptShardError, ExchangeError, StepNotReadyError
+from rstar_hpc.exchange.quarantine import quarantine_commit
 from rstar_hpc.exchange.reader import Consumer
 from rstar_hpc.exchange.rundir import RunPaths
 from rstar_hpc.exchange.state import silence_s, write_heartbeat
@@ -233,16 +238,40 @@ class TrajectorySource:
     """
 
     def __init__(self, paths: RunPaths, stage: str, algo: AlgoConfig, trainer: TrainerConfig, *, run_seed: int,
-                 name: str = CONSUMER):
+                 name: str = CONSUMER, regenerate_corrupt: bool = True):
         self.algo, self.trainer, self.run_seed, self.stage = algo, trainer, run_seed, stage
         self.consumer = Consumer(paths, stage, name, trainer.producers)
         self.next_step = self.consumer.next_step
+        self.regenerate_corrupt = regenerate_corrupt
 
     def next(self, stop_requested: Callable[[], bool] = lambda: False, poll_s: float = 1.0) -> RLBatch | None:
         """The next step's batch once every producer committed it; None if `stop_requested()` turns true on
         any rank first (the trainer spends most of a synchronous run waiting here, so Slurm's pre-timeout
-        signal usually lands here). Ranks decide together, so none is left waiting alone in a collective."""
-        reader, step, start, wall0 = self.consumer.reader, self.next_step, time.monotonic(), time.time()
+        signal usually lands here). Ranks decide together, so none is left waiting alone in a collective.
+
+        A step whose shard turns out corrupt (CorruptShardError) was never trained: its commit is taken back
+        (exchange/quarantine.py) and the step waited for again, which the rollout's stage walk writes anew."""
+        reader, step = self.consumer.reader, self.next_step
+        while True:
+            records = self._wait(step, stop_requested, poll_s)
+            if records is None:
+                return None
+            table, corrupt = None, None
+            try:
+                table = reader.read(step, records=records)
+            except CorruptShardError as e:
+                corrupt = e
+            (any_corrupt,) = _any_rank(corrupt is not None)
+            if not any_corrupt:
+                break
+            self._take_back(step, records, corrupt)
+        batch = build_batch(table, step, self.algo, self.trainer, run_seed=self.run_seed)
+        self.next_step += 1
+        return batch
+
+    def _wait(self, step: int, stop_requested: Callable[[], bool], poll_s: float) -> dict[str, dict] | None:
+        """The commit records of `step` once every producer committed it on every rank; None on a stop."""
+        reader, start, wall0 = self.consumer.reader, time.monotonic(), time.time()
         rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
         while True:
             records = reader.commits(step)
@@ -250,23 +279,41 @@ class TrajectorySource:
             waited = time.monotonic() - start
             if missing and rank0 and int(waited) % 5 == 0:
                 write_heartbeat(reader.paths, "trainer", f"stage {self.stage}: waiting for the trajectories of step "
-                                f"{step} since {waited:.0f}s", stage=self.stage, step=step, phase="wait_trajectories")
+                                f"{step} since {waited:.0f}s", stage=self.stage, step=step)
             # late: the producers said nothing for trajectory_timeout_s (a long rollout stage in between is fine)
             silent = min(silence_s(reader.paths, p, wall0) for p in ("rollout",)) if missing else 0.0
             not_ready, stop, late = _any_rank(bool(missing), stop_requested(),
                                               silent >= self.trainer.trajectory_timeout_s)
             if not not_ready:
-                break
+                return {p: records[p] for p in self.consumer.producers}
             if stop:
                 return None
             if late:
                 raise StepNotReadyError(str(reader.paths.traj_step_dir(self.stage, step)), step, missing,
                                         sorted(records), waited)
             time.sleep(poll_s)
-        batch = build_batch(reader.read(step, records={p: records[p] for p in self.consumer.producers}), step,
-                            self.algo, self.trainer, run_seed=self.run_seed)
-        self.next_step += 1
-        return batch
+
+    def _take_back(self, step: int, records: dict[str, dict], corrupt: CorruptShardError | None) -> None:
+        """Collective: a shard of `step` is corrupt on some rank. Rank 0 quarantines the commit that lists it (every
+        producer's of the step if another rank found it), then all ranks go on waiting, only after the commit is
+        gone (else a rank could list the old record again)."""
+        if not self.regenerate_corrupt:
+            raise ExchangeError(
+                f"{corrupt or 'a shard of step ' + str(step) + ' is corrupt (another rank found it)'}. With "
+                f"rollout.scheduler.partial_rollouts the step cannot be regenerated alone (the groups it carried "
+                f"into the next step would be trained twice or lost); restore the file or rerun the stage") \
+                from corrupt
+        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+            bad = os.path.basename(corrupt.path) if corrupt is not None else None
+            owners = [p for p, r in records.items() if bad in {s["file"] for s in r["shards"]}] or list(records)
+            for producer in owners:
+                quarantine_commit(self.consumer.reader.paths, self.stage, step, producer,
+                                  str(corrupt) if corrupt is not None else "a shard failed its checksum on another "
+                                                                           "trainer rank")
+            write_heartbeat(self.consumer.reader.paths, "trainer", f"stage {self.stage}: step {step} was corrupt on "
+                            f"disk; took back its commit, waiting for the rollout to write it again",
+                            stage=self.stage, step=step)
+        _any_rank(False)   # a barrier: the commit is gone before any rank lists the step again
 
     def state_dict(self) -> dict:
         return {"next_traj_step": self.next_step}
@@ -302,7 +349,9 @@ class RLStageData:
 
     def __init__(self, cfg: RunConfig, stage, paths: RunPaths):
         self.loss_cfg, self.trainer = cfg.algo.loss, cfg.trainer
-        self.source = TrajectorySource(paths, stage.name, cfg.algo, cfg.trainer, run_seed=cfg.run.seed)
+        # partial rollouts carry groups from a step into the next: such a step cannot be regenerated alone
+        self.source = TrajectorySource(paths, stage.name, cfg.algo, cfg.trainer, run_seed=cfg.run.seed,
+                                       regenerate_corrupt=not cfg.rollout.scheduler.partial_rollouts)
         self.initial_state = {"next_traj_step": 0}  # a fresh stage: no trajectory step trained yet
 
     def next(self, stop_requested: Callable[[], bool] = lambda: False) -> RLBatch | None:
