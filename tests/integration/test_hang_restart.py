@@ -174,3 +174,43 @@ def test_submitit_rolejob_restarts_a_sigstopped_role_too(tmp_path, monkeypatch):
     assert (paths.dir / "attempts").read_text() == "xx"
     (hang,) = read_events(paths)
     assert hang["kind"] == "hang" and hang["phase"] == "train" and hang["role"] == "trainer"
+
+
+SUPERVISOR = r"""
+import os, signal, subprocess, sys, time
+# as Supervisor.start does: a role's step is an srun in a session of its own
+subprocess.Popen(["srun", "--nodes=1", "--ntasks=1", sys.executable, "-c",
+                  "import os, time; open(%r, 'w').write(str(os.getpid())); time.sleep(600)" % sys.argv[1]],
+                 start_new_session=True)
+while not (os.path.exists(sys.argv[1]) and open(sys.argv[1]).read()):
+    time.sleep(0.1)
+os.kill(os.getpid(), signal.SIGKILL)   # the supervisor dies: no handler, no cleanup
+"""
+
+
+@pytest.mark.slurm
+def test_when_the_supervisor_dies_its_roles_die_with_the_job(slurm_cluster, tmp_path):
+    """The batch step execs the supervisor (sbatch/run.sbatch); killed, it ends the batch step, so Slurm ends the
+    job and every step in it: a role's task left running would hold its GPUs and write into the run directory
+    beside a relaunched one."""
+    pid_file, script = tmp_path / "pid", tmp_path / "supervisor.py"
+    script.write_text(SUPERVISOR)
+    batch = tmp_path / "job.sbatch"
+    batch.write_text(f"#!/bin/bash\n#SBATCH --partition=cpu\n#SBATCH --nodes=1\n#SBATCH --ntasks=1\n"
+                     f"#SBATCH --output={tmp_path}/job.out\nexec {sys.executable} {script} {pid_file}\n")
+    out = subprocess.run(["sbatch", "--parsable", "--job-name=rstar-supervisor-dies", str(batch)],
+                         env=slurm_cluster.env, capture_output=True, text=True, timeout=60, check=True)
+    job = out.stdout.strip().split(";")[0]
+    deadline = time.monotonic() + 120
+    while not (pid_file.exists() and pid_file.read_text()):
+        assert time.monotonic() < deadline, (tmp_path / "job.out").read_text() if (tmp_path / "job.out").exists() \
+            else "the role step never started"
+        time.sleep(0.2)
+    pid = int(pid_file.read_text())
+    while True:
+        state = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], env=slurm_cluster.env, capture_output=True,
+                               text=True, timeout=30).stdout.strip()
+        if state in ("", "COMPLETED", "FAILED") and _gone(pid):
+            break
+        assert time.monotonic() < deadline, f"job {job} is {state!r}, role task {pid} gone: {_gone(pid)}"
+        time.sleep(0.5)
