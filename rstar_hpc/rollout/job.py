@@ -116,8 +116,8 @@ def _scheduler_steps(cfg, paths, stage, steps, progress, tok, comm, MPI) -> tupl
     from rstar_hpc import pipeline
     from rstar_hpc.exchange.state import write_heartbeat
     from rstar_hpc.rollout.progress import TTY_ENV, StageProgress, stage_problem_counts
-    from rstar_hpc.rollout.scheduler import StepGivesWay, StepScheduler
-    from rstar_hpc.rollout.step import Scorer
+    from rstar_hpc.rollout.scheduler import StepScheduler
+    from rstar_hpc.rollout.step import Scorer, StepGivesWay
     from rstar_hpc.rollout.tasks import finish_stage, stage_steps
     from rstar_hpc.rollout.validation import val_prompts, validate_due
 

@@ -69,11 +69,6 @@ class StopRequested(Exception):
     """Slurm's pre-timeout USR2 or a TERM reached rank 0: the step's finished trajectories are in its journal."""
 
 
-class StepGivesWay(Exception):
-    """The policy this step waits for is trained on a step that is no longer committed (the trainer took it back as
-    corrupt on disk): that step must be written again first. Nothing of this step has run yet."""
-
-
 class StepScheduler:
     """Rank 0's side of one step. `dead_ranks` carries the engine ranks lost in earlier steps of the job (updated
     in place); `progress(keys, tokens)` hears every finished trajectory's key and model tokens (rollout/progress.py)."""
@@ -87,8 +82,7 @@ class StepScheduler:
         self.comm, self.MPI, self.sc, self.paths, self.stage, self.step = comm, MPI, sc, paths, stage, step
         self.items: list[WorkItem] = list(items)   # in item order; the carry goes first (Levers.carry_in)
         self.limits, self.need, self.score, self.dropped = limits, need, score, list(dropped)
-        self.progress, self.beat_file, self.stop = progress, beat, stop
-        self.taken_back = taken_back   # steps the awaited policy needs that are uncommitted (pipeline.taken_back)
+        self.progress, self.beat_file, self.stop, self.taken_back = progress, beat, stop, taken_back
         self.dead_ranks: set[int] = set() if dead_ranks is None else dead_ranks   # the job's, updated in place
         # the engines
         self.engines: list[int] = []              # those that said HELLO
@@ -119,7 +113,7 @@ class StepScheduler:
         if ShardWriter.is_committed(self.paths, self.stage, self.step, pipeline.PRODUCER):
             return self.skip(engines)
         policy_ref = wait_for_policy(self.sc, self.paths, self.need, what=f"step {self.step} of stage {self.stage}",
-                                     beat=lambda text: self.waiting(engines, text))
+                                     beat=lambda text: self.waiting(engines, text), taken_back=self.taken_back)
         self.t_start = time.monotonic()
         self.policy_version = policy_ref[0] if policy_ref is not None else None
         hello = self.start_engines(engines, policy_ref)
@@ -168,12 +162,6 @@ class StepScheduler:
         if self.stop():
             self.drain_sends()
             raise StopRequested(f"{self.stop()} while step {self.step} of stage {self.stage} waited for its policy")
-        gone = self.taken_back() if self.taken_back is not None else []
-        if gone:   # else this step and the trainer would wait for each other
-            self.drain_sends()
-            raise StepGivesWay(f"step {self.step} of stage {self.stage} waits for {self.need}, which is trained on "
-                               f"steps {gone} of stage {self.need.stage}: no longer committed (taken back as corrupt, "
-                               f"exchange/quarantine.py); writing them again first")
         now = time.monotonic()
         if now - self.last_beat > self.sc.heartbeat_s:
             self.sends += [self.comm.isend(None, dest=e, tag=TAG_ALIVE) for e in engines]

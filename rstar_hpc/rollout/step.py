@@ -105,11 +105,18 @@ def request_seed(run_seed: int, stage: str, step: int, prompt_uid: str, sample_i
 
 
 # --------------------------------------------------------------------------------------------------- policy
+class StepGivesWay(Exception):
+    """The policy a step waits for is trained on a step that is no longer committed (the trainer took it back as
+    corrupt on disk, exchange/quarantine.py): that step is written again first. Nothing of this step ran yet."""
+
+
 def wait_for_policy(sc: SchedulerConfig, paths: RunPaths, need, *, what: str = "a rollout step", beat=None,
-                    poll_s: float = 1.0) -> tuple[int, str] | None:
+                    poll_s: float = 1.0, taken_back=None) -> tuple[int, str] | None:
     """(version, directory) of the newest published policy that satisfies `need` (pipeline.PolicyNeed), waiting
     for the trainer to publish it (`policy_wait_s`); None when `need` is the base model. `beat(text)` hears
-    what it waits for (the role's heartbeat, shown by `rstar-hpc run status`)."""
+    what it waits for (the role's heartbeat, shown by `rstar-hpc run status`). `taken_back()`: the steps `need`
+    is trained on that are uncommitted (pipeline.taken_back); any, and StepGivesWay (else the step and the trainer
+    would wait for each other)."""
     if need.stage is None:
         return None
     from rstar_hpc.exchange.state import silence_s
@@ -125,6 +132,10 @@ def wait_for_policy(sc: SchedulerConfig, paths: RunPaths, need, *, what: str = "
         if not waited:
             log.info("%s waits for %s (max_policy_lag=%d)", what, need, sc.max_policy_lag)
             waited = True
+        gone = taken_back() if taken_back is not None else []
+        if gone:
+            raise StepGivesWay(f"{what} waits for {need}, which is trained on steps {gone} of stage {need.stage}: "
+                               f"no longer committed (taken back as corrupt); writing them again first")
         if beat is not None:
             beat(f"waiting for {need} since {time.monotonic() - t0:.0f}s")
         if silence_s(paths, "trainer", wall0) > sc.policy_wait_s:   # a trainer at work may take its time

@@ -118,8 +118,8 @@ def test_the_stage_walk_goes_back_to_a_taken_back_step(paths):
 
 def test_a_step_waiting_for_a_policy_trained_on_a_taken_back_step_gives_way(paths, tmp_path):
     from rstar_hpc.config.rollout import SchedulerConfig
-    from rstar_hpc.rollout.scheduler import StepGivesWay, StepScheduler
-    from rstar_hpc.rollout.step import StageLimits, WorkItem
+    from rstar_hpc.rollout.scheduler import StepScheduler
+    from rstar_hpc.rollout.step import StageLimits, StepGivesWay, WorkItem
 
     cfg = load_config("tiny-cpu", [f"run.root={tmp_path}"])
     for step in (0, 1):
