@@ -420,12 +420,8 @@ class AgentLoop:
         status = result.get("status")
         if status not in TOOL_STATUSES:
             status = "error"
-        session_info = result.get("session")
-        if status in FAILED_TOOL_STATUSES and isinstance(session_info, dict) and session_info.get("state") == "lost":
-            # it ran on fresh globals because the service lost the session's earlier cells (its service died and
-            # the session moved, or its history outgrew the limit): the failure may be the service's, so it is an
-            # infrastructure one, never charged to the model (algo.roc.drop_tool_infra_failures)
-            status = "internal_error"
+        if status in FAILED_TOOL_STATUSES and (result.get("session") or {}).get("state") == "lost":
+            status = "internal_error"   # ran on fresh globals: the service lost the session, not the model's fault
         return ToolCall(turn=turn, name=call.name, arguments=args, status=status,
                         wall_time_s=float(result.get("wall_s") or 0.0), output=truncate_middle(text, max_chars),
                         output_chars=len(text)), status in INFRA_TOOL_STATUSES
