@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import errno
 import os
+import subprocess
+import sys
 
 import pytest
 from storage_fault import fill, small_fs
@@ -60,6 +62,34 @@ def test_full_disk_while_writing_shards_leaves_nothing_and_retry_commits_once(fs
         w.write(trajs)
     assert list(reader.commits(0)) == ["rollout"]
     assert [t.key for t in from_table(reader.read(0))] == [t.key for t in trajs]   # each row once
+
+
+PRODUCER = """
+import sys
+from rstar_hpc.exchange.rundir import RunPaths
+from rstar_hpc.exchange.synthetic import make_step
+from rstar_hpc.exchange.writer import ShardWriter
+paths = RunPaths(sys.argv[1])
+if not ShardWriter.is_committed(paths, "rl", 0, "rollout"):   # a restarted producer skips committed steps
+    with ShardWriter(paths, "rl", 0, "rollout") as w:
+        w.write(make_step("run", "rl", 0, num_prompts=8, samples_per_prompt=2, mean_tokens=3000))
+"""
+
+
+def test_a_producer_process_stops_with_the_message_and_resumes_after_space_is_freed(fs, paths):
+    ballast = fill(fs, leave=100 * 1024)
+    run = [sys.executable, "-c", PRODUCER, str(paths.dir)]
+    failed = subprocess.run(run, capture_output=True, text=True, timeout=120)
+    assert failed.returncode == 1
+    last = failed.stderr.strip().splitlines()[-1]
+    assert last.startswith("rstar_hpc.exchange.errors.StorageError: cannot write trajectory shard " +
+                           str(paths.traj_step_dir("rl", 0))), failed.stderr
+    assert "No space left on device (ENOSPC)" in last and "free of 4.0 MiB" in last and "Free space" in last
+    assert StepReader(paths, "rl").commits(0) == {} and _files(paths.traj_step_dir("rl", 0)) == []
+    ballast.unlink()
+    subprocess.run(run, check=True, timeout=120)
+    subprocess.run(run, check=True, timeout=120)   # run again: nothing written twice
+    assert list(StepReader(paths, "rl").commits(0)) == ["rollout"] and StepReader(paths, "rl").read(0).num_rows == 16
 
 
 def test_full_disk_at_the_commit_record_leaves_the_step_uncommitted(fs, paths):
