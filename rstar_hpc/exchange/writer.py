@@ -104,8 +104,9 @@ class ShardWriter:
             raise e
         found = is_storage_failure(e)
         if found is not None:
+            err = StorageError(os.path.join(self.step_dir, shard), what, found)   # free space before the cleanup
             self.abort()
-            raise StorageError(os.path.join(self.step_dir, shard), what, found) from e
+            raise err from e
 
     def abort(self) -> None:
         """Drop what this attempt wrote (readers never saw it)."""

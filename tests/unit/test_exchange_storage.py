@@ -40,7 +40,8 @@ def _files(folder) -> list[str]:
 def _says_where(err: StorageError, path) -> None:
     msg = str(err)
     assert err.errno == errno.ENOSPC and err.path == str(path) and str(path) in msg
-    assert err.free_bytes is not None and err.free_bytes < 512 * 1024 and "free of 4.0 MiB" in msg, msg
+    # the free space when the write failed (before the cleanup gave some back): what explains the failure
+    assert err.free_bytes is not None and err.free_bytes < 64 * 1024 and "free of 4.0 MiB" in msg, msg
     assert "Free space" in msg and "No space left on device" in msg
 
 
