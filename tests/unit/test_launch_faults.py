@@ -72,3 +72,15 @@ def test_stale_counts_from_the_attempts_start_and_says_what_it_did(tmp_path):
     # a heartbeat of an earlier attempt says nothing of this one
     assert stale(paths, "trainer", beat + 1, 60, now=beat + 100)["phase"] == "start"
     assert stale(paths, "trainer", t0, 0, now=beat + 10_000) is None   # 0: never
+
+
+def test_run_status_lists_faults_among_its_problems(tmp_path):
+    from rstar_hpc.config import load_config
+    from rstar_hpc.launch.status import run_status
+
+    cfg = load_config("tiny-cpu", [f"run.root={tmp_path}", "run.name=f"])
+    paths = RunPaths(cfg.run.dir)
+    record_event(paths, "hang", role="trainer", host="gpu1", silent_s=1900.0, phase="train", doing="stage rl: training")
+    st = run_status(cfg, paths, with_slurm=False)
+    assert [f["kind"] for f in st["faults"]] == ["hang"]
+    assert "role trainer hung in phase train for 32 min, restarted (stage rl: training; host gpu1)" in st["problems"]
