@@ -41,7 +41,12 @@ log = logging.getLogger("rstar_hpc.trainer")
 EXIT_REQUEUE = 75  # EX_TEMPFAIL: saved on the pre-timeout signal, the stage is not done
 
 
-def run(cfg: RunConfig, stage_name: str, *, on_step: Callable[[int, dict], None] | None = None) -> int:
+def run(cfg: RunConfig, stage_name: str, *, on_step: Callable[[int, dict], None] | None = None,
+        keep_world: bool = False) -> int:
+    """Train one stage. `keep_world`: leave the process group up for the next stage of the same processes (`train
+    --follow`): tearing it down and rendezvousing again on the same port between stages raced on a loaded node
+    (two ranks creating different groups at once, each waiting on the other). Model-parallel groups are always
+    rebuilt, so the next stage may use other degrees."""
     stage = cfg.stage(stage_name)
     if stage.kind not in pipeline.TRAINER_KINDS:
         raise ValueError(f"stage {stage.name!r} is kind {stage.kind!r}; the trainer runs {pipeline.TRAINER_KINDS} "
@@ -118,7 +123,7 @@ def run(cfg: RunConfig, stage_name: str, *, on_step: Callable[[int, dict], None]
         raise
     finally:
         signal_save.close()
-        destroy_distributed()
+        destroy_distributed(keep_world=keep_world)
 
 
 # --------------------------------------------------------------------------------------------------

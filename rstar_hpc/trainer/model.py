@@ -166,10 +166,11 @@ def collective_device() -> str:
     return "cpu"
 
 
-def destroy_distributed() -> None:
+def destroy_distributed(keep_world: bool = False) -> None:
+    """Megatron's model-parallel groups, and (unless `keep_world`) the process group itself."""
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    if torch.distributed.is_initialized():
+    if torch.distributed.is_initialized() and not keep_world:
         torch.distributed.destroy_process_group()
 
 
