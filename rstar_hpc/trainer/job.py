@@ -43,10 +43,8 @@ EXIT_REQUEUE = 75  # EX_TEMPFAIL: saved on the pre-timeout signal, the stage is 
 
 def run(cfg: RunConfig, stage_name: str, *, on_step: Callable[[int, dict], None] | None = None,
         keep_world: bool = False) -> int:
-    """Train one stage. `keep_world`: leave the process group up for the next stage of the same processes (`train
-    --follow`): tearing it down and rendezvousing again on the same port between stages raced on a loaded node
-    (two ranks creating different groups at once, each waiting on the other). Model-parallel groups are always
-    rebuilt, so the next stage may use other degrees."""
+    """Train one stage. `keep_world`: leave the process group up for the next stage (`train --follow`; a fresh
+    rendezvous on the same port deadlocked two ranks on a loaded node). Model-parallel groups are always rebuilt."""
     stage = cfg.stage(stage_name)
     if stage.kind not in pipeline.TRAINER_KINDS:
         raise ValueError(f"stage {stage.name!r} is kind {stage.kind!r}; the trainer runs {pipeline.TRAINER_KINDS} "
