@@ -47,8 +47,7 @@ def run(cfg: RunConfig, stage_name: str, *, on_step: Callable[[int, dict], None]
     rendezvous on the same port deadlocked two ranks on a loaded node). Model-parallel groups are always rebuilt."""
     stage = cfg.stage(stage_name)
     if stage.kind not in pipeline.TRAINER_KINDS:
-        raise ValueError(f"stage {stage.name!r} is kind {stage.kind!r}; the trainer runs {pipeline.TRAINER_KINDS} "
-                         f"stages")
+        raise ValueError(f"stage {stage.name!r} is kind {stage.kind!r}; the trainer runs {pipeline.TRAINER_KINDS}")
     paths, tcfg = RunPaths(cfg.run.dir), cfg.trainer
     backend = tcfg.backend if tcfg.backend != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
 
