@@ -215,10 +215,32 @@ def run_status(cfg, paths: RunPaths, env=None, *, with_slurm: bool = True) -> di
               "cancelled": cancelled(paths), "stages": stages, "jobs": jobs, "roles": roles,
               "placement": placement_status(cfg, paths)}
     status["faults"] = faults(paths, now)
+    status["quarantined"] = taken_back(cfg, paths)
     status["problems"] = problems(status)
     if not (status["done"] or status["cancelled"]):
         status["problems"] += [f["text"] for f in status["faults"]]
+        status["problems"] += [q["text"] for q in status["quarantined"] if not q["written_again"]]
     return status
+
+
+def taken_back(cfg, paths: RunPaths) -> list[dict]:
+    """Steps whose commit the trainer took back as corrupt (exchange/quarantine.py), and whether the rollout has
+    written them again."""
+    from rstar_hpc.exchange.quarantine import quarantined
+
+    out = []
+    for stage in cfg.stages:
+        for step in paths.traj_steps(stage.name) if stage.kind == "rl" else []:
+            reasons = quarantined(paths, stage.name, step)
+            if not reasons:
+                continue
+            again = bool(paths.traj_commits(stage.name, step))
+            out.append({"stage": stage.name, "step": step, "times": len(reasons), "written_again": again,
+                        "reason": reasons[-1].get("reason"),
+                        "text": f"stage {stage.name} step {step}: its trajectories were taken back {len(reasons)}x "
+                                f"as corrupt ({reasons[-1].get('reason')}); "
+                                + ("written again since" if again else "waiting for the rollout to write it again")})
+    return out
 
 
 def _minutes(seconds) -> str:

@@ -141,3 +141,16 @@ def test_a_step_waiting_for_a_policy_trained_on_a_taken_back_step_gives_way(path
     with pytest.raises(StepGivesWay, match=r"step 2 of stage rl-short waits for .* steps \[1\]"):
         step.run()
     assert not ShardWriter.is_committed(paths, STAGE, 2, PRODUCER)
+
+
+def test_run_status_names_a_taken_back_step_until_it_is_written_again(paths):
+    from rstar_hpc.launch.status import taken_back
+
+    cfg = load_config("tiny-cpu", [f"run.root={paths.dir.parent}", f"run.name={paths.dir.name}"])
+    _commit(paths, 1)
+    quarantine_commit(paths, STAGE, 1, PRODUCER, str(_corrupt_error(paths, 1)) if _flip_a_bit(paths, 1) else "")
+    [waiting] = taken_back(cfg, paths)
+    assert (waiting["stage"], waiting["step"], waiting["times"], waiting["written_again"]) == (STAGE, 1, 1, False)
+    assert "taken back 1x as corrupt" in waiting["text"] and "waiting for the rollout" in waiting["text"]
+    _commit(paths, 1, seed=1)
+    assert taken_back(cfg, paths)[0]["written_again"] is True
