@@ -11,7 +11,9 @@
 - every restart, hang and give-up is appended to RUN/launch/events.jsonl (exchange/events.py) for `run status`;
 - USR2 (Slurm's pre-timeout signal, --signal=B:USR2@lead) and TERM (preemption's grace time, scancel
   --signal=TERM, scontrol requeue) are passed to the trainer and rollout steps, which save and exit; once they
-  have, the sandbox is stopped and the job requeues itself, unless the run is done or `run cancel` was used;
+  have, the sandbox is stopped and the job requeues itself, unless the run is done, `run cancel` was used, or Slurm
+  is ending the job itself (COMPLETING: `scancel` or `scancel --signal=KILL`, which send TERM, then KILL after
+  KillWait; `scontrol requeue`, which requeues it anyway);
 - when every stage is done it stops the sandbox and ends the job successfully.
 Everything it does is logged to the job's output (RUN/logs/run-<job>.out).
 """
@@ -30,6 +32,7 @@ from rstar_hpc.exchange.rundir import RunPaths
 from rstar_hpc.launch import placement
 from rstar_hpc.launch.record import cancelled
 from rstar_hpc.launch.roles import hostnames, role_done, role_env, roles_needed, run_done
+from rstar_hpc.launch.slurm import job_state
 from rstar_hpc.launch.watch import kill_step, stale
 
 log = logging.getLogger("rstar_hpc.launch")
@@ -198,11 +201,27 @@ class Supervisor:
             log.warning("run cancelled (rstar-hpc run cancel): not requeueing; `rstar-hpc launch` resumes it")
             return 0
         job = os.environ.get("SLURM_JOB_ID")
+        ending = _ending_in_slurm(job) if job else None
+        if ending:   # Slurm would requeue even a cancelled batch job on request: a user's scancel must stay a cancel
+            log.warning("job %s is %s in Slurm (a scancel, or a requeue Slurm does itself): not requeueing it; if it "
+                        "does not come back, `rstar-hpc launch %s` continues the run", job, ending, self.paths.config)
+            return 0
         log.warning("%s before the run was done: requeueing job %s; it resumes where this one stopped",
                     self.stop_reason or "stopped", job)
         if job:
             subprocess.run(["scontrol", "requeue", job], check=False)
         return 0
+
+
+def _ending_in_slurm(job: str) -> str | None:
+    """The job's state when Slurm itself is ending it: COMPLETING after `scancel` (with or without --signal=KILL:
+    TERM, KillWait, KILL), `scontrol requeue`, or the time limit. None while it runs: a TERM alone (preemption's grace
+    time, `scancel --signal=TERM`) or USR2 leaves it RUNNING, and the supervisor requeues it."""
+    try:
+        state = job_state(job).get("JobState")
+    except (OSError, subprocess.SubprocessError):
+        return None   # Slurm did not answer: requeue as before (`rstar-hpc run cancel` still stops the run)
+    return state if state and state not in ("RUNNING", "SUSPENDED") else None
 
 
 def main(run_dir: str) -> int:

@@ -21,6 +21,7 @@ import pytest
 from rstar_hpc.config import ConfigError, load_config
 from rstar_hpc.exchange.events import read_events
 from rstar_hpc.exchange.rundir import RunPaths
+from rstar_hpc.launch.slurm import job_state
 from rstar_hpc.launch.status import faults
 from rstar_hpc.launch.supervise import Supervisor
 from rstar_hpc.launch.watch import kill_step
@@ -214,3 +215,58 @@ def test_when_the_supervisor_dies_its_roles_die_with_the_job(slurm_cluster, tmp_
             break
         assert time.monotonic() < deadline, f"job {job} is {state!r}, role task {pid} gone: {_gone(pid)}"
         time.sleep(0.5)
+
+
+CANCELLED = r"""
+import logging, os, sys
+from rstar_hpc.config import load_config
+from rstar_hpc.exchange.rundir import RunPaths
+from rstar_hpc.launch.supervise import Supervisor
+
+logging.basicConfig(level=logging.INFO, format="%(message)s")
+root, up = sys.argv[1], sys.argv[2]
+cfg = load_config("tiny-cpu", [f"run.root={root}", "run.name=cancelled"])
+paths = RunPaths(os.path.join(root, "cancelled"))
+paths.logs.mkdir(parents=True, exist_ok=True)
+
+
+class StandIn(Supervisor):   # the real supervisor; its trainer a process that waits, as one between saves does
+    def step_argv(self, role):
+        return [sys.executable, "-c", "import time; open(%r, 'w').write('up'); time.sleep(600)" % up]
+
+    def step_env(self, role):
+        return dict(os.environ)
+
+
+sys.exit(StandIn(cfg, paths, {"trainer": 0}).run())
+"""
+
+
+@pytest.mark.slurm
+def test_a_job_slurm_cancelled_is_not_requeued_by_its_supervisor(slurm_cluster, tmp_path):
+    """`scancel --signal=KILL --full` is a cancel to Slurm: TERM to every step (the batch step too), KILL after
+    KillWait. The supervisor passes the TERM on and its roles stop within KillWait, as they do for a requeue; Slurm
+    would requeue even a cancelled batch job when asked (`scontrol requeue`), so the supervisor must not ask: the
+    job stays CANCELLED and `rstar-hpc launch RUN/config.yaml` is how the run goes on."""
+    script, up, batch = tmp_path / "supervisor.py", tmp_path / "up", tmp_path / "job.sbatch"
+    script.write_text(CANCELLED)
+    batch.write_text(f"#!/bin/bash\n#SBATCH --partition=cpu\n#SBATCH --nodes=1\n#SBATCH --ntasks=1\n#SBATCH --requeue\n"
+                     f"#SBATCH --output={tmp_path}/job.out\nexec {sys.executable} {script} {tmp_path} {up}\n")
+    out = subprocess.run(["sbatch", "--parsable", "--job-name=rstar-cancelled", str(batch)], env=slurm_cluster.env,
+                         capture_output=True, text=True, timeout=60, check=True)
+    job = out.stdout.strip().split(";")[0]
+    log = tmp_path / "job.out"
+    deadline = time.monotonic() + 120
+    while not (up.exists() and "starting trainer" in (log.read_text() if log.exists() else "")):
+        assert time.monotonic() < deadline, log.read_text() if log.exists() else "the job never started"
+        time.sleep(0.2)
+    subprocess.run(["scancel", "--signal=KILL", "--full", job], env=slurm_cluster.env, timeout=30, check=True)
+    while True:
+        fields = job_state(job, slurm_cluster.env)
+        if fields.get("JobState") not in ("RUNNING", "COMPLETING", None) or int(fields.get("Restarts", 0)):
+            break
+        assert time.monotonic() < deadline, fields
+        time.sleep(0.5)
+    assert fields["JobState"] == "CANCELLED" and fields["Restarts"] == "0", (fields, log.read_text())
+    assert f"job {job} is COMPLETING in Slurm (a scancel, or a requeue Slurm does itself): not requeueing it" in \
+        log.read_text(), log.read_text()
