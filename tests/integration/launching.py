@@ -3,6 +3,7 @@ directory says (its data order, the trainer's cursors, commits, leftover process
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -68,6 +69,24 @@ def run_facts(run: Path) -> dict:
 def leftover_processes(run: Path) -> list[str]:
     out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines()
     return [line for line in out if str(run) in line and "ps -eo" not in line]
+
+
+def run_processes(run: Path) -> list[str]:
+    """Every process whose command line or environment names the run directory: the batch step's supervisor, the
+    role steps' tasks, and whatever they started (a vLLM engine core, a sandbox's children) even when its own
+    command line does not say which run it serves (every job step inherits RSTAR_RUN_DIR)."""
+    found, key = [], str(run).encode()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            cmdline, environ = (proc / "cmdline").read_bytes(), (proc / "environ").read_bytes()
+        except OSError:   # gone meanwhile, or a kernel thread
+            continue
+        if key in cmdline or key in environ:
+            args = cmdline.replace(b"\0", b" ").decode(errors="replace")
+            found.append(f"{proc.name} {args[:300]}")
+    return found
 
 
 def check_finished(run: Path, env: dict) -> dict:
