@@ -15,37 +15,35 @@ for _k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="session")
-def slurm_cluster():
-    """A real emulated cluster (munged, slurmctld, slurmd gpu1 gpu2 cpu1 cpu2) in a private state directory.
-
-    `slurm_cluster.env` is the environment for Slurm clients (SLURM_CONF set). Stopped at session end."""
+def _local_cluster(prefix: str, spec=None):
+    """Up a LocalCluster in a fresh short state directory (munge's socket path must fit), down and gone after."""
     from rstar_hpc.cluster import LocalCluster
 
-    state = Path(tempfile.mkdtemp(prefix="rstar-cl-", dir="/tmp"))   # short: munge's socket path
-    cluster = LocalCluster(state)
+    state = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    cluster = LocalCluster(state, spec)
     cluster.up()
     try:
         yield cluster
     finally:
         cluster.down()
         shutil.rmtree(state, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """A real emulated cluster (munged, slurmctld, slurmd gpu1 gpu2 cpu1 cpu2) in a private state directory.
+
+    `slurm_cluster.env` is the environment for Slurm clients (SLURM_CONF set). Stopped at session end."""
+    yield from _local_cluster("rstar-cl-")
 
 
 @pytest.fixture(scope="session")
 def gpu_cluster():
     """A second emulated cluster whose gpu nodes carry 2 fake GPUs each (GRES) and bind tasks to cores
     (task/affinity): what a GPU partition does to placement, with the roles still computing on CPU."""
-    from rstar_hpc.cluster import ClusterSpec, LocalCluster
+    from rstar_hpc.cluster import ClusterSpec
 
-    state = Path(tempfile.mkdtemp(prefix="rstar-gc-", dir="/tmp"))
-    cluster = LocalCluster(state, ClusterSpec(gpus_per_node=2))
-    cluster.up()
-    try:
-        yield cluster
-    finally:
-        cluster.down()
-        shutil.rmtree(state, ignore_errors=True)
+    yield from _local_cluster("rstar-gc-", ClusterSpec(gpus_per_node=2))
 
 
 @pytest.fixture(scope="session")
