@@ -28,7 +28,7 @@ def _hours(minutes: int) -> str:
 def role_options(cfg, role: str) -> list[str]:
     """The sbatch resource options of one role's component."""
     res = getattr(cfg.launch, role)
-    per_node = {"rollout": placement.rollout_tasks_per_node(cfg), "sandbox": 1}.get(role, res.tasks_per_node)
+    per_node = placement.tasks_per_node(cfg, role)
     opts = [f"--partition={res.partition}", f"--nodes={res.num_nodes}", f"--ntasks-per-node={per_node}",
             f"--cpus-per-task={res.cpus_per_task}", f"--time={_hours(res.time_min)}"]
     if res.gpus_per_node and cfg.launch.gpu_gres:

@@ -18,6 +18,7 @@ SLURM_LOCALID the same way. Every task gets --cpus-per-task and --cpu-bind.
 from __future__ import annotations
 
 import dataclasses
+import os
 import shlex
 import subprocess
 from pathlib import Path
@@ -62,6 +63,12 @@ def rollout_tasks_per_node(cfg) -> int:
     """Tasks the rollout component allocates per node: its engines, plus room for rank 0 (on node 0; every node of a
     component gets the same count)."""
     return engines_per_node(cfg) + 1
+
+
+def tasks_per_node(cfg, role: str) -> int:
+    """Tasks a role's allocation holds per node: the rollout's engines and rank 0, one sandbox service, else
+    launch.<role>.tasks_per_node."""
+    return {"rollout": rollout_tasks_per_node(cfg), "sandbox": 1}.get(role, getattr(cfg.launch, role).tasks_per_node)
 
 
 def plan(cfg) -> list[Task]:
@@ -114,7 +121,7 @@ def problems(cfg, node_cores: dict[str, int] | None = None) -> list[str]:
                        f"{res.num_nodes}; use launch.mpi=pmix (or pmi2) for a rollout across nodes")
     for role in groups:
         res = getattr(launch, role)
-        per_node = {"rollout": rollout_tasks_per_node(cfg), "sandbox": 1}.get(role, res.tasks_per_node)
+        per_node = tasks_per_node(cfg, role)
         cores = res.cores_per_node or (node_cores or {}).get(res.partition)
         if cores and per_node * res.cpus_per_task > cores:
             why = " (its engines plus rank 0)" if role == "rollout" else ""
@@ -181,6 +188,13 @@ def hostfile_lines(cfg, nodes: list[str]) -> list[str]:
     """SLURM_HOSTFILE of the rollout step: rank 0 and the first node's engines on node 0, then each node's engines."""
     per = engines_per_node(cfg)
     return [nodes[0]] + [nodes[e // per] for e in range(num_engines(cfg))]
+
+
+def write_hostfile(cfg, run_dir: str | Path, nodes: list[str]) -> Path:
+    """RUN/launch/rollout-<job>.hosts for the rollout step's SLURM_HOSTFILE (hostfile_lines)."""
+    path = Path(run_dir) / "launch" / f"rollout-{os.environ.get('SLURM_JOB_ID', 'local')}.hosts"
+    path.write_text("\n".join(hostfile_lines(cfg, nodes)) + "\n")
+    return path
 
 
 def step_argv(cfg, role: str, run_dir: str | Path, *, het_group: int | None = None, overlap: bool = False

@@ -62,7 +62,7 @@ def role_parameters(cfg: RunConfig, role: str | None = None, *, tasks_per_node: 
     if res.exclusive:
         extra["exclusive"] = True
     # the one submitit task of a node holds the cores of every task the role starts there (placement.py)
-    per_node = {"rollout": placement.rollout_tasks_per_node(cfg), "sandbox": 1}.get(role, res.tasks_per_node)
+    per_node = placement.tasks_per_node(cfg, role)
     tasks = tasks_per_node or res.tasks_per_node
     cpus = res.cpus_per_task * per_node if tasks == 1 else res.cpus_per_task
     params = dict(name=f"rstar-{cfg.run.name}-{role}", timeout_min=res.time_min, nodes=res.num_nodes,
@@ -117,9 +117,7 @@ class RoleJob:
         if len(tasks) == 1:
             return role_argv(cfg, self.role, self.run_dir), env
         if self.role == "rollout":
-            hosts = Path(self.run_dir) / "launch" / f"rollout-{os.environ.get('SLURM_JOB_ID', 'local')}.hosts"
-            hosts.write_text("\n".join(placement.hostfile_lines(cfg, hostnames(nodes))) + "\n")
-            env["SLURM_HOSTFILE"] = str(hosts)
+            env["SLURM_HOSTFILE"] = str(placement.write_hostfile(cfg, self.run_dir, hostnames(nodes)))
         return placement.step_argv(cfg, self.role, self.run_dir, overlap=True), env
 
     def __call__(self) -> str:

@@ -64,9 +64,7 @@ class Supervisor:
         nodes = self._nodes(role)
         env = role_env(self.cfg, role, nodes, self.starts[role])
         if role == "rollout" and self.cfg.launch.mpi != "none":
-            hosts = self.paths.launch_record.parent / f"rollout-{os.environ.get('SLURM_JOB_ID', 'local')}.hosts"
-            hosts.write_text("\n".join(placement.hostfile_lines(self.cfg, hostnames(nodes))) + "\n")
-            env["SLURM_HOSTFILE"] = str(hosts)
+            env["SLURM_HOSTFILE"] = str(placement.write_hostfile(self.cfg, self.paths.dir, hostnames(nodes)))
         return env
 
     def start(self, role: str) -> None:
