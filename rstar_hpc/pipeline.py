@@ -76,10 +76,10 @@ def starting_policy(cfg, name: str) -> PolicyNeed:
 
 def policy_need(cfg, stage: str, step: int) -> PolicyNeed:
     """What rollout step `step` of `stage` runs: in an rl stage, on-policy, step N the weights trained on step
-    N - 1 of the stage (rollout.scheduler.max_policy_lag steps older allowed); before that, and in hard_subset
+    N - 1 of the stage (rollout.scheduler.policy_lag steps older: overlap mode or max_policy_lag); before that, and in hard_subset
     and eval stages, the stage's starting policy."""
     if cfg.stage(stage).kind == "rl":
-        need = step - cfg.rollout.scheduler.max_policy_lag
+        need = step - cfg.rollout.scheduler.policy_lag
         if need > 0:
             return PolicyNeed(stage, need)
     return starting_policy(cfg, stage)

@@ -3,6 +3,7 @@
     rho   = exp(clamp(logp - logp_old, -log_ratio_clamp, log_ratio_clamp))
     l_t   = max(-A_i * rho, -A_i * clip(rho, 1 - clip_ratio_low, 1 + clip_ratio_high))      Clip-Higher
     l_t   = min(l_t, -A_i * clip_ratio_c)   where A_i < 0, if clip_ratio_c is set             dual-clip (verl)
+    l_t  *= w_t                             if is_weight is given (off-policy: truncated IS, tis_cap)
     l_t  += kl_coef * (exp(ref - logp) - (ref - logp) - 1)                                    k3 KL, off by default
     l_t  -= entropy_coef * H_t                                                                off by default
     L     = dp_world_size * sum_{masked t} l_t / global_num_tokens
@@ -57,12 +58,15 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                 loss_mask: torch.Tensor, cfg: LossConfig | None = None, *, global_num_tokens: float | None,
                 dp_world_size: int = 1, ref_logprobs: torch.Tensor | None = None,
-                entropy: torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, LossStats]:
-    """Clipped-surrogate loss of one micro-batch; see the module docstring. Returns (loss, LossStats)."""
+                entropy: torch.Tensor | None = None, is_weight: torch.Tensor | None = None,
+                **kwargs) -> tuple[torch.Tensor, LossStats]:
+    """Clipped-surrogate loss of one micro-batch; see the module docstring. `is_weight`: per-token importance
+    weights (no gradient) of an off-policy step, pi_old / pi_behaviour truncated (trainer/rl.py). Returns
+    (loss, LossStats)."""
     cfg = resolve(LossConfig, cfg, kwargs)
     shape = logprobs.shape
     for name, t in (("old_logprobs", old_logprobs), ("loss_mask", loss_mask), ("ref_logprobs", ref_logprobs),
-                    ("entropy", entropy)):
+                    ("entropy", entropy), ("is_weight", is_weight)):
         if t is not None and t.shape != shape:
             raise ValueError(f"{name} has shape {tuple(t.shape)} but logprobs has {tuple(shape)}; per-token "
                              "tensors must be aligned")
@@ -81,6 +85,8 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     if cfg.clip_ratio_c is not None:
         dual = (adv < 0) & (pg > -adv * cfg.clip_ratio_c)
         pg = torch.where(dual, -adv * cfg.clip_ratio_c, pg)
+    if is_weight is not None:
+        pg = pg * torch.where(mask, is_weight.detach().to(pg.dtype), zero)
     per_token = pg
     kl = torch.zeros_like(pg)
     if cfg.kl_coef > 0:

@@ -6,11 +6,12 @@ cluster, with a report of what was learned.
                      each starting from the SFT run's final policy, same seed and budget, one per mode:
                      RoC (the paper's GRPO-RoC: sample 2G, keep G, weighted positive selection), GRPO (the paper's
                      baseline: sample G, train G), Random (sample 2G, keep G uniformly: RoC's oversampling without
-                     its selection), RoC-topk (the public code's lowest-penalty positive selection)
+                     its selection), RoC-topk (the public code's lowest-penalty positive selection), RoC-overlap
+                     (RoC, one-step off-policy: rollout.scheduler.mode overlap; not in the default set)
     3. the report    `rstar-hpc report` of the RoC run with the others compared: RUN/report/report.{md,html} + PNGs
 The last stdout line is one JSON object of the figures (pass@1 of base, SFT and RL with standard errors, the
 tool-error ratio of the positives each mode trained on, the rollouts each mode sampled and trained per prompt,
-wall time, the report's path).
+each RL run's wall time and its roles' idle fractions over its rl steps, wall time, the report's path).
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ MODES = {
     "GRPO": ("grpo", ["algo.roc.mode=grpo"]),
     "Random": ("random", ["algo.roc.mode=random"]),
     "RoC-topk": ("topk", ["algo.roc.positive_selection=topk"]),
+    "RoC-overlap": ("overlap", ["rollout.scheduler.mode=overlap"]),
 }
 
 
@@ -77,7 +79,7 @@ def _launch(cfg, env: dict, timeout_s: float) -> None:
 @click.command("demo")
 @click.argument("config", default=DEMO_CONFIG)
 @click.argument("overrides", nargs=-1)
-@click.option("--modes", default=",".join(MODES), show_default=True,
+@click.option("--modes", default=",".join(m for m in MODES if m != "RoC-overlap"), show_default=True,
               help=f"RL runs to make from the SFT policy, comma-separated, of: {', '.join(MODES)}.")
 @click.option("--state-dir", type=click.Path(file_okay=False), default=None, help="Local cluster state directory.")
 @click.option("--keep-cluster", is_flag=True, help="Leave a cluster this demo started running afterwards.")
@@ -118,15 +120,17 @@ def command(config: str, overrides: tuple[str, ...], modes: str, state_dir, keep
         latest = RunPaths(sft.run.dir).policies().latest()
         if latest is None:
             raise click.ClickException(f"the SFT run {sft.run.dir} published no policy")
-        runs = {}
+        runs, walls = {}, {}
         for i, label in enumerate(labels):
             _say(f"[3/4] RL run {i + 1}/{len(labels)} ({label}): {', '.join(s.name for s in rl_stages)}")
             name = f"{base}-{label.lower()}"
             rl = derive(cfg, name, rl_stages, [*MODES[label][1], f"model.path={latest[1]}"], configs)
+            t_run = time.monotonic()
             _launch(rl, env, timeout_s)
-            runs[label] = RunPaths(rl.run.dir)
+            runs[label], walls[label] = RunPaths(rl.run.dir), time.monotonic() - t_run
         _say("[4/4] report")
-        summary = _report(RunPaths(sft.run.dir), runs, time.monotonic() - t0)
+        summary = _report(RunPaths(sft.run.dir), runs, time.monotonic() - t0,
+                          timing=_timing(runs, walls, {s.name for s in rl_stages if s.kind == "rl"}))
     finally:
         if not was_up and not keep_cluster:
             cluster.down()
@@ -134,7 +138,19 @@ def command(config: str, overrides: tuple[str, ...], modes: str, state_dir, keep
     click.echo(json.dumps(summary))
 
 
-def _report(sft, runs: dict, wall_s: float) -> dict:
+def _timing(runs: dict, walls: dict, rl_stages: set[str]) -> dict:
+    """Each RL run's wall seconds and its roles' idle fractions over all its rl steps (its own metrics)."""
+    from rstar_hpc.launch.status import rollout_idle, trainer_idle
+
+    out = {}
+    for label, paths in runs.items():
+        t, r = trainer_idle(paths.dir, last=10**9), rollout_idle(paths.dir, rl_stages, last=None)
+        out[MODES[label][0]] = {"wall_s": round(walls[label], 1),
+                                "idle_fraction": {"trainer": t and t["idle_fraction"], "rollout": r and r["idle_fraction"]}}
+    return out
+
+
+def _report(sft, runs: dict, wall_s: float, timing: dict | None = None) -> dict:
     from rstar_hpc.report.build import build_report
 
     compare = [("SFT", sft)] + [(label, p) for label, p in runs.items() if label != "RoC"]
@@ -153,6 +169,12 @@ def _report(sft, runs: dict, wall_s: float) -> dict:
             out[f"{key}_positive_tool_error_ratio"] = mine["positive_tool_error_ratio"]
         out["sampled_per_group"][key] = _round(mine["sampled_per_group"])
         out["trained_per_group"][key] = _round(mine["trained_per_group"])
+    if timing:
+        out["rl_runs"] = timing
+        click.echo("      RL wall and idle (trainer / rollout): " + ", ".join(
+            f"{label} {timing[MODES[label][0]]['wall_s']:.0f}s, "
+            + " / ".join("-" if v is None else f"{v:.0%}" for v in timing[MODES[label][0]]["idle_fraction"].values())
+            for label in runs), err=True)
     out.update(wall_s=round(wall_s, 1), report=str(report.markdown), html=str(report.html),
                runs={"SFT": str(sft.dir), **{k: str(p.dir) for k, p in runs.items()}})
     click.echo(f"      pass@1: base {_pm(out, 'base')}, SFT {_pm(out, 'sft')}, RL (GRPO-RoC) {_pm(out, 'rl')}", err=True)

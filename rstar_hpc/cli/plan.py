@@ -58,12 +58,14 @@ def command(config: str, overrides: tuple[str, ...], from_run: str | None, as_js
             paths = run_paths(from_run)
             if not paths.config.is_file():
                 raise PlanError(f"{paths.dir} has no config.yaml; --from-run needs a run that launch or a role started")
-            rates, measured = run_rates(paths.dir, load_config(str(paths.config)), rates)
+            run_cfg = load_config(str(paths.config))
+            rates, measured = run_rates(paths.dir, run_cfg, rates)
+            measured["measured_mode"] = run_cfg.rollout.scheduler.mode   # the run's own mode is what it measured
         result = make_run_plan(cfg, rates, nodes=nodes, stage=stage)
     except (PlanError, ValueError) as e:
         raise PlanRefused(str(e)) from None
     if measured:
-        result.update(measured, predicted_step_s=result["at_configured_split"]["on_policy"]["step_s"])
+        result.update(measured, predicted_step_s=result["at_configured_split"][measured["measured_mode"]]["step_s"])
     click.echo(json.dumps(result) if as_json else format_run_plan(result))
 
 

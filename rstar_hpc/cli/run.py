@@ -69,7 +69,7 @@ def _render(st: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from rstar_hpc.launch.status import _dur, trainer_idle
+    from rstar_hpc.launch.status import _dur, rollout_idle, trainer_idle
 
     console = Console(width=160)
     console.print(f"[bold]run[/] {st['run']}  ({st['dir']})" + ("  [green]DONE[/]" if st["done"] else "")
@@ -107,6 +107,8 @@ def _render(st: dict) -> None:
                           ",".join(str(t["observed"]["cpus"]) for t in on))
         console.print(place)
     if idle := trainer_idle(st["dir"]):
+        console.print(idle["text"])
+    if idle := rollout_idle(st["dir"], {s["name"] for s in st["stages"] if s["kind"] == "rl"}):
         console.print(idle["text"])
     for p in st["problems"]:
         console.print(f"[red]problem:[/] {p}")

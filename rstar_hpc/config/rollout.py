@@ -79,9 +79,16 @@ class SchedulerConfig(Section):
     """Concurrency cap per engine besides KV (vLLM's max_num_seqs default)."""
     heartbeat_s: float = Field(2.0, gt=0)
     """How often an engine rank reports its KV usage and liveness to the scheduler."""
+    mode: Literal["on_policy", "overlap"] = "on_policy"
+    """`on_policy` (the paper's): step N generates with the weights trained on step N - 1, so the trainer waits
+    while the rollout generates and the rollout waits while the trainer trains. `overlap` (one-step off-policy, as
+    slime's, AReaL's and verl's async modes): step N generates with the weights trained on step N - 2, so the
+    rollout generates step N + 1 while the trainer trains step N and neither side waits for the other when the two
+    take about as long (`rstar-hpc plan` sizes them). The trainer then corrects for the lag with truncated
+    importance sampling on the engines' behaviour logprobs (algo.loss.tis_cap); `train/is_ratio_*` log it."""
     max_policy_lag: int = Field(0, ge=0)
     """Step N generates with the policy the trainer published after its step N - max_policy_lag (0: strictly
-    on-policy, the weights trained on step N-1); rank 0 waits for it."""
+    on-policy, the weights trained on step N-1); rank 0 waits for it. `mode: overlap` makes it at least 1."""
     policy_wait_s: float = Field(3600.0, gt=0)
     """How long a step waits for its policy while the trainer says nothing (its heartbeat) before it fails with a
     clear message; a trainer at work (a long SFT stage before) may take longer."""
@@ -121,6 +128,11 @@ class SchedulerConfig(Section):
     """How often rank 0 commits a step's finished trajectories to the step's journal (rollout/journal.py), so a
     step killed halfway (time limit, preemption, a crash) keeps them and its rerun runs only the rest; 0: only
     the final commit (a killed step starts over)."""
+
+    @property
+    def policy_lag(self) -> int:
+        """Steps between a rollout step and the trainer step whose weights it generates with, beyond on-policy."""
+        return max(self.max_policy_lag, 1 if self.mode == "overlap" else 0)
 
 
 class RolloutConfig(Section):

@@ -347,6 +347,22 @@ def trainer_idle(run_dir, last: int = 10) -> dict | None:
             "text": f"trainer idle {idle:.0%} of the last {len(recs)} steps, waiting on trajectories"}
 
 
+def rollout_idle(run_dir, stages=None, last: int | None = 10) -> dict | None:
+    """The rollout's idle share of its last `last` steps (None: all) of `stages` (None: any stage): the time rank 0
+    waited for the policy a step needs (policy_wait_s, waiting on the trainer) over that wait plus the step's wall,
+    from RUN/metrics/rollout.jsonl. None before the first such step."""
+    recs = [r for r in _read_jsonl(Path(run_dir) / "metrics" / "rollout.jsonl")
+            if isinstance(r.get("policy_wait_s"), (int, float)) and isinstance(r.get("wall_s"), (int, float))
+            and (stages is None or r.get("stage") in stages)]
+    recs = recs[-last:] if last else recs
+    total = sum(r["policy_wait_s"] + r["wall_s"] for r in recs)
+    if not recs or total <= 0:
+        return None
+    idle = min(1.0, sum(r["policy_wait_s"] for r in recs) / total)
+    return {"idle_fraction": round(idle, 4), "steps": len(recs),
+            "text": f"rollout idle {idle:.0%} of the last {len(recs)} steps, waiting on the trainer's policy"}
+
+
 # ------------------------------------------------------------------------------------------------ text
 def _dur(seconds) -> str:
     if seconds is None:

@@ -39,7 +39,7 @@ def format_run_plan(p: dict) -> str:
                  f"on_policy {p['on_policy']['gpu_hours_total']:.0f}, overlap {p['overlap']['gpu_hours_total']:.0f} "
                  f"GPU-h over {p['on_policy']['stages'] and sum(s['steps'] for s in p['on_policy']['stages'])} steps")
     if "measured_step_s" in p:
-        lines.append(f"from the run: predicted on_policy {p['predicted_step_s']:.2f} s/step at its own split, measured "
+        lines.append(f"from the run: predicted {p['measured_mode']} {p['predicted_step_s']:.2f} s/step at its own split, measured "
                      f"{p['measured_step_s']:.2f} s/step (mean of {p['measured_steps']} rl steps; per stage: "
                      + ", ".join(f"{k} {v:.2f}" for k, v in p["measured_stage_step_s"].items()) + ")")
     return "\n".join(lines)

@@ -102,6 +102,7 @@ class StepScheduler:
         self.t_start = time.monotonic()           # generation's start (run resets it once the policy is there)
         # counters of the step's summary
         self.reward_s = 0.0
+        self.policy_wait_s = 0.0
         self.reruns = 0
         self.infra_failures = 0
         self.journal = Journal(paths, stage, step, sc.journal_every_s)
@@ -114,6 +115,7 @@ class StepScheduler:
             return self.skip(engines)
         policy_ref = wait_for_policy(self.sc, self.paths, self.need, what=f"step {self.step} of stage {self.stage}",
                                      beat=lambda text: self.waiting(engines, text), taken_back=self.taken_back)
+        self.policy_wait_s = time.monotonic() - self.t_start   # the rollout idle, waiting on the trainer
         self.t_start = time.monotonic()
         self.policy_version = policy_ref[0] if policy_ref is not None else None
         hello = self.start_engines(engines, policy_ref)
@@ -426,6 +428,7 @@ class StepScheduler:
             # the step's long tail: generation went on this long after its last trajectory was admitted
             "last_admit_s": round(last_admit, 3), "tail_s": round(generation_s - last_admit, 3),
             "reward_s": round(self.reward_s, 4), "policy_version": self.policy_version,
+            "policy_wait_s": round(self.policy_wait_s, 3),
             "tool_infra_failures": self.infra_failures,
             "tool_wait_s": round(sum(t.timings.tool_s for t in trajs), 3),
             "generate_s": round(sum(t.timings.generate_s for t in trajs), 3),

@@ -130,7 +130,7 @@ def wait_for_policy(sc: SchedulerConfig, paths: RunPaths, need, *, what: str = "
             if meta.get("stage") == need.stage and int(meta.get("trainer_step", -1)) >= need.trainer_step:
                 return v, str(dirs.path(v))
         if not waited:
-            log.info("%s waits for %s (max_policy_lag=%d)", what, need, sc.max_policy_lag)
+            log.info("%s waits for %s (policy lag %d, mode %s)", what, need, sc.policy_lag, sc.mode)
             waited = True
         gone = taken_back() if taken_back is not None else []
         if gone:

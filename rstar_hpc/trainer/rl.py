@@ -178,28 +178,49 @@ def _any_rank(*flags: bool) -> list[bool]:
 
 
 @torch.no_grad()
-def recompute_old_logprobs(model, micro_batches: list[MicroBatch]) -> dict[str, float]:
+def recompute_old_logprobs(model, micro_batches: list[MicroBatch], tis_cap: float | None = None
+                           ) -> dict[str, float]:
     """Replace each micro-batch's old_logprobs (the engine's) with the trainer's, before the update, on the last
     pipeline stage (where the loss runs); returns the gap between the two over trained tokens (engine minus
-    trainer: numerics, stale weights, sampling), the same on every rank."""
+    trainer: numerics, stale weights, sampling), the same on every rank.
+
+    `tis_cap` (an off-policy step, algo.loss.tis_cap): also give each micro-batch the truncated importance weights
+    min(pi_old / pi_behaviour, tis_cap) in extras["is_weight"] (1 on tokens that keep the engine's logprob), and
+    return the ratio's statistics before truncation."""
     abs_sum, signed_sum, max_abs, count = 0.0, 0.0, 0.0, 0.0
+    r_sum, r_max, r_min, truncated = 0.0, 0.0, float("inf"), 0.0
     for mb, mine in zip(micro_batches, forward_logprobs(model, micro_batches) or []):
         mine = mine.float().cpu()
         d = (mb.old_logprobs - mine)[mb.loss_mask]
         abs_sum, signed_sum, count = abs_sum + float(d.abs().sum()), signed_sum + float(d.sum()), count + d.numel()
         max_abs = max(max_abs, float(d.abs().max()) if d.numel() else 0.0)
         stale = mb.extras.get("stale")   # an older policy's tokens keep its logprobs: the ratio corrects for it
+        behaviour = mb.old_logprobs
         mb.old_logprobs = mine if stale is None else torch.where(stale.bool(), mb.old_logprobs, mine)
-    sums = from_last_stage({"abs": abs_sum, "signed": signed_sum, "count": count})
+        if tis_cap is not None:
+            ratio = torch.where(mb.loss_mask, mb.old_logprobs - behaviour, torch.zeros(())).clamp(max=20.0).exp()
+            mb.extras["is_weight"] = ratio.clamp(max=tis_cap)
+            r = ratio[mb.loss_mask]
+            if r.numel():
+                r_sum, truncated = r_sum + float(r.sum()), truncated + float((r > tis_cap).sum())
+                r_max, r_min = max(r_max, float(r.max())), min(r_min, float(r.min()))
+    sums = from_last_stage({"abs": abs_sum, "signed": signed_sum, "count": count, "ratio": r_sum,
+                            "truncated": truncated})
     c = max(sums["count"], 1.0)
-    return {"train/old_logprob_gap_abs_mean": sums["abs"] / c, "train/old_logprob_gap_mean": sums["signed"] / c,
-            "train/old_logprob_gap_abs_max": from_last_stage({"max": max_abs}, op="max")["max"]}
+    out = {"train/old_logprob_gap_abs_mean": sums["abs"] / c, "train/old_logprob_gap_mean": sums["signed"] / c,
+           "train/old_logprob_gap_abs_max": from_last_stage({"max": max_abs}, op="max")["max"]}
+    if tis_cap is not None:
+        out.update({"train/is_ratio_mean": sums["ratio"] / c, "train/is_truncated_fraction": sums["truncated"] / c,
+                    "train/is_ratio_max": from_last_stage({"max": r_max}, op="max")["max"],
+                    "train/is_ratio_min": -from_last_stage({"max": -r_min if count else -1.0}, op="max")["max"]})
+    return out
 
 
-def rl_step(model, optimizer, scheduler, batch: RLBatch, loss_cfg: LossConfig, trainer: TrainerConfig
-            ) -> dict[str, float]:
+def rl_step(model, optimizer, scheduler, batch: RLBatch, loss_cfg: LossConfig, trainer: TrainerConfig, *,
+            off_policy: bool = False) -> dict[str, float]:
     """One GRPO-RoC update of the `parallel.Policy` `model` on `batch` (collective over all trainer ranks);
-    returns the step's metrics."""
+    returns the step's metrics. `off_policy`: the rollout generates with older weights than the trainer's
+    (rollout.scheduler.policy_lag > 0): the loss is importance-weighted (algo.loss.tis_cap)."""
     metrics = dict(batch.metrics)
     if batch.empty:
         log.warning("step %d: RoC kept no trajectory (every group had equal rewards); no update this step",
@@ -209,13 +230,15 @@ def rl_step(model, optimizer, scheduler, batch: RLBatch, loss_cfg: LossConfig, t
                          old_logprobs=batch.old_logprobs, stale=batch.stale)
     if trainer.recompute_old_logprobs:
         t0 = time.perf_counter()
-        metrics.update(recompute_old_logprobs(model, micro_batches))
+        tis_cap = loss_cfg.tis_cap if off_policy else None
+        metrics.update(recompute_old_logprobs(model, micro_batches, tis_cap))
         metrics["time/recompute_old_logprobs(s)"] = time.perf_counter() - t0
     stats: list[LossStats] = []
 
     def loss_fn(logprobs: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
         loss, s = policy_loss(logprobs, mb.old_logprobs, mb.advantages, mb.loss_mask, loss_cfg,
-                              global_num_tokens=None)  # a sum: train_step divides by the step's global count
+                              global_num_tokens=None,  # a sum: train_step divides by the step's global count
+                              is_weight=mb.extras.get("is_weight"))
         stats.append(s)
         return loss, {}
 
@@ -349,6 +372,11 @@ class RLStageData:
 
     def __init__(self, cfg: RunConfig, stage, paths: RunPaths):
         self.loss_cfg, self.trainer = cfg.algo.loss, cfg.trainer
+        self.off_policy = cfg.rollout.scheduler.policy_lag > 0
+        if self.off_policy and not cfg.trainer.recompute_old_logprobs and cfg.algo.loss.tis_cap is not None:
+            log.warning("rollout.scheduler policy lag %d with trainer.recompute_old_logprobs false: the loss's ratio "
+                        "is taken against the engine's logprobs and no importance weight applies (algo.loss.tis_cap "
+                        "needs the recomputed pi_old)", cfg.rollout.scheduler.policy_lag)
         # partial rollouts carry groups from a step into the next: such a step cannot be regenerated alone
         self.source = TrajectorySource(paths, stage.name, cfg.algo, cfg.trainer, run_seed=cfg.run.seed,
                                        regenerate_corrupt=not cfg.rollout.scheduler.partial_rollouts)
@@ -363,7 +391,7 @@ class RLStageData:
             write_heartbeat(self.source.consumer.reader.paths, "trainer", f"stage {self.source.stage}: training on "
                             f"the trajectories of step {batch.step}", stage=self.source.stage, step=batch.step,
                             phase="train")
-        return rl_step(model, optimizer, scheduler, batch, self.loss_cfg, self.trainer)
+        return rl_step(model, optimizer, scheduler, batch, self.loss_cfg, self.trainer, off_policy=self.off_policy)
 
     def state_dict(self) -> dict:
         return self.source.state_dict()

@@ -80,6 +80,36 @@ def test_rl_step_moves_positive_tokens_up_and_negative_down(dist1, tiny_hf_dir, 
         assert (b1 - b0) * a > 0, (a, b0, b1)  # every positive sample up, every negative one down
 
 
+def test_an_off_policy_step_weights_tokens_by_truncated_importance_ratios(dist1, tiny_hf_dir, tmp_path):
+    """Overlap mode: the engines' behaviour logprobs vs the trainer's recomputed pi_old give each token a weight
+    min(pi_old / pi_behaviour, tis_cap), logged; on-policy steps neither weight nor log it."""
+    cfg = _cfg(tmp_path, tiny_hf_dir, "rollout.scheduler.mode=overlap")
+    assert cfg.rollout.scheduler.policy_lag == 1 and cfg.algo.loss.tis_cap == 2.0
+    paths = RunPaths(cfg.run.dir)
+    model = _model(tiny_hf_dir)
+    trajs = _step_trajs(0)
+    for i, t in enumerate(trajs):   # behaviour: the trainer's logprob minus 1 (ratio e > cap) or plus 0.1 (e^-0.1)
+        ids = torch.tensor(list(t.prompt_ids) + list(t.response_ids))
+        with torch.no_grad():
+            lp = sequence_logprobs(model, MicroBatch(ids, [ids.numel()], torch.zeros(ids.numel(), dtype=torch.bool)))
+        shift = -1.0 if i % 2 else 0.1
+        t.logprobs = [(float(x) + shift) if m else 0.0 for x, m in zip(lp[len(t.prompt_ids):], t.loss_mask)]
+    _write(paths, 0, trajs)
+    source = TrajectorySource(paths, STAGE, cfg.algo, cfg.trainer, run_seed=cfg.run.seed)
+    batch = source.next()
+    other = _model(tiny_hf_dir)
+    on = rl_step(other, make_optimizer(other, lr=1e-3), None, batch, cfg.algo.loss, cfg.trainer)
+    assert not any(k.startswith("train/is_") for k in on)
+    m = rl_step(model, make_optimizer(model, lr=1e-3), None, batch, cfg.algo.loss, cfg.trainer, off_policy=True)
+    assert m["train/is_ratio_max"] == pytest.approx(2.718, abs=1e-2)
+    assert m["train/is_ratio_min"] == pytest.approx(0.905, abs=1e-2)
+    assert 0.0 < m["train/is_truncated_fraction"] < 1.0
+    gap = m["train/old_logprob_gap_mean"]   # engine minus trainer: -1 on the truncated share, +0.1 elsewhere
+    assert m["train/is_truncated_fraction"] == pytest.approx((0.1 - gap) / 1.1, abs=1e-3)
+    assert m["train/is_ratio_mean"] == pytest.approx(m["train/is_truncated_fraction"] * 2.718
+                                                     + (1 - m["train/is_truncated_fraction"]) * 0.905, abs=1e-2)
+
+
 def test_engine_logprobs_are_pi_old_without_recompute(dist1, tiny_hf_dir, tmp_path):
     cfg = _cfg(tmp_path, tiny_hf_dir, "trainer.recompute_old_logprobs=false")
     paths = RunPaths(cfg.run.dir)

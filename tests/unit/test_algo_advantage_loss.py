@@ -75,6 +75,25 @@ def test_single_token(adv, ratio, dual_c, loss, has_grad):
     assert stats["clip_dual_count"] == float(dual_c is not None and not has_grad and ratio > dual_c)
 
 
+def test_importance_weights_scale_each_tokens_loss_and_gradient():
+    """Off-policy steps (trainer/rl.py): a token's clipped surrogate times its truncated IS weight, no gradient
+    through the weight; masked tokens ignore theirs (even garbage)."""
+    lp = torch.tensor([-1.0, -0.5, -2.0], requires_grad=True)
+    old, adv, mask = torch.tensor([-1.0, -0.5, -2.0]), torch.tensor([1.0, -1.0, 1.0]), torch.tensor([1, 1, 0])
+    plain, _ = policy_loss(lp, old, adv, mask, global_num_tokens=2)
+    (g_plain,) = torch.autograd.grad(plain, lp)
+    w = torch.tensor([2.0, 0.5, float("nan")], requires_grad=True)
+    weighted, _ = policy_loss(lp, old, adv, mask, global_num_tokens=2, is_weight=w)
+    (g,) = torch.autograd.grad(weighted, lp)
+    assert weighted.item() == pytest.approx((-1.0 * 2.0 + 1.0 * 0.5) / 2)   # ratio 1: l_t = -A_t, times w_t
+    assert g[0].item() == pytest.approx(2.0 * g_plain[0].item()) and g[1].item() == pytest.approx(0.5 * g_plain[1].item())
+    assert g[2].item() == 0.0 and torch.isfinite(g).all()
+    ones, _ = policy_loss(lp, old, adv, mask, global_num_tokens=2, is_weight=torch.ones(3))
+    assert ones.item() == pytest.approx(plain.item())
+    with pytest.raises(ValueError, match="is_weight has shape"):
+        policy_loss(lp, old, adv, mask, global_num_tokens=2, is_weight=torch.ones(2))
+
+
 def test_log_ratio_is_clamped():
     out, _ = policy_loss(torch.tensor([100.0]), torch.tensor([0.0]), torch.tensor([-1.0]), torch.ones(1),
                          global_num_tokens=1, log_ratio_clamp=20.0)

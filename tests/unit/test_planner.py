@@ -91,3 +91,17 @@ def test_trainer_idle_from_the_runs_own_records(tmp_path):
     idle = trainer_idle(tmp_path)
     assert idle["steps"] == 10 and idle["idle_fraction"] == 0.6
     assert idle["text"] == "trainer idle 60% of the last 10 steps, waiting on trajectories"
+
+
+def test_rollout_idle_from_the_runs_own_records(tmp_path):
+    from rstar_hpc.launch.status import rollout_idle
+
+    assert rollout_idle(tmp_path) is None
+    (tmp_path / "metrics").mkdir()
+    recs = [{"stage": "eval", "step": 0, "policy_wait_s": 100.0, "wall_s": 1.0}]
+    recs += [{"stage": "rl", "step": i, "policy_wait_s": 1.0, "wall_s": 3.0} for i in range(4)]
+    (tmp_path / "metrics" / "rollout.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    idle = rollout_idle(tmp_path, {"rl"})
+    assert idle["steps"] == 4 and idle["idle_fraction"] == 0.25
+    assert idle["text"] == "rollout idle 25% of the last 4 steps, waiting on the trainer's policy"
+    assert rollout_idle(tmp_path, last=None)["idle_fraction"] == round(104 / 117, 4)
