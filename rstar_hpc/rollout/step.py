@@ -52,12 +52,16 @@ class StageLimits(NamedTuple):
     top_p: float | None = None
 
     @classmethod
-    def of(cls, stage: StageConfig, agent: AgentConfig, protocol=None) -> StageLimits:
-        if stage.kind == "eval" and protocol is not None:
-            return cls(stage.max_response_length or protocol.max_response_length, stage.max_turns or protocol.max_turns,
+    def of(cls, cfg, stage: StageConfig) -> StageLimits:
+        """`cfg` (a RunConfig) says the response budget (RunConfig.response_budget, the one rule config validation
+        checks against the engine context)."""
+        budget = cfg.response_budget(stage)
+        if stage.kind == "eval":
+            protocol = cfg.eval
+            return cls(budget, stage.max_turns or protocol.max_turns,
                        protocol.temperature if stage.temperature is None else stage.temperature,
                        protocol.top_p if stage.top_p is None else stage.top_p)
-        return cls(stage.max_response_length or agent.max_response_length, stage.max_turns or agent.max_turns)
+        return cls(budget, stage.max_turns or cfg.rollout.agent.max_turns)
 
     def sampling(self) -> dict | None:
         """The engine's sampling overrides, if any."""

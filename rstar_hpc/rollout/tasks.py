@@ -36,7 +36,7 @@ def stage_steps(cfg, paths: RunPaths, stage_name: str, tokenizer, *, steps: Sequ
     (corrupt on disk) comes again. Work items are built only for the steps that run: prompts are read once."""
     stage = cfg.stage(stage_name)
     rows = pipeline.stage_prompts(cfg, stage)
-    limits = StageLimits.of(stage, cfg.rollout.agent, cfg.eval)
+    limits = StageLimits.of(cfg, stage)
     samples = pipeline.sample_count(cfg, stage)
     n = pipeline.rollout_steps(stage, len(rows))
     for step in (pipeline.uncommitted_steps(paths, stage.name, n) if steps is None else steps):

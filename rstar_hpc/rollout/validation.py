@@ -38,7 +38,7 @@ def val_prompts(cfg, stage) -> list[dict]:
 
 
 def val_limits(cfg, stage) -> StageLimits:
-    agent = StageLimits.of(stage, cfg.rollout.agent)
+    agent = StageLimits.of(cfg, stage)
     return agent._replace(temperature=cfg.eval.temperature, top_p=cfg.eval.top_p)
 
 
