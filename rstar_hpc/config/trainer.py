@@ -97,6 +97,25 @@ class TrainerConfig(Section):
     """Published policy versions kept for the rollout engines."""
     publish_max_shard_gb: float = Field(5.0, gt=0)
     """Size of one safetensors file of a published policy (Hugging Face's default sharding)."""
+    weight_sync: Literal["files", "memory"] = "files"
+    """How the rollout engines get each RL step's weights. `files`: a published Hugging Face directory per step
+    (policy/v-N, what every engine can read, on any schedule). `memory`: trainer rank 0 keeps the newest policy in
+    host memory and sends it to the engine workers over a torch.distributed (gloo) group per sync
+    (trainer/weight_sync.py), bucket by bucket, loading overlapping receiving: no write and re-read of the whole
+    model on shared storage per step (bench/weight_sync.py, docs/performance.md). Files are then published every
+    `publish_every` steps (and at a stage's end) for eval, export, restarts and engines that cannot join, which
+    fall back to the newest published version (said in the log and in `rstar-hpc run status`). Default `files`:
+    the memory path is tested engine by engine (tests/rollout/test_weight_sync.py), not yet in the full demo."""
+    publish_every: int = Field(1, ge=1)
+    """RL steps between file publishes. 1 with `weight_sync: files` (the engines need every step's version);
+    with `memory`, larger values spare the storage: the last step of a stage always publishes, and so does the
+    end of SFT. The version numbers are run-global either way: a step offered only in memory takes a number too."""
+    weight_sync_bucket_mb: int = Field(256, ge=1)
+    """`memory` sync: size of one broadcast bucket. An engine loads bucket k while bucket k+1 is on the wire;
+    each side holds two buckets at a time. Larger buckets mean fewer messages, smaller ones finer overlap."""
+    weight_sync_timeout_s: float = Field(120.0, gt=0)
+    """`memory` sync: how long the group of a sync session waits for every member to join, and for each
+    bucket. An engine that does not make it in time falls back to the newest published files."""
     producers: list[str] = Field(default_factory=lambda: ["rollout"])
     """Trajectory producers whose commit records make an RL step complete (the rollout role writes as
     `rollout`)."""
@@ -109,6 +128,10 @@ class TrainerConfig(Section):
         if self.virtual_pipeline_parallel_size is not None and self.pipeline_parallel_size == 1:
             raise ValueError(f"trainer.virtual_pipeline_parallel_size={self.virtual_pipeline_parallel_size} needs "
                              f"trainer.pipeline_parallel_size > 1; set it to null or raise pipeline_parallel_size")
+        if self.weight_sync == "files" and self.publish_every != 1:
+            raise ValueError(f"trainer.publish_every={self.publish_every} with trainer.weight_sync=files leaves the "
+                             f"engines without the versions of the steps in between; set publish_every: 1 or "
+                             f"weight_sync: memory")
         if self.recompute == "selective" and not self.recompute_modules:
             raise ValueError("trainer.recompute=selective with an empty trainer.recompute_modules recomputes nothing; "
                              "name modules (e.g. [core_attn]) or set recompute: none")

@@ -6,7 +6,8 @@
 Where a stage starts: its own latest checkpoint (a requeued or restarted job); else the latest checkpoint of the
 nearest earlier sft/rl stage (weights, plus AdamW moments unless the stage says `reset_optimizer`, the paper's
 stage 3; this stage's lr and schedule start afresh); else the Hugging Face model of `model`.
-What it writes: ckpt/<stage>/ (checkpoints), policy/ (a version after each RL step and at the end of SFT),
+What it writes: ckpt/<stage>/ (checkpoints), policy/ (a version after each RL step, or every trainer.publish_every
+with the in-memory weight sync, trainer/weight_sync.py; and at the end of SFT),
 metrics/trainer.jsonl (one JSON object per step; tb/<stage>/ the same as TensorBoard scalars),
 stages/<stage>/state.json (RUNNING, DONE or FAILED).
 Returns 0 when the stage is done, EXIT_REQUEUE after saving on USR2 (Slurm's pre-timeout signal; the CLI exits 0
@@ -34,7 +35,7 @@ from rstar_hpc.trainer.checkpoint import SaveOnSignal, TrainState, latest_checkp
 from rstar_hpc.trainer.hf_convert import load_hf_checkpoint
 from rstar_hpc.trainer.model import Qwen3Arch, destroy_distributed, init_distributed
 from rstar_hpc.trainer.parallel import build_optimizer, build_policy
-from rstar_hpc.trainer.publish import publish_policy
+from rstar_hpc.trainer.weight_sync import makes_version, publish_step, start_server
 from rstar_hpc.trainer.step import build_scheduler
 
 log = logging.getLogger("rstar_hpc.trainer")
@@ -56,6 +57,7 @@ def run(cfg: RunConfig, stage_name: str, *, on_step: Callable[[int, dict], None]
                      seed=cfg.run.seed, vpp=tcfg.virtual_pipeline_parallel_size)
     rank0 = torch.distributed.get_rank() == 0
     signal_save = SaveOnSignal()
+    server = None   # trainer.weight_sync: memory, rank 0 of an RL stage: the in-memory weight server
     metrics_out = None
     try:
         if rank0:
@@ -77,6 +79,7 @@ def run(cfg: RunConfig, stage_name: str, *, on_step: Callable[[int, dict], None]
         data = _stage_data(cfg, stage, paths, model_dir)
         log.info("stage %s (%s): %s", stage.name, stage.kind, _restore(state, data, cfg, stage, paths))
         _set_state(paths, stage, rank0, "RUNNING", step=state.step, message="")
+        server = start_server(tcfg, paths) if stage.kind == "rl" else None
 
         # -- loop
         while state.step < stage.num_steps:
@@ -90,12 +93,10 @@ def run(cfg: RunConfig, stage_name: str, *, on_step: Callable[[int, dict], None]
             state.step += 1
             state.data_state = data.state_dict()
             stop = signal_save.should_save()
-            if _publishes(stage, state.step):
+            if makes_version(tcfg, stage, state.step):   # in memory and/or as files (trainer/weight_sync.py)
                 with timer("publish"):
-                    version, _ = publish_policy(model, paths, source_dir=model_dir, keep_last=tcfg.publish_keep_last,
-                                                max_shard_bytes=int(tcfg.publish_max_shard_gb * 2**30),
-                                                stage=stage.name, trainer_step=state.step)
-                metrics["policy_version"] = version
+                    metrics["policy_version"] = publish_step(model, paths, server, tcfg, stage, state.step,
+                                                             source_dir=model_dir)
             if stop or state.step == stage.num_steps or state.step % tcfg.checkpoint.save_every_steps == 0:
                 with timer("checkpoint"):
                     _checkpoint(state, data, paths, stage, rank0, tcfg.checkpoint.keep_last)
@@ -120,6 +121,8 @@ def run(cfg: RunConfig, stage_name: str, *, on_step: Callable[[int, dict], None]
         raise
     finally:
         signal_save.close()
+        if server is not None:
+            server.close()
         destroy_distributed(keep_world=keep_world)
 
 
@@ -195,13 +198,6 @@ def _save_and_requeue(state: TrainState, data, paths: RunPaths, stage: StageConf
     log.info("USR2: saved at step %d; exiting for requeue", state.step)
     _set_state(paths, stage, rank0, "RUNNING", message=f"saved at step {state.step} on USR2; requeued")
     return EXIT_REQUEUE
-
-
-def _publishes(stage: StageConfig, step: int) -> bool:
-    """RL: after every step, an empty one included: the rollout's next step waits for a policy whose
-    COMMITTED.json says `trainer_step` >= its step (rollout.scheduler.max_policy_lag); SFT: once, at the end,
-    the policy the RL stage starts from."""
-    return stage.kind == "rl" or step == stage.num_steps
 
 
 def _set_state(paths: RunPaths, stage: StageConfig, rank0: bool, status: str, **changes) -> None:

@@ -12,8 +12,9 @@ What the rollout side watches: the complete versions under `policy/` through the
 the one a step needs. `stages/<stage>/state.json` mirrors the newest version in `policy_version` for
 `rstar-hpc run` and the launcher; it is not the signal. (No rendezvous announcement: the trainer serves nothing.)
 
-Versions are run-global and increase by one per publish (the newest committed version + 1), across stages and
-restarts: a restarted trainer retrains from its checkpoint and publishes the next number, never rewriting one
+Versions are run-global and increase by one per publish (the newest committed version + 1; with
+`trainer.weight_sync: memory`, the newest version published or offered in memory + 1: trainer/weight_sync.py
+numbers them, and steps offered only in memory leave gaps here), across stages and restarts: a restarted trainer retrains from its checkpoint and publishes the next number, never rewriting one
 that engines may already be running. The last `trainer.publish_keep_last` versions are kept (the one `latest`
 names always), so an engine still loading the previous version is not pulled from under it.
 """
@@ -43,18 +44,21 @@ def _barrier() -> None:
 
 
 def publish_policy(model: torch.nn.Module, paths: RunPaths, *, source_dir: str | os.PathLike, keep_last: int,
-                   max_shard_bytes: int = 5 * 2**30, **meta: object) -> tuple[int, Path]:
+                   max_shard_bytes: int = 5 * 2**30, version: int | None = None, **meta: object) -> tuple[int, Path]:
     """Write `model` as the run's next policy version and move `policy/latest` to it. Collective: every rank
     calls; the tensor-parallel group of data-parallel rank 0 gathers, global rank 0 writes and commits.
 
     `source_dir` is the Hugging Face directory the policy came from (config and tokenizer files are copied);
-    `meta` goes into COMMITTED.json. Returns (version, directory) on every rank.
+    `meta` goes into COMMITTED.json. `version`: the number to publish as (rank 0's value counts), when the caller
+    numbers versions itself (trainer/weight_sync.py: in-memory offers take numbers too); else the next one.
+    Returns (version, directory) on every rank.
     """
     dirs = paths.policies()
     holder: list[object] = [None, None]
     if _rank() == 0:
-        latest = dirs.latest()
-        version = (latest[0] if latest else 0) + 1
+        if version is None:
+            latest = dirs.latest()
+            version = (latest[0] if latest else 0) + 1
         holder = [version, str(dirs.begin(version))]
     if torch.distributed.is_initialized():
         torch.distributed.broadcast_object_list(holder, src=0)

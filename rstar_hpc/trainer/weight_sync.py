@@ -141,3 +141,52 @@ def offer_policy(model: torch.nn.Module, server: WeightServer | None, *, version
         if server is None or state is None:
             raise RuntimeError("offer_policy: global rank 0 needs the WeightServer and the gathered tensors")
         server.offer(version, stage, trainer_step, state)
+
+
+def next_version(paths) -> int:
+    """Run-global numbering: the newest version published as files or ever offered in memory, + 1."""
+    latest = paths.policies().latest()
+    return max(latest[0] if latest else 0, proto.newest_offered_version(paths.dir)) + 1
+
+
+def publishes_files(tcfg, stage, step: int) -> bool:
+    """Whether trained step `step` of `stage` is published as files: SFT once, at its end; RL every step with
+    `weight_sync: files`, else every `publish_every` steps and at the stage's last step."""
+    if stage.kind != "rl":
+        return step == stage.num_steps
+    if tcfg.weight_sync == "files":
+        return True
+    return step % tcfg.publish_every == 0 or step == stage.num_steps
+
+
+def start_server(tcfg, paths) -> WeightServer | None:
+    """Trainer rank 0 with `weight_sync: memory`: the server (None elsewhere)."""
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    if tcfg.weight_sync != "memory" or rank != 0:
+        return None
+    return WeightServer(paths.dir, timeout_s=tcfg.weight_sync_timeout_s, bucket_bytes=tcfg.weight_sync_bucket_mb << 20)
+
+
+def publish_step(model: torch.nn.Module, paths, server: WeightServer | None, tcfg, stage, step: int, *,
+                 source_dir) -> int | None:
+    """Collective, after trained step `step`: offer it in memory (RL stages with `weight_sync: memory`) and/or
+    publish it as files (publishes_files), under one run-global version number. Returns the version, or None when
+    this step makes none."""
+    from rstar_hpc.trainer.publish import publish_policy
+
+    memory = tcfg.weight_sync == "memory" and stage.kind == "rl"
+    files = publishes_files(tcfg, stage, step)
+    if not (memory or files):
+        return None
+    holder = [next_version(paths) if (torch.distributed.get_rank() if torch.distributed.is_initialized() else 0)
+              == 0 else None]
+    if torch.distributed.is_initialized():
+        torch.distributed.broadcast_object_list(holder, src=0)
+    version = int(holder[0])
+    if memory:
+        offer_policy(model, server, version=version, stage=stage.name, trainer_step=step)
+    if files:
+        publish_policy(model, paths, source_dir=source_dir, keep_last=tcfg.publish_keep_last,
+                       max_shard_bytes=int(tcfg.publish_max_shard_gb * 2**30), version=version, stage=stage.name,
+                       trainer_step=step)
+    return version
