@@ -46,6 +46,8 @@ def command(config: str, overrides: tuple[str, ...], launcher, wait: bool, dry_r
         click.echo(f"rstar-hpc launch: {e}", err=True)
         sys.exit(EXIT_FAILED)
     if dry_run:
+        for line in info.get("warnings", []):
+            click.echo(line, err=True)
         if as_json:
             click.echo(json.dumps(info))
             return

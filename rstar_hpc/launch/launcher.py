@@ -80,6 +80,9 @@ def launch_run(cfg, launcher: str | None = None, *, wait: bool = False, dry_run:
     # config alone; a real launch checks against the partitions' nodes too
     placement.check(cfg, placement.partition_cores(cfg, env) if shutil.which("sinfo") and not dry_run else None)
     info["placement"] = [t.to_dict() for t in placement.plan(cfg)]
+    from rstar_hpc.launch.lead import lead_warning
+    lead = lead_warning(cfg, paths.dir if paths.dir.is_dir() else None)   # measured where the run has saved
+    info["warnings"] = [f"warning: {lead['text']}"] if lead else []
     if dry_run:
         info["steps"] = placement.steps(cfg, paths.dir)
         if launcher == "sbatch":
@@ -101,6 +104,8 @@ def launch_run(cfg, launcher: str | None = None, *, wait: bool = False, dry_run:
              f"run.name (or run.root)")
         info["jobs"] = {}
         return info
+    for line in info["warnings"]:
+        echo(line)
     preflight(cfg)
     prepare_run_dir(cfg)
     if launcher == "sbatch":

@@ -218,6 +218,10 @@ def run_status(cfg, paths: RunPaths, env=None, *, with_slurm: bool = True) -> di
     status["quarantined"] = taken_back(cfg, paths)
     status["problems"] = problems(status)
     if not (status["done"] or status["cancelled"]):
+        from rstar_hpc.launch.lead import lead_warning
+        lead = lead_warning(cfg, paths.dir, plan=False)   # measured only: status reads, it does not plan
+        if lead:
+            status["problems"].append(lead["text"])
         status["problems"] += [f["text"] for f in status["faults"]]
         status["problems"] += [q["text"] for q in status["quarantined"] if not q["written_again"]]
     return status
