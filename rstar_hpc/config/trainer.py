@@ -33,6 +33,17 @@ class CheckpointConfig(Section):
     save_every_steps: int = Field(10, ge=1)
     keep_last: int = Field(3, ge=1)
     """Committed checkpoints kept; the one `latest` points to is never deleted."""
+    async_save: bool = False
+    """Write checkpoints in the background (megatron-core's async dist-checkpoint save): the loop blocks only while
+    the state is planned and copied to host memory (a forked writer process holds that copy), then trains on while
+    the shards are written; the commit (COMMITTED.json, rename, `latest`, retention) and the data ack happen when
+    the write has finished on every rank, polled after each step. A new save first waits for the previous one;
+    the stage's end and USR2/TERM wait for it (so the save on the pre-timeout signal still costs the whole write:
+    launch warns when step + save exceed launch.signal_lead_s). A crash before the commit leaves `latest` on the
+    previous checkpoint and the data not acked beyond it. Turn it on where a save takes a noticeable part of
+    the step (large models on GPUs: configs/qwen3-14b.yaml); it costs one host copy of the rank's shards and a
+    forked process per save. `time/checkpoint(s)` logs what the loop blocked, `time/checkpoint_async(s)` the save's
+    whole duration, in the step that committed it."""
 
 
 RecomputeModule = Literal["core_attn", "mlp", "layernorm"]

@@ -31,7 +31,7 @@ from rstar_hpc.exchange.errors import StorageError
 from rstar_hpc.exchange.rundir import RunPaths
 from rstar_hpc.exchange.state import read_stage_state, write_heartbeat, write_stage_state
 from rstar_hpc.metrics_log import metrics_sink
-from rstar_hpc.trainer.checkpoint import SaveOnSignal, TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
+from rstar_hpc.trainer.checkpoint import Checkpointer, SaveOnSignal, TrainState, latest_checkpoint, load_checkpoint
 from rstar_hpc.trainer.hf_convert import load_hf_checkpoint
 from rstar_hpc.trainer.model import Qwen3Arch, destroy_distributed, init_distributed
 from rstar_hpc.trainer.parallel import build_optimizer, build_policy
@@ -58,7 +58,7 @@ def run(cfg: RunConfig, stage_name: str, *, on_step: Callable[[int, dict], None]
     rank0 = torch.distributed.get_rank() == 0
     signal_save = SaveOnSignal()
     server = None   # trainer.weight_sync: memory, rank 0 of an RL stage: the in-memory weight server
-    metrics_out = None
+    metrics_out = ckpt = None
     try:
         if rank0:
             _prepare_run(cfg)
@@ -80,6 +80,9 @@ def run(cfg: RunConfig, stage_name: str, *, on_step: Callable[[int, dict], None]
         log.info("stage %s (%s): %s", stage.name, stage.kind, _restore(state, data, cfg, stage, paths))
         _set_state(paths, stage, rank0, "RUNNING", step=state.step, message="")
         server = start_server(tcfg, paths) if stage.kind == "rl" else None
+        ckpt = Checkpointer(paths.ckpt_root(stage.name), async_save=tcfg.checkpoint.async_save,
+                            keep_last=tcfg.checkpoint.keep_last,
+                            on_commit=lambda saved, data_state: _committed(data, paths, stage, rank0, saved, data_state))
 
         # -- loop
         while state.step < stage.num_steps:
@@ -87,7 +90,7 @@ def run(cfg: RunConfig, stage_name: str, *, on_step: Callable[[int, dict], None]
             with timer("read"):
                 batch = data.next(stop_requested=lambda: signal_save.requested)
             if batch is None:  # USR2 while waiting for trajectories: the state is at a step boundary
-                return _save_and_requeue(state, data, paths, stage, rank0, tcfg.checkpoint.keep_last)
+                return _save_and_requeue(state, ckpt, paths, stage, rank0)
             with timer("train"):
                 metrics = data.train(model, optimizer, scheduler, batch)
             state.step += 1
@@ -97,9 +100,11 @@ def run(cfg: RunConfig, stage_name: str, *, on_step: Callable[[int, dict], None]
                 with timer("publish"):
                     metrics["policy_version"] = publish_step(model, paths, server, tcfg, stage, state.step,
                                                              source_dir=model_dir)
+            _finalize_saves(ckpt, timer, metrics)  # an async save whose write has finished: commit, ack
             if stop or state.step == stage.num_steps or state.step % tcfg.checkpoint.save_every_steps == 0:
-                with timer("checkpoint"):
-                    _checkpoint(state, data, paths, stage, rank0, tcfg.checkpoint.keep_last)
+                with timer("checkpoint"):  # what the loop blocks; async: planning, the host copy, the fork
+                    _checkpoint(state, ckpt, paths, stage, wait=stop or state.step == stage.num_steps)
+                _pop_async_seconds(ckpt, metrics)
             metrics.update(timer.metrics())
             _log_step(metrics_out, stage, state.step, metrics, backend, model)
             if rank0:
@@ -108,11 +113,14 @@ def run(cfg: RunConfig, stage_name: str, *, on_step: Callable[[int, dict], None]
             if on_step is not None:
                 on_step(state.step, metrics)
             if stop and state.step < stage.num_steps:
-                return _save_and_requeue(state, data, paths, stage, rank0, tcfg.checkpoint.keep_last)
+                return _save_and_requeue(state, ckpt, paths, stage, rank0)
+        ckpt.close()   # nothing pending: the last step's save waited
         _set_state(paths, stage, rank0, "DONE", step=state.step)
         torch.distributed.barrier()   # every rank sees DONE before it picks the next stage (train --follow)
         return 0
     except BaseException as e:
+        if ckpt is not None:
+            _drop_or_finish_saves(ckpt)
         if not isinstance(e, KeyboardInterrupt):
             try:
                 _set_state(paths, stage, rank0, "FAILED", message=f"{type(e).__name__}: {e}"[:500])
@@ -182,19 +190,57 @@ def _restore(state: TrainState, data, cfg: RunConfig, stage: StageConfig, paths:
             f"(stage {prev.name}){'; optimizer reset' if stage.reset_optimizer else ''}")
 
 
-def _checkpoint(state: TrainState, data, paths: RunPaths, stage: StageConfig, rank0: bool, keep_last: int) -> None:
-    """Save (unless this step is saved already), then ack what the checkpoint holds, then record the step."""
+def _checkpoint(state: TrainState, ckpt: Checkpointer, paths: RunPaths, stage: StageConfig, wait: bool = True) -> None:
+    """Save (unless this step is saved or being saved already); `_committed` acks what it holds once it commits
+    (sync saves: before this returns; async ones: at a later `finalize`, or here if `wait`)."""
     latest = paths.checkpoints(stage.name).latest()
-    if state.step <= (latest[0] if latest else 0):
+    if state.step > max(latest[0] if latest else 0, ckpt.pending_step or 0):
+        ckpt.save(state, stage=stage.name)
+    if wait:
+        ckpt.finalize(blocking=True)
+
+
+def _committed(data, paths: RunPaths, stage: StageConfig, rank0: bool, saved: Path, data_state: dict) -> None:
+    """A checkpoint committed: ack the trajectory steps it holds (its own data cursor), then record its step."""
+    data.commit(saved.name, data_state)
+    _set_state(paths, stage, rank0, "RUNNING", step=int(saved.name.split("-")[-1]))
+
+
+def _finalize_saves(ckpt: Checkpointer, timer: _Timer, metrics: dict) -> None:
+    """Non-blocking: commit an async save that every rank has finished writing (its commit's time counts as
+    checkpoint time); a collective poll while one is in flight."""
+    if ckpt.pending_step is None:
         return
-    saved = save_checkpoint(state, paths.ckpt_root(stage.name), keep_last=keep_last, stage=stage.name)
-    data.commit(saved.name)  # acks the trajectory steps this checkpoint holds
-    _set_state(paths, stage, rank0, "RUNNING", step=state.step)
+    t0 = time.perf_counter()
+    if ckpt.finalize():
+        timer.add("checkpoint", time.perf_counter() - t0)
+        _pop_async_seconds(ckpt, metrics)
 
 
-def _save_and_requeue(state: TrainState, data, paths: RunPaths, stage: StageConfig, rank0: bool,
-                      keep_last: int) -> int:
-    _checkpoint(state, data, paths, stage, rank0, keep_last)
+def _pop_async_seconds(ckpt: Checkpointer, metrics: dict) -> None:
+    """`time/checkpoint_async(s)`: the async saves committed in this step, from their save() to their commit."""
+    if ckpt.async_save and ckpt.async_seconds:
+        metrics["time/checkpoint_async(s)"] = metrics.get("time/checkpoint_async(s)", 0.0) + sum(ckpt.async_seconds)
+        ckpt.async_seconds.clear()
+
+
+def _drop_or_finish_saves(ckpt: Checkpointer) -> None:
+    """A failure with an async save in flight: a world of one commits it (no peer can be missing from the
+    commit's collectives); with peers, a failure may be this rank's alone, so the save is dropped, never half
+    committed: `latest` stays on the previous checkpoint, whose data cursor the ack never went beyond."""
+    if ckpt.pending_step is None:
+        return
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() == 1:
+        try:
+            ckpt.close()
+            return
+        except BaseException as e:  # noqa: BLE001  (the first failure is the one raised)
+            log.error("could not commit the pending checkpoint of step %s: %s", ckpt.pending_step, e)
+    ckpt.close(abort=True)
+
+
+def _save_and_requeue(state: TrainState, ckpt: Checkpointer, paths: RunPaths, stage: StageConfig, rank0: bool) -> int:
+    _checkpoint(state, ckpt, paths, stage, wait=True)
     log.info("USR2: saved at step %d; exiting for requeue", state.step)
     _set_state(paths, stage, rank0, "RUNNING", message=f"saved at step {state.step} on USR2; requeued")
     return EXIT_REQUEUE
@@ -221,6 +267,9 @@ class _Timer:
         t0 = time.perf_counter()
         yield
         self.phases[phase] = self.phases.get(phase, 0.0) + time.perf_counter() - t0
+
+    def add(self, phase: str, seconds: float) -> None:
+        self.phases[phase] = self.phases.get(phase, 0.0) + seconds
 
     def metrics(self) -> dict[str, float]:
         return {**{f"time/{k}(s)": v for k, v in self.phases.items()}, "time/step(s)": time.perf_counter() - self.start}

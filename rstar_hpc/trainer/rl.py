@@ -359,11 +359,15 @@ class TrajectorySource:
                      "acking them now", self.stage, ckpt_next - 1, self.consumer.next_step)
             self.commit(None)
 
-    def commit(self, checkpoint: str | None) -> None:
+    def commit(self, checkpoint: str | None, state: dict | None = None) -> None:
+        """Ack the steps `checkpoint` holds: those before its data cursor `state` (the `state_dict()` saved in it;
+        None: this source's own cursor). An async checkpoint commits while later steps are read and trained: they
+        are not in it and stay unacked."""
+        upto = self.next_step if state is None else int(state["next_traj_step"])
         if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
-            self.consumer.next_step = self.next_step
+            self.consumer.next_step = max(self.consumer.next_step, upto)
             return
-        while self.consumer.next_step < self.next_step:
+        while self.consumer.next_step < upto:
             self.consumer.ack(self.consumer.next_step, state={"checkpoint": checkpoint})
 
 
@@ -399,5 +403,5 @@ class RLStageData:
     def load_state_dict(self, state: dict) -> None:
         self.source.load_state_dict(state)
 
-    def commit(self, checkpoint: str) -> None:
-        self.source.commit(checkpoint)
+    def commit(self, checkpoint: str, state: dict | None = None) -> None:
+        self.source.commit(checkpoint, state)

@@ -134,5 +134,5 @@ class SFTStageData:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.data.load_state_dict(state)
 
-    def commit(self, checkpoint: str) -> None:
+    def commit(self, checkpoint: str, state: dict | None = None) -> None:
         pass
