@@ -106,6 +106,8 @@ def _render(st: dict) -> None:
                           " | ".join(t["observed"]["cuda_visible_devices"] or "-" for t in on),
                           ",".join(str(t["observed"]["cpus"]) for t in on))
         console.print(place)
+    if (weights := st.get("weights")) and weights.get("text"):
+        console.print(weights["text"])
     if idle := trainer_idle(st["dir"]):
         console.print(idle["text"])
     if idle := rollout_idle(st["dir"], {s["name"] for s in st["stages"] if s["kind"] == "rl"}):

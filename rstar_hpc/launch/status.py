@@ -215,6 +215,7 @@ def run_status(cfg, paths: RunPaths, env=None, *, with_slurm: bool = True) -> di
               "cancelled": cancelled(paths), "stages": stages, "jobs": jobs, "roles": roles,
               "placement": placement_status(cfg, paths)}
     status["faults"] = faults(paths, now)
+    status["weights"] = engine_weights(paths)
     status["quarantined"] = taken_back(cfg, paths)
     status["problems"] = problems(status)
     if not (status["done"] or status["cancelled"]):
@@ -225,6 +226,15 @@ def run_status(cfg, paths: RunPaths, env=None, *, with_slurm: bool = True) -> di
         status["problems"] += [f["text"] for f in status["faults"]]
         status["problems"] += [q["text"] for q in status["quarantined"] if not q["written_again"]]
     return status
+
+
+def engine_weights(paths: RunPaths) -> dict | None:
+    """How the engines got the newest rollout step's weights (exchange/weight_sync.py): in memory from the trainer,
+    from published files (with why, when the in-memory sync failed), or kept; `text` is one line for people."""
+    from rstar_hpc.exchange.weight_sync import describe_engine_weights, read_engine_weights
+
+    record = read_engine_weights(paths.dir)
+    return None if record is None else {**record, "text": describe_engine_weights(record)}
 
 
 def taken_back(cfg, paths: RunPaths) -> list[dict]:

@@ -43,15 +43,44 @@ async def run_engine_rank(comm, MPI, sc: SchedulerConfig, agent_cfg: AgentConfig
     if tag != TAG_START:
         raise RuntimeError(f"engine rank {rank}: expected the start of a step, got tag {tag}")
     stage, step, limits = start["stage"], start["step"], StageLimits(*start["limits"])
-    comm.send({"loading": start["policy_version"] != engine.policy_version}, dest=0, tag=TAG_ACK)
-    if start["policy_version"] is not None and start["policy_version"] != engine.policy_version:
-        load_s = await engine.load_policy(start["policy_dir"], start["policy_version"])
-        log.info("engine rank %d: loaded policy v%d in %.1fs", rank, engine.policy_version, load_s)
+    comm.send({"loading": start["policy_version"] != engine.policy_version or "policy_memory" in start},
+              dest=0, tag=TAG_ACK)
+    weights = await _load_weights(engine, start, rank)
     agent = AgentLoop(engine, tools, engine.tokenizer, agent_cfg, max_response_length=limits.max_response_length,
                       max_turns=limits.max_turns, sampling=limits.sampling())
-    comm.send({"capacity_tokens": engine.kv.capacity_tokens, "policy_version": engine.policy_version},
-              dest=0, tag=TAG_HELLO)
+    comm.send({"capacity_tokens": engine.kv.capacity_tokens, "policy_version": engine.policy_version,
+               "weights": weights}, dest=0, tag=TAG_HELLO)
     return await _EngineStep(comm, MPI, sc, engine, agent, run_seed=run_seed, stage=stage, step=step).serve()
+
+
+async def _load_weights(engine, start: dict, rank: int) -> dict:
+    """The step's policy: in memory from the trainer when START carries a sync session (every engine of the
+    session must take part, even one that runs that version already: the group is sized for all), else from the
+    published files if it is new. A failed sync falls back to the newest published files (START's policy_dir),
+    said in the log and in the returned record (HELLO -> RUN/policy/sync.json -> `rstar-hpc run status`)."""
+    session, version = start.get("policy_memory"), start["policy_version"]
+    reason = start.get("memory_failed")
+    if session is not None:
+        try:
+            st = await engine.sync_policy(session, session["first_ranks"][rank])
+            log.info("engine rank %d: received policy v%d in memory in %.2fs (%.1f MB)", rank, version,
+                     st["seconds"], st.get("bytes", 0) / 1e6)
+            return {"via": "memory", "version": version, "seconds": round(st["seconds"], 3)}
+        except Exception as e:   # noqa: BLE001  (cannot join the group: the files)
+            reason = f"{type(e).__name__}: {e}"[:300]
+            version = start.get("fallback_version")
+            if version is None or start.get("policy_dir") is None:
+                raise RuntimeError(f"engine rank {rank}: in-memory sync failed ({reason}) and no published policy "
+                                   f"to fall back to") from e
+            log.warning("engine rank %d: in-memory sync failed (%s); falling back to the newest published files, "
+                        "v%d", rank, reason, version)
+            engine.policy_version = -1   # a failed sync may have loaded part of the buckets: reload in full
+    if version is None or version == engine.policy_version:
+        return {"via": "kept", "version": engine.policy_version}
+    load_s = await engine.load_policy(start["policy_dir"], version)
+    log.info("engine rank %d: loaded policy v%d in %.1fs", rank, engine.policy_version, load_s)
+    out = {"via": "files", "version": version, "seconds": round(load_s, 3)}
+    return {**out, "reason": reason} if reason else out
 
 
 class _EngineStep:

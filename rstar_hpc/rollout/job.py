@@ -142,7 +142,8 @@ def _scheduler_steps(cfg, paths, stage, steps, progress, tok, comm, MPI) -> tupl
                 stage_name, step, items, limits=limits, need=need, score=score, dropped=dropped, progress=progress,
                 dead_ranks=dead, beat=lambda text, **kw: write_heartbeat(paths, "rollout", text, stage=name, **kw),
                 stop=lambda: _STOP[0] if _STOP else None,
-                taken_back=(lambda: pipeline.taken_back(cfg, paths, need)) if steps is None else None).run()
+                taken_back=(lambda: pipeline.taken_back(cfg, paths, need)) if steps is None else None,
+                engine_workers=cfg.rollout.engine.tensor_parallel_size).run()
         last = pipeline.rollout_steps(cfg.stage(name)) - 1 if kind == "rl" else None
         if pipeline.val_points(cfg.stage(name)):
             val_prompts(cfg, cfg.stage(name))   # an unreadable val_data file fails the job now, not after step 0

@@ -59,7 +59,7 @@ from rstar_hpc.rollout.levers import Levers, Route
 from rstar_hpc.rollout.messages import TrajectoryResult
 from rstar_hpc.rollout.mpi import (TAG_ACK, TAG_ALIVE, TAG_DEAD, TAG_DONE, TAG_HELLO, TAG_KV, TAG_MIGRATE, TAG_MOVED,
                                    TAG_PAUSE, TAG_RESULT, TAG_SKIP, TAG_START, TAG_STATS, TAG_WORK, wait_sent)
-from rstar_hpc.rollout.step import Scorer, StageLimits, WorkItem, wait_for_policy
+from rstar_hpc.rollout.step import MEMORY, Scorer, StageLimits, WorkItem, wait_for_policy
 
 FILE_BEAT_S = 10.0   # the role's heartbeat file during a phase: often enough for `run status`, cheap on Lustre
 log = logging.getLogger("rstar_hpc.rollout")
@@ -77,13 +77,15 @@ class StepScheduler:
                  items: Sequence[WorkItem], *, limits: StageLimits, need, score: Scorer, dropped: Sequence[str] = (),
                  progress: Callable[..., object] | None = None, dead_ranks: set[int] | None = None,
                  beat: Callable[[str], object] | None = None, stop: Callable[[], str | None] = lambda: None,
-                 taken_back: Callable[[], list[int]] | None = None):
+                 taken_back: Callable[[], list[int]] | None = None, engine_workers: int = 1):
         # what the step is, and who it reports to
         self.comm, self.MPI, self.sc, self.paths, self.stage, self.step = comm, MPI, sc, paths, stage, step
         self.items: list[WorkItem] = list(items)   # in item order; the carry goes first (Levers.carry_in)
         self.limits, self.need, self.score, self.dropped = limits, need, score, list(dropped)
         self.progress, self.beat_file, self.stop, self.taken_back = progress, beat, stop, taken_back
         self.dead_ranks: set[int] = set() if dead_ranks is None else dead_ranks   # the job's, updated in place
+        self.engine_workers = engine_workers      # vLLM workers per engine (its tensor-parallel size): sync ranks
+        self.weights: dict[int, dict] = {}        # how each engine got the step's weights (HELLO), for run status
         # the engines
         self.engines: list[int] = []              # those that said HELLO
         self.alive: dict[int, float] = {}         # engine rank -> when it was last heard from
@@ -204,6 +206,8 @@ class StepScheduler:
         comm, MPI, sc = self.comm, self.MPI, self.sc
         start = {"policy_version": self.policy_version, "policy_dir": policy_ref[1] if policy_ref else None,
                  "stage": self.stage, "step": self.step, "limits": list(self.limits)}
+        if policy_ref is not None and policy_ref[1] == MEMORY:
+            start.update(self.memory_session(engines, policy_ref[0]))
         self.sends += [comm.isend(start, dest=e, tag=TAG_START) for e in engines]
         hello: dict[int, dict] = {}
         acked: set[int] = set()
@@ -230,11 +234,47 @@ class StepScheduler:
                 self.last_beat = now
         if not hello:
             raise RuntimeError(f"no engine rank started step {self.step} (waited {time.monotonic() - t0:.0f}s)")
+        self.record_weights(hello)
         missing = [e for e in engines if e not in hello]
         if missing:
             log.error("engine ranks %s did not start step %d; running without them", missing, self.step)
         self.dead += missing
         return hello
+
+    def memory_session(self, engines: list[int], version: int) -> dict:
+        """START's part for a version the trainer offers in memory: the sync session (rollout/weight_sync.py), each
+        engine's first rank in its group, and the newest published files as the fallback of an engine that cannot
+        join. If no session opens (the trainer is gone or moved on), every engine takes the files, and the step
+        runs the version those are."""
+        from rstar_hpc.exchange.weight_sync import read_offer
+        from rstar_hpc.rollout.weight_sync import open_session
+
+        latest = self.paths.policies().latest()
+        out = {"policy_dir": str(latest[1]) if latest else None, "fallback_version": latest[0] if latest else None}
+        offer = read_offer(self.paths.dir)
+        try:
+            if offer is None:
+                raise RuntimeError("the trainer withdrew its in-memory offer")
+            session = open_session(offer, version, receivers=len(engines) * self.engine_workers)
+        except Exception as e:   # noqa: BLE001  (any failure to reach the trainer: files)
+            why = f"{type(e).__name__}: {e}"
+            if latest is None:
+                raise RuntimeError(f"step {self.step}: policy v{version} is in the trainer's memory only and the "
+                                   f"in-memory sync failed ({why}); no published version to fall back to") from e
+            log.warning("step %d: in-memory sync of policy v%d failed (%s); the engines load the newest published "
+                        "files, v%d", self.step, version, why, latest[0])
+            self.policy_version = latest[0]
+            return {**out, "policy_version": latest[0], "memory_failed": why}
+        session["first_ranks"] = {e: 1 + i * self.engine_workers for i, e in enumerate(engines)}
+        return {**out, "policy_memory": session}
+
+    def record_weights(self, hello: dict[int, dict]) -> None:
+        """How each engine got the step's weights (RUN/policy/sync.json, shown by `rstar-hpc run status`)."""
+        from rstar_hpc.exchange.weight_sync import write_engine_weights
+
+        self.weights = {e: h.get("weights") or {} for e, h in hello.items()}
+        if any(w.get("via") in ("memory", "files") for w in self.weights.values()):
+            write_engine_weights(self.paths.dir, self.stage, self.step, self.weights)
 
     def prepare_admission(self, hello: dict[int, dict]) -> None:
         """Admission over the engines that said hello, and the FIFO of the step's trajectories."""
@@ -428,6 +468,7 @@ class StepScheduler:
             # the step's long tail: generation went on this long after its last trajectory was admitted
             "last_admit_s": round(last_admit, 3), "tail_s": round(generation_s - last_admit, 3),
             "reward_s": round(self.reward_s, 4), "policy_version": self.policy_version,
+            "weights_via": {str(e): w.get("via") for e, w in self.weights.items()},
             "policy_wait_s": round(self.policy_wait_s, 3),
             "tool_infra_failures": self.infra_failures,
             "tool_wait_s": round(sum(t.timings.tool_s for t in trajs), 3),

@@ -114,10 +114,26 @@ class StepGivesWay(Exception):
     corrupt on disk, exchange/quarantine.py): that step is written again first. Nothing of this step ran yet."""
 
 
+MEMORY = "memory"
+"""wait_for_policy's directory when the version it picked is the trainer's in-memory offer (no files yet)."""
+
+
+def in_memory(paths: RunPaths, need) -> int | None:
+    """The version the trainer offers in memory (exchange/weight_sync.py, `trainer.weight_sync: memory`) if it
+    satisfies `need` (same stage, trainer_step >= need's, as a COMMITTED.json is read), else None."""
+    from rstar_hpc.exchange.weight_sync import read_offer
+
+    offer = read_offer(paths.dir)
+    if offer is None or offer.get("stage") != need.stage or int(offer.get("trainer_step", -1)) < need.trainer_step:
+        return None
+    return int(offer["version"])
+
+
 def wait_for_policy(sc: SchedulerConfig, paths: RunPaths, need, *, what: str = "a rollout step", beat=None,
                     poll_s: float = 1.0, taken_back=None) -> tuple[int, str] | None:
     """(version, directory) of the newest published policy that satisfies `need` (pipeline.PolicyNeed), waiting
-    for the trainer to publish it (`policy_wait_s`); None when `need` is the base model. `beat(text)` hears
+    for the trainer to publish it (`policy_wait_s`); None when `need` is the base model. A newer version the
+    trainer offers in memory that satisfies `need` wins: (version, MEMORY), and the engines sync it in memory. `beat(text)` hears
     what it waits for (the role's heartbeat, shown by `rstar-hpc run status`). `taken_back()`: the steps `need`
     is trained on that are uncommitted (pipeline.taken_back); any, and StepGivesWay (else the step and the trainer
     would wait for each other)."""
@@ -129,10 +145,13 @@ def wait_for_policy(sc: SchedulerConfig, paths: RunPaths, need, *, what: str = "
     t0, wall0 = time.monotonic(), time.time()
     waited = False
     while True:
+        offer = in_memory(paths, need)
         for v in sorted(dirs.complete_steps(), reverse=True):
             meta = dirs.marker(v)
             if meta.get("stage") == need.stage and int(meta.get("trainer_step", -1)) >= need.trainer_step:
-                return v, str(dirs.path(v))
+                return (offer, MEMORY) if offer is not None and offer > v else (v, str(dirs.path(v)))
+        if offer is not None:
+            return offer, MEMORY
         if not waited:
             log.info("%s waits for %s (policy lag %d, mode %s)", what, need, sc.policy_lag, sc.mode)
             waited = True

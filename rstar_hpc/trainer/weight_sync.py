@@ -84,9 +84,8 @@ class WeightServer:
     def _serve(self) -> None:
         i = 0
         while not self._stop.is_set():
-            try:
-                self.store.wait([proto.request_key(i)], datetime.timedelta(seconds=0.5))
-            except Exception:   # noqa: BLE001  (a timed-out wait: look at the stop flag, wait again)
+            if not self.store.check([proto.request_key(i)]):   # polled: a timed-out wait() logs a warning
+                self._stop.wait(0.02)
                 continue
             try:
                 self._session(i, json.loads(self.store.get(proto.request_key(i))))
@@ -159,6 +158,11 @@ def publishes_files(tcfg, stage, step: int) -> bool:
     return step % tcfg.publish_every == 0 or step == stage.num_steps
 
 
+def makes_version(tcfg, stage, step: int) -> bool:
+    """Whether trained step `step` gets a version: offered in memory (RL, `weight_sync: memory`) or as files."""
+    return (tcfg.weight_sync == "memory" and stage.kind == "rl") or publishes_files(tcfg, stage, step)
+
+
 def start_server(tcfg, paths) -> WeightServer | None:
     """Trainer rank 0 with `weight_sync: memory`: the server (None elsewhere)."""
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
@@ -176,7 +180,7 @@ def publish_step(model: torch.nn.Module, paths, server: WeightServer | None, tcf
 
     memory = tcfg.weight_sync == "memory" and stage.kind == "rl"
     files = publishes_files(tcfg, stage, step)
-    if not (memory or files):
+    if not makes_version(tcfg, stage, step):
         return None
     holder = [next_version(paths) if (torch.distributed.get_rank() if torch.distributed.is_initialized() else 0)
               == 0 else None]
