@@ -7,7 +7,8 @@ Measured, per run (pooled over its rl steps, so each rate is one number however 
   train_flops     model FLOPs of the tokens the trainer processed (tokens_per_s x step_time_s; rl steps with 4
                   passes over time/train(s), sft steps 3 over step_time_s) per second, per trainer device
   sync_gbs        the bf16 policy's bytes / the mean time/publish(s)
-  ckpt_gbs        14 bytes per parameter / the mean time/checkpoint(s) of the steps that saved
+  ckpt_gbs        14 bytes per parameter / the mean time/checkpoint(s) of the steps that saved (with async saves,
+                  time/checkpoint_async(s): the whole write, not the part the loop blocked on)
   kept_fraction   trajectories RoC kept / prompts_per_step x G
   tool_calls_per_traj, tool_latency_s   the rollout's tool calls per trajectory and tool wait per call
   response_tokens each rl stage's mean response length
@@ -97,7 +98,9 @@ def run_rates(run_dir: Path, run_cfg, base: Rates) -> tuple[Rates, dict]:
             wanted += stages[stage].prompts_per_step * run_cfg.algo.trained_per_prompt
     all_trainer = _last_by_step(_records(run_dir / "metrics" / "trainer.jsonl"))
     publish = [r["time/publish(s)"] for r in trainer.values() if r.get("time/publish(s)")]
-    ckpt = [r["time/checkpoint(s)"] for r in trainer.values() if r.get("time/checkpoint(s)")]
+    # an async save's whole write (logged by the step that committed it), else what the loop blocked on
+    ckpt = ([r["time/checkpoint_async(s)"] for r in trainer.values() if r.get("time/checkpoint_async(s)")]
+            or [r["time/checkpoint(s)"] for r in trainer.values() if r.get("time/checkpoint(s)")])
     calls = sum(r.get("tool_calls_per_trajectory", 0) * r["trajectories"] for r in rollout.values())
     waited = sum(r.get("tool_wait_s", 0) for r in rollout.values())
     n_traj = sum(r["trajectories"] for r in rollout.values())
