@@ -116,7 +116,9 @@ class TrainerConfig(Section):
     model on shared storage per step (bench/weight_sync.py, docs/performance.md). Files are then published every
     `publish_every` steps (and at a stage's end) for eval, export, restarts and engines that cannot join, which
     fall back to the newest published version (said in the log and in `rstar-hpc run status`). Default `files`:
-    the memory path is tested engine by engine (tests/rollout/test_weight_sync.py), not yet in the full demo."""
+    the memory path runs end to end through the real roles (tests/integration/test_weight_sync_e2e.py), but it
+    sends over gloo from host memory, one copy per receiving worker, which at 14B with many engines is slower than
+    Lustre (docs/performance.md); NCCL is the next step."""
     publish_every: int = Field(1, ge=1)
     """RL steps between file publishes. 1 with `weight_sync: files` (the engines need every step's version);
     with `memory`, larger values spare the storage: the last step of a stage always publishes, and so does the

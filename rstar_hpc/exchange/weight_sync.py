@@ -13,14 +13,20 @@ A sync is a *session*: the rollout's rank 0 picks the offered version for a step
 takes a session number `i = store.add(COUNTER, 1)` and writes `request_key(i)` = {"version", "size"}; `size` is 1
 + the receiving workers (one per engine rank, times its tensor-parallel workers). The trainer answers on
 `response_key(i)` ("ok", or why not: the version moved on, ...), writes the bucket layout under
-`session_prefix(i) + "layout"` and joins a gloo group of `size` over `PrefixStore(session_prefix(i), store)` as
-rank 0; each engine worker joins as its rank and the buckets go out by broadcast, one flat uint8 tensor each,
-in `plan_buckets` order. The group lives for one session: engines that start late or restart simply take part
-in the next one, and neither side's own process group (Megatron's world, vLLM's) is touched.
+`session_prefix(i) + "layout"`; every member counts in (`join`: JOINED) and, once all `size` have, joins a gloo
+group of `size` over `PrefixStore(session_prefix(i), store)`, the trainer as rank 0, each engine worker as its
+rank; the buckets go out by broadcast, one flat uint8 tensor each, in `plan_buckets` order. The group lives for
+one session: engines that start late or restart simply take part in the next one, and neither side's own process
+group (Megatron's world, vLLM's) is touched. Engines that run the version already (rank 0 knows from their HELLOs)
+are left out of the session; when all do, none opens.
 
 Who cannot join (submitit's separate jobs, an engine restarted mid-step, a trainer gone) falls back to the newest
-published files; the rollout records how each engine got its weights in `RUN/policy/sync.json`
-(`write_engine_weights`), which `rstar-hpc run status` shows.
+published files, and is not waited for where the cause is known: no offer, or the offering trainer process gone
+(same host), and rank 0 falls back at once; a store that does not answer, after CONNECT_TIMEOUT_S; an engine whose
+sync fails before it joins sets ABORT (`abort`), and every other member gives up at once with its reason. Only a
+member that vanishes silently makes the others wait the session's timeout (`trainer.weight_sync_timeout_s`). The
+rollout records how each engine got its weights in `RUN/policy/sync.json` (`write_engine_weights`), which
+`rstar-hpc run status` shows.
 
 Stdlib only (no torch): the layout is names, shapes, dtype names and byte offsets.
 """
@@ -50,6 +56,43 @@ def response_key(i: int) -> str:
 
 def session_prefix(i: int) -> str:
     return f"rstar/session/{i}/"
+
+
+JOINED, ABORT = "joined", "abort"
+"""Keys under a session's prefix: every member adds 1 to JOINED before it forms the gloo group (`join`), and a
+member that cannot take part sets ABORT to why (`abort`): the others then give up at once instead of waiting
+for it until the session's timeout."""
+CONNECT_TIMEOUT_S = 10.0
+"""How long the rollout's rank 0 tries to reach an offer's store before it falls back to files (the session's
+own timeout is for the group, once the store answered)."""
+TEST_FAIL_ENV = "RSTAR_HPC_TEST_SYNC_FAIL_AT_STEP"
+"""Test hook, `stage:step:engine_rank`: that engine rank's sync of that step fails before it joins."""
+
+
+class SessionAborted(RuntimeError):
+    """A member of the sync session could not take part (its reason): the session is off, fall back to files."""
+
+
+def join(store, prefix: str, size: int, timeout_s: float, poll_s: float = 0.05) -> None:
+    """Every member of a session, before forming its gloo group: count in, then wait until all `size` have, or
+    until one aborts (SessionAborted with its reason), or `timeout_s` (TimeoutError). `store` is a
+    torch.distributed store (duck-typed: add, check, get)."""
+    store.add(prefix + JOINED, 1)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if store.check([prefix + ABORT]):
+            raise SessionAborted("session aborted: " + store.get(prefix + ABORT).decode(errors="replace"))
+        joined = int(store.add(prefix + JOINED, 0))
+        if joined >= size:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"weight sync session {prefix}: {joined} of {size} members joined in {timeout_s:.0f}s")
+        time.sleep(poll_s)
+
+
+def abort(store, prefix: str, reason: str) -> None:
+    """A member that cannot take part: tell the others (the first reason stays)."""
+    store.compare_set(prefix + ABORT, "", reason[:500])
 
 
 @dataclass(frozen=True)

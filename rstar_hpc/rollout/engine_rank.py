@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 
 from rstar_hpc.config.rollout import AgentConfig, SchedulerConfig
@@ -43,8 +44,8 @@ async def run_engine_rank(comm, MPI, sc: SchedulerConfig, agent_cfg: AgentConfig
     if tag != TAG_START:
         raise RuntimeError(f"engine rank {rank}: expected the start of a step, got tag {tag}")
     stage, step, limits = start["stage"], start["step"], StageLimits(*start["limits"])
-    comm.send({"loading": start["policy_version"] != engine.policy_version or "policy_memory" in start},
-              dest=0, tag=TAG_ACK)
+    syncs = rank in (start.get("policy_memory") or {}).get("first_ranks", {})
+    comm.send({"loading": start["policy_version"] != engine.policy_version or syncs}, dest=0, tag=TAG_ACK)
     weights = await _load_weights(engine, start, rank)
     agent = AgentLoop(engine, tools, engine.tokenizer, agent_cfg, max_response_length=limits.max_response_length,
                       max_turns=limits.max_turns, sampling=limits.sampling())
@@ -53,21 +54,45 @@ async def run_engine_rank(comm, MPI, sc: SchedulerConfig, agent_cfg: AgentConfig
     return await _EngineStep(comm, MPI, sc, engine, agent, run_seed=run_seed, stage=stage, step=step).serve()
 
 
+def _test_fails_sync(start: dict, rank: int) -> bool:
+    """RSTAR_HPC_TEST_SYNC_FAIL_AT_STEP=stage:step:rank (tests): this rank's sync of that step fails."""
+    import os
+
+    from rstar_hpc.exchange.weight_sync import TEST_FAIL_ENV
+
+    return os.environ.get(TEST_FAIL_ENV) == f"{start['stage']}:{start['step']}:{rank}"
+
+
 async def _load_weights(engine, start: dict, rank: int) -> dict:
-    """The step's policy: in memory from the trainer when START carries a sync session (every engine of the
-    session must take part, even one that runs that version already: the group is sized for all), else from the
-    published files if it is new. A failed sync falls back to the newest published files (START's policy_dir),
-    said in the log and in the returned record (HELLO -> RUN/policy/sync.json -> `rstar-hpc run status`)."""
+    """The step's policy: in memory from the trainer when START's sync session names this rank (rank 0 leaves out
+    the engines that run that version already), else from the published files if it is new. A failed sync aborts
+    the session (the other members fall back at once, not after its timeout) and falls back to the newest
+    published files (START's policy_dir), said in the log and in the returned record (HELLO ->
+    RUN/policy/sync.json -> `rstar-hpc run status`)."""
     session, version = start.get("policy_memory"), start["policy_version"]
     reason = start.get("memory_failed")
+    if session is not None and rank not in session["first_ranks"]:
+        session = None   # not a member: rank 0 knows this engine holds the version
+        if version != engine.policy_version:
+            reason = f"not in the sync session of v{version}, running v{engine.policy_version}"
+            version = start.get("fallback_version")
     if session is not None:
         try:
+            if _test_fails_sync(start, rank):
+                raise RuntimeError(f"test hook: engine rank {rank} cannot join")
             st = await engine.sync_policy(session, session["first_ranks"][rank])
             log.info("engine rank %d: received policy v%d in memory in %.2fs (%.1f MB)", rank, version,
                      st["seconds"], st.get("bytes", 0) / 1e6)
             return {"via": "memory", "version": version, "seconds": round(st["seconds"], 3)}
         except Exception as e:   # noqa: BLE001  (cannot join the group: the files)
-            reason = f"{type(e).__name__}: {e}"[:300]
+            reason = f"{type(e).__name__}: {e}"
+            aborted = re.search(r"session aborted: [^']*", reason)   # another member's abort, through vLLM's rpc
+            if aborted:
+                reason = aborted.group(0)
+            else:   # the others wait for this rank's join: let them go
+                from rstar_hpc.rollout.weight_sync import abort_session
+                abort_session(session, f"engine rank {rank} could not join: {reason[:300]}")
+            reason = reason[:300]
             version = start.get("fallback_version")
             if version is None or start.get("policy_dir") is None:
                 raise RuntimeError(f"engine rank {rank}: in-memory sync failed ({reason}) and no published policy "

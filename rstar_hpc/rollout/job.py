@@ -123,6 +123,7 @@ def _scheduler_steps(cfg, paths, stage, steps, progress, tok, comm, MPI) -> tupl
 
     score = Scorer(cfg.run.name, cfg.algo.reward, cfg.algo.roc)
     dead: set[int] = set()
+    versions: dict[int, int | None] = {}   # the policy each engine rank runs (its HELLOs): no sync of what it holds
     stages = [s.name for s in pipeline.rollout_stages(cfg, stage)]
     for name in stages:
         if stage is None and pipeline.rollout_done(cfg, paths, name):
@@ -143,7 +144,7 @@ def _scheduler_steps(cfg, paths, stage, steps, progress, tok, comm, MPI) -> tupl
                 dead_ranks=dead, beat=lambda text, **kw: write_heartbeat(paths, "rollout", text, stage=name, **kw),
                 stop=lambda: _STOP[0] if _STOP else None,
                 taken_back=(lambda: pipeline.taken_back(cfg, paths, need)) if steps is None else None,
-                engine_workers=cfg.rollout.engine.tensor_parallel_size).run()
+                engine_workers=cfg.rollout.engine.tensor_parallel_size, engine_versions=versions).run()
         last = pipeline.rollout_steps(cfg.stage(name)) - 1 if kind == "rl" else None
         if pipeline.val_points(cfg.stage(name)):
             val_prompts(cfg, cfg.stage(name))   # an unreadable val_data file fails the job now, not after step 0

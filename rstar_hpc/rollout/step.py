@@ -133,8 +133,9 @@ def wait_for_policy(sc: SchedulerConfig, paths: RunPaths, need, *, what: str = "
                     poll_s: float = 1.0, taken_back=None) -> tuple[int, str] | None:
     """(version, directory) of the newest published policy that satisfies `need` (pipeline.PolicyNeed), waiting
     for the trainer to publish it (`policy_wait_s`); None when `need` is the base model. A newer version the
-    trainer offers in memory that satisfies `need` wins: (version, MEMORY), and the engines sync it in memory. `beat(text)` hears
-    what it waits for (the role's heartbeat, shown by `rstar-hpc run status`). `taken_back()`: the steps `need`
+    trainer offers in memory that satisfies `need` wins, and so does the same version: (version, MEMORY), and the
+    engines sync it in memory. `beat(text)` hears what it waits for (the role's heartbeat, shown by
+    `rstar-hpc run status`). `taken_back()`: the steps `need`
     is trained on that are uncommitted (pipeline.taken_back); any, and StepGivesWay (else the step and the trainer
     would wait for each other)."""
     if need.stage is None:
@@ -145,11 +146,14 @@ def wait_for_policy(sc: SchedulerConfig, paths: RunPaths, need, *, what: str = "
     t0, wall0 = time.monotonic(), time.time()
     waited = False
     while True:
+        files = next((v for v in sorted(dirs.complete_steps(), reverse=True)
+                      if dirs.marker(v).get("stage") == need.stage
+                      and int(dirs.marker(v).get("trainer_step", -1)) >= need.trainer_step), None)
+        # read after the files: the trainer offers a version before it publishes it, so a version seen as files is
+        # seen in the offer too; the same version in both is synced in memory (the faster way), files the fallback
         offer = in_memory(paths, need)
-        for v in sorted(dirs.complete_steps(), reverse=True):
-            meta = dirs.marker(v)
-            if meta.get("stage") == need.stage and int(meta.get("trainer_step", -1)) >= need.trainer_step:
-                return (offer, MEMORY) if offer is not None and offer > v else (v, str(dirs.path(v)))
+        if files is not None:
+            return (offer, MEMORY) if offer is not None and offer >= files else (files, str(dirs.path(files)))
         if offer is not None:
             return offer, MEMORY
         if not waited:

@@ -31,12 +31,34 @@ def _store(host: str, port: int, timeout_s: float):
     return torch.distributed.TCPStore(host, int(port), None, False, datetime.timedelta(seconds=timeout_s))
 
 
-def open_session(offer: dict, version: int, receivers: int) -> dict:
+def offer_gone(offer: dict) -> str | None:
+    """Why an offer cannot be served, when that is known without asking: its trainer process ended (same host)."""
+    import os
+    import socket
+
+    pid = offer.get("pid")
+    if pid and offer.get("host") in (socket.gethostname(), "localhost", "127.0.0.1"):
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            return f"the trainer process that offered v{offer.get('version')} (pid {pid}) is gone"
+        except PermissionError:
+            pass
+    return None
+
+
+def open_session(offer: dict, version: int, receivers: int, connect_timeout_s: float = proto.CONNECT_TIMEOUT_S) -> dict:
     """Rollout rank 0: ask the trainer (its `offer`, exchange.weight_sync.read_offer) to send `version` to
     `receivers` workers. Returns the session every engine rank needs (START's `policy_memory`); raises
-    SessionRefused (with the trainer's reason) or a connection error."""
+    SessionRefused (with the trainer's reason, or at once when the offering process is known to be gone) or a
+    connection error (after `connect_timeout_s`, not the session's timeout: an unreachable store is not waited for
+    like a slow member)."""
+    gone = offer_gone(offer)
+    if gone:
+        raise SessionRefused(gone)
     timeout_s = float(offer.get("timeout_s", 120.0))
-    store = _store(offer["host"], offer["port"], timeout_s)
+    store = _store(offer["host"], offer["port"], min(timeout_s, connect_timeout_s))
+    store.set_timeout(datetime.timedelta(seconds=timeout_s))
     i = int(store.add(proto.COUNTER, 1)) - 1
     store.set(proto.request_key(i), json.dumps({"version": int(version), "size": receivers + 1}))
     answer = json.loads(store.get(proto.response_key(i)))
@@ -44,6 +66,18 @@ def open_session(offer: dict, version: int, receivers: int) -> dict:
         raise SessionRefused(answer.get("reason", "refused"))
     return {"host": offer["host"], "port": int(offer["port"]), "session": i, "size": receivers + 1,
             "version": int(version), "timeout_s": timeout_s}
+
+
+def abort_session(session: dict, reason: str) -> bool:
+    """An engine rank that cannot take part in `session`: tell its other members, so they fall back at once
+    instead of waiting for it until the session's timeout. Best effort: False if the store cannot be reached."""
+    try:
+        store = _store(session["host"], session["port"], proto.CONNECT_TIMEOUT_S)
+        proto.abort(store, proto.session_prefix(int(session["session"])), reason)
+        return True
+    except Exception as e:   # noqa: BLE001  (the trainer is gone too: nobody waits)
+        log.warning("could not abort weight sync session %s: %s", session.get("session"), e)
+        return False
 
 
 def _unpack(bucket: list[proto.Entry], flat):
@@ -61,9 +95,11 @@ def receive_buckets(session: dict, rank: int, stats: dict):
 
     timeout = datetime.timedelta(seconds=float(session["timeout_s"]))
     t0 = time.perf_counter()
-    store = _store(session["host"], session["port"], float(session["timeout_s"]))
+    store = _store(session["host"], session["port"], min(float(session["timeout_s"]), proto.CONNECT_TIMEOUT_S))
+    store.set_timeout(timeout)
     prefix = proto.session_prefix(int(session["session"]))
     plan = proto.layout_from_json(store.get(prefix + "layout"))
+    proto.join(store, prefix, int(session["size"]), float(session["timeout_s"]))   # or SessionAborted: files
     group = torch.distributed.ProcessGroupGloo(torch.distributed.PrefixStore(prefix, store), rank,
                                                int(session["size"]), timeout)
     stats["join_s"] = time.perf_counter() - t0

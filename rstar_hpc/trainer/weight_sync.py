@@ -108,6 +108,12 @@ class WeightServer:
         self.store.set(prefix + "layout", proto.layout_to_json(plan))
         self.store.set(proto.response_key(i), json.dumps({"ok": True}))
         t0 = time.perf_counter()
+        try:   # all members counted in before the group forms: one that cannot join aborts, nobody waits for it
+            proto.join(self.store, prefix, int(req["size"]), self.timeout_s)
+        except proto.SessionAborted as e:
+            self.sessions.append({"session": i, "version": version, "aborted": str(e)})
+            log.warning("weight sync session %d (v%d) aborted by a member: %s", i, version, e)
+            return
         group = torch.distributed.ProcessGroupGloo(torch.distributed.PrefixStore(prefix, self.store), 0,
                                                    int(req["size"]), datetime.timedelta(seconds=self.timeout_s))
         joined = time.perf_counter()
