@@ -4,8 +4,8 @@
 
 `StepScheduler.run` reads top-down as the step's stages:
 
-    start_engines    wait for the policy the step needs (pipeline.policy_need: trained through step N -
-                     max_policy_lag, or the stage's starting policy), name it, the stage, step, limits and sampling
+    start_engines    wait for the policy the step needs (pipeline.policy_need: trained through step N - 1 -
+                     the scheduler's policy_lag, or the stage's starting policy), name it, the stage, step, limits and sampling
                      in START; each engine rank acks at once, loads it in place if new, says HELLO with its KV
                      capacity
     admit            FIFO over the step's trajectories: the shared admission (admission.py: `kv_aware` or
@@ -59,7 +59,8 @@ from rstar_hpc.rollout.levers import Levers, Route
 from rstar_hpc.rollout.messages import TrajectoryResult
 from rstar_hpc.rollout.mpi import (TAG_ACK, TAG_ALIVE, TAG_DEAD, TAG_DONE, TAG_HELLO, TAG_KV, TAG_MIGRATE, TAG_MOVED,
                                    TAG_PAUSE, TAG_RESULT, TAG_SKIP, TAG_START, TAG_STATS, TAG_WORK, wait_sent)
-from rstar_hpc.rollout.step import MEMORY, Scorer, StageLimits, WorkItem, wait_for_policy
+from rstar_hpc.rollout.step import MEMORY, Scorer, StageLimits, WorkItem, trajectory_figures, wait_for_policy
+from rstar_hpc.rollout.step_weights import StepWeights
 
 FILE_BEAT_S = 10.0   # the role's heartbeat file during a phase: often enough for `run status`, cheap on Lustre
 log = logging.getLogger("rstar_hpc.rollout")
@@ -85,11 +86,8 @@ class StepScheduler:
         self.limits, self.need, self.score, self.dropped = limits, need, score, list(dropped)
         self.progress, self.beat_file, self.stop, self.taken_back = progress, beat, stop, taken_back
         self.dead_ranks: set[int] = set() if dead_ranks is None else dead_ranks   # the job's, updated in place
-        self.engine_workers = engine_workers      # vLLM workers per engine (its tensor-parallel size): sync ranks
-        self.weights: dict[int, dict] = {}        # how each engine got the step's weights (HELLO), for run status
-        # the policy version each engine rank runs, from its HELLOs (the job's, updated in place): an engine that
-        # holds the step's version already is left out of its in-memory sync
-        self.engine_versions: dict[int, int | None] = {} if engine_versions is None else engine_versions
+        # how the engines get the step's weights (files or an in-memory session) and how they got them
+        self.weights = StepWeights(paths, stage, step, need, engine_workers, engine_versions)
         # the engines
         self.engines: list[int] = []              # those that said HELLO
         self.alive: dict[int, float] = {}         # engine rank -> when it was last heard from
@@ -211,7 +209,8 @@ class StepScheduler:
         start = {"policy_version": self.policy_version, "policy_dir": policy_ref[1] if policy_ref else None,
                  "stage": self.stage, "step": self.step, "limits": list(self.limits)}
         if policy_ref is not None and policy_ref[1] == MEMORY:
-            start.update(self.memory_session(engines, policy_ref[0]))
+            start.update(self.weights.memory_session(engines, policy_ref[0]))
+            self.policy_version = start["policy_version"]
         self.sends += [comm.isend(start, dest=e, tag=TAG_START) for e in engines]
         hello: dict[int, dict] = {}
         acked: set[int] = set()
@@ -238,73 +237,12 @@ class StepScheduler:
                 self.last_beat = now
         if not hello:
             raise RuntimeError(f"no engine rank started step {self.step} (waited {time.monotonic() - t0:.0f}s)")
-        self.record_weights(hello)
+        self.policy_version = self.weights.record(hello, self.policy_version)
         missing = [e for e in engines if e not in hello]
         if missing:
             log.error("engine ranks %s did not start step %d; running without them", missing, self.step)
         self.dead += missing
         return hello
-
-    def memory_session(self, engines: list[int], version: int) -> dict:
-        """START's part for a version the trainer offers in memory: the sync session (rollout/weight_sync.py) of the
-        engines that do not run that version already (none: no session), each one's first rank in its group, and
-        the newest published files as the fallback of an engine that cannot join. If no session opens (no offer,
-        its trainer gone or unreachable: at once or after the connect timeout, not the session's), every engine
-        takes the files, and the step runs the version those are. The trainer moved on to a newer version that
-        still satisfies the step's need: that one is synced instead."""
-        from rstar_hpc.exchange.weight_sync import read_offer
-        from rstar_hpc.rollout.weight_sync import SessionRefused, open_session
-
-        latest = self.paths.policies().latest()
-        out = {"policy_dir": str(latest[1]) if latest else None, "fallback_version": latest[0] if latest else None}
-        syncing = [e for e in engines if self.engine_versions.get(e) != version]
-        if not syncing:   # every engine runs it: nothing to send
-            log.info("step %d: every engine runs policy v%d already; no sync", self.step, version)
-            return {**out, "policy_version": version, "policy_memory": {"version": version, "first_ranks": {}}}
-        try:
-            for _ in range(3):   # the offer may move on while we ask
-                offer = read_offer(self.paths.dir)
-                if offer is None:
-                    raise RuntimeError("the trainer withdrew its in-memory offer")
-                try:
-                    session = open_session(offer, version, receivers=len(syncing) * self.engine_workers)
-                    break
-                except SessionRefused:
-                    newer = read_offer(self.paths.dir)
-                    if newer is None or not self._satisfies(newer) or int(newer["version"]) <= version:
-                        raise
-                    log.info("step %d: the trainer moved on from v%d to v%s; syncing that", self.step, version,
-                             newer["version"])
-                    version = self.policy_version = int(newer["version"])
-                    syncing = [e for e in engines if self.engine_versions.get(e) != version]
-            else:
-                raise RuntimeError(f"the trainer's offer kept moving on (now v{version})")
-        except Exception as e:   # noqa: BLE001  (any failure to reach the trainer: files)
-            why = f"{type(e).__name__}: {e}"
-            if latest is None:
-                raise RuntimeError(f"step {self.step}: policy v{version} is in the trainer's memory only and the "
-                                   f"in-memory sync failed ({why}); no published version to fall back to") from e
-            log.warning("step %d: in-memory sync of policy v%d failed (%s); the engines load the newest published "
-                        "files, v%d", self.step, version, why, latest[0])
-            self.policy_version = latest[0]
-            return {**out, "policy_version": latest[0], "memory_failed": why}
-        session["first_ranks"] = {e: 1 + i * self.engine_workers for i, e in enumerate(syncing)}
-        return {**out, "policy_version": version, "policy_memory": session}
-
-    def _satisfies(self, offer: dict) -> bool:
-        return offer.get("stage") == self.need.stage and int(offer.get("trainer_step", -1)) >= self.need.trainer_step
-
-    def record_weights(self, hello: dict[int, dict]) -> None:
-        """How each engine got the step's weights (RUN/policy/sync.json, shown by `rstar-hpc run status`)."""
-        from rstar_hpc.exchange.weight_sync import write_engine_weights
-
-        self.weights = {e: h.get("weights") or {} for e, h in hello.items()}
-        self.engine_versions.update({e: h.get("policy_version") for e, h in hello.items()})
-        got = {h.get("policy_version") for h in hello.values()}
-        if len(got) == 1 and self.policy_version is not None:   # they all fell back to the same files
-            self.policy_version = got.pop()
-        if any(w.get("via") in ("memory", "files") for w in self.weights.values()):
-            write_engine_weights(self.paths.dir, self.stage, self.step, self.weights)
 
     def prepare_admission(self, hello: dict[int, dict]) -> None:
         """Admission over the engines that said hello, and the FIFO of the step's trajectories."""
@@ -498,16 +436,9 @@ class StepScheduler:
             # the step's long tail: generation went on this long after its last trajectory was admitted
             "last_admit_s": round(last_admit, 3), "tail_s": round(generation_s - last_admit, 3),
             "reward_s": round(self.reward_s, 4), "policy_version": self.policy_version,
-            "weights_via": {str(e): w.get("via") for e, w in self.weights.items()},
+            "weights_via": {str(e): w.get("via") for e, w in self.weights.via.items()},
             "policy_wait_s": round(self.policy_wait_s, 3),
-            "tool_infra_failures": self.infra_failures,
-            "tool_wait_s": round(sum(t.timings.tool_s for t in trajs), 3),
-            "generate_s": round(sum(t.timings.generate_s for t in trajs), 3),
-            "mean_reward": sum(t.reward for t in trajs) / max(1, len(trajs)),
-            # tool use of the step's trajectories (the report's tool-calls plot; errors as rstar_hpc.eval counts them)
-            "tool_calls_per_trajectory": sum(len(t.tool_calls) for t in trajs) / max(1, len(trajs)),
-            "tool_error_ratio": _error_ratio(trajs),
-            "finish_reasons": {r: sum(t.finish_reason == r for t in trajs) for r in {t.finish_reason for t in trajs}},
+            "tool_infra_failures": self.infra_failures, **trajectory_figures(trajs),
             "engine_stats": {str(k): v for k, v in engine_stats.items()},
             **self.levers.metrics(),
         }
@@ -517,8 +448,3 @@ class StepScheduler:
                  self.step, self.stage, len(trajs), summary["wall_s"], generation_s, summary["last_admit_s"],
                  summary["tail_s"], summary["tool_wait_s"], self.reward_s, summary["mean_reward"])
         return summary
-
-
-def _error_ratio(trajs: list[Trajectory]) -> float | None:
-    calls = sum(len(t.tool_calls) for t in trajs)
-    return sum(c.is_error for t in trajs for c in t.tool_calls) / calls if calls else None

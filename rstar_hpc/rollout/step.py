@@ -175,6 +175,18 @@ def wait_for_policy(sc: SchedulerConfig, paths: RunPaths, need, *, what: str = "
 
 
 # --------------------------------------------------------------------------------------------------- output
+def trajectory_figures(trajs: list[Trajectory]) -> dict:
+    """A step's figures over its trajectories (its summary in metrics/rollout.jsonl; the report's tool-calls plot;
+    tool errors counted as rstar_hpc.eval counts them)."""
+    n, calls = max(1, len(trajs)), sum(len(t.tool_calls) for t in trajs)
+    return {"tool_wait_s": round(sum(t.timings.tool_s for t in trajs), 3),
+            "generate_s": round(sum(t.timings.generate_s for t in trajs), 3),
+            "mean_reward": sum(t.reward for t in trajs) / n,
+            "tool_calls_per_trajectory": calls / n,
+            "tool_error_ratio": sum(c.is_error for t in trajs for c in t.tool_calls) / calls if calls else None,
+            "finish_reasons": {r: sum(t.finish_reason == r for t in trajs) for r in {t.finish_reason for t in trajs}}}
+
+
 @dataclass(frozen=True)
 class Scorer:
     """An engine rank's finished trajectory (messages.TrajectoryResult) -> a schema Trajectory: outcome reward and

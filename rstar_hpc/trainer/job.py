@@ -58,8 +58,7 @@ def run(cfg: RunConfig, stage_name: str, *, on_step: Callable[[int, dict], None]
                      seed=cfg.run.seed, vpp=tcfg.virtual_pipeline_parallel_size)
     rank0 = torch.distributed.get_rank() == 0
     signal_save = SaveOnSignal()
-    server = None   # trainer.weight_sync: memory, rank 0 of an RL stage: the in-memory weight server
-    metrics_out = ckpt = None
+    metrics_out = ckpt = server = None   # server: trainer.weight_sync memory, an RL stage's in-memory offers
     try:
         if rank0:
             _prepare_run(cfg)
@@ -69,21 +68,12 @@ def run(cfg: RunConfig, stage_name: str, *, on_step: Callable[[int, dict], None]
             log.info("stage %s is DONE already; nothing to train (rerun it under a new stage name)", stage.name)
             return 0
         model_dir = _model_dir(cfg)
-        model = build_policy(Qwen3Arch.from_hf_config(model_dir), tcfg, backend, seed=cfg.run.seed)
-        load_hf_checkpoint(model, model_dir)
-        opt_cfg, lr = tcfg.optimizer, stage.lr or tcfg.optimizer.lr
-        optimizer = build_optimizer(model, tcfg, lr)  # after the weights: it copies them to fp32 main weights
-        schedule = opt_cfg.sft_schedule if stage.kind == "sft" else opt_cfg.schedule
-        scheduler = build_scheduler(optimizer, pipeline.warmup_steps(cfg, stage.name), stage.num_steps, schedule,
-                                    opt_cfg.min_lr_ratio)
-        state = TrainState(model, optimizer, scheduler)
+        state = _build_state(cfg, stage, model_dir, backend)
         data = _stage_data(cfg, stage, paths, model_dir)
         log.info("stage %s (%s): %s", stage.name, stage.kind, _restore(state, data, cfg, stage, paths))
         _set_state(paths, stage, rank0, "RUNNING", step=state.step, message="")
         server = start_server(tcfg, paths) if stage.kind == "rl" else None
-        ckpt = Checkpointer(paths.ckpt_root(stage.name), async_save=tcfg.checkpoint.async_save,
-                            keep_last=tcfg.checkpoint.keep_last,
-                            on_commit=lambda saved, data_state: _committed(data, paths, stage, rank0, saved, data_state))
+        ckpt = _checkpointer(tcfg, data, paths, stage, rank0)
 
         # -- loop
         while state.step < stage.num_steps:
@@ -93,13 +83,13 @@ def run(cfg: RunConfig, stage_name: str, *, on_step: Callable[[int, dict], None]
             if batch is None:  # USR2 while waiting for trajectories: the state is at a step boundary
                 return _save_and_requeue(state, ckpt, paths, stage, rank0)
             with timer("train"):
-                metrics = data.train(model, optimizer, scheduler, batch)
+                metrics = data.train(state.model, state.optimizer, state.scheduler, batch)
             state.step += 1
             state.data_state = data.state_dict()
             stop = signal_save.should_save()
             if makes_version(tcfg, stage, state.step):   # in memory and/or as files (trainer/weight_sync.py)
                 with timer("publish"):
-                    metrics["policy_version"] = publish_step(model, paths, server, tcfg, stage, state.step,
+                    metrics["policy_version"] = publish_step(state.model, paths, server, tcfg, stage, state.step,
                                                              source_dir=model_dir)
             _finalize_saves(ckpt, timer, metrics)  # an async save whose write has finished: commit, ack
             if stop or state.step == stage.num_steps or state.step % tcfg.checkpoint.save_every_steps == 0:
@@ -107,7 +97,7 @@ def run(cfg: RunConfig, stage_name: str, *, on_step: Callable[[int, dict], None]
                     _checkpoint(state, ckpt, paths, stage, wait=stop or state.step == stage.num_steps)
                 _pop_async_seconds(ckpt, metrics)
             metrics.update(timer.metrics())
-            _log_step(metrics_out, stage, state.step, metrics, backend, model)
+            _log_step(metrics_out, stage, state.step, metrics, backend, state.model)
             if rank0:
                 write_heartbeat(paths, "trainer", f"stage {stage.name}: trained step {state.step}/{stage.num_steps}",
                                 stage=stage.name, step=state.step)
@@ -152,6 +142,26 @@ def _model_dir(cfg: RunConfig) -> Path:
     from rstar_hpc.models.resolve import resolve_model
 
     return resolve_model(cfg, build=False)
+
+
+def _checkpointer(tcfg, data, paths: RunPaths, stage: StageConfig, rank0: bool) -> Checkpointer:
+    """The stage's saves; each commit acks the data the checkpoint holds and records the step."""
+    return Checkpointer(paths.ckpt_root(stage.name), async_save=tcfg.checkpoint.async_save,
+                        keep_last=tcfg.checkpoint.keep_last,
+                        on_commit=lambda saved, data_state: _committed(data, paths, stage, rank0, saved, data_state))
+
+
+def _build_state(cfg: RunConfig, stage: StageConfig, model_dir: Path, backend: str) -> TrainState:
+    """The policy with the model's weights, its optimizer and the stage's lr schedule."""
+    tcfg = cfg.trainer
+    model = build_policy(Qwen3Arch.from_hf_config(model_dir), tcfg, backend, seed=cfg.run.seed)
+    load_hf_checkpoint(model, model_dir)
+    opt_cfg, lr = tcfg.optimizer, stage.lr or tcfg.optimizer.lr
+    optimizer = build_optimizer(model, tcfg, lr)  # after the weights: it copies them to fp32 main weights
+    schedule = opt_cfg.sft_schedule if stage.kind == "sft" else opt_cfg.schedule
+    scheduler = build_scheduler(optimizer, pipeline.warmup_steps(cfg, stage.name), stage.num_steps, schedule,
+                                opt_cfg.min_lr_ratio)
+    return TrainState(model, optimizer, scheduler)
 
 
 def _stage_data(cfg: RunConfig, stage: StageConfig, paths: RunPaths, model_dir: Path):

@@ -120,14 +120,11 @@ def test_status_line_names_fallbacks(tmp_path):
 
 
 def _scheduler(paths, step: int = 3, need=None, versions=None):
-    """Rank 0's StepScheduler for memory_session alone (no MPI: it only reads the offer and talks to the store)."""
-    from rstar_hpc.config.rollout import SchedulerConfig
+    """Rank 0's side of a step's weights (no MPI: it only reads the offer and talks to the store)."""
     from rstar_hpc.pipeline import PolicyNeed
-    from rstar_hpc.rollout.scheduler import StepScheduler
-    from rstar_hpc.rollout.step import StageLimits
+    from rstar_hpc.rollout.step_weights import StepWeights
 
-    return StepScheduler(None, None, SchedulerConfig(), paths, "rl", step, [], limits=StageLimits(64, 2),
-                         need=need or PolicyNeed("rl", 2), score=None, engine_versions=versions)
+    return StepWeights(paths, "rl", step, need or PolicyNeed("rl", 2), engine_versions=versions)
 
 
 def test_no_reachable_offer_falls_back_to_files_at_once(tmp_path):
@@ -145,7 +142,6 @@ def test_no_reachable_offer_falls_back_to_files_at_once(tmp_path):
     start = sched.memory_session([1, 2], 4)
     assert (start["policy_version"], start["fallback_version"], start["policy_dir"]) == (3, 3, str(dirs.path(3)))
     assert "withdrew its in-memory offer" in start["memory_failed"] and "policy_memory" not in start
-    assert sched.policy_version == 3
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     proto.announce_offer(paths.dir, "127.0.0.1", 1, version=4, stage="rl", trainer_step=3, timeout_s=900,
@@ -195,7 +191,7 @@ def test_sessions_leave_out_engines_holding_the_version_and_follow_the_offer(tmp
         sched = _scheduler(paths, need=PolicyNeed("rl", 3))
         start = sched.memory_session([1, 2], 4)
         abort_session(start["policy_memory"], "nobody here joins")
-        assert start["policy_version"] == 5 == sched.policy_version and start["policy_memory"]["version"] == 5
+        assert start["policy_version"] == 5 and start["policy_memory"]["version"] == 5
         assert start["policy_memory"]["first_ranks"] == {1: 1, 2: 2}
         assert server.sessions[-1]["refused"].startswith("the trainer holds v5 now")
     finally:
