@@ -46,6 +46,16 @@ def gpu_cluster():
     yield from _local_cluster("rstar-gc-", ClusterSpec(gpus_per_node=2))
 
 
+@pytest.fixture(scope="module")
+def chaos_cluster():
+    """The chaos run's own emulated cluster, with SlurmdTimeout=30: a node whose slurmd is killed for good goes DOWN
+    within about a minute, one whose slurmd is back within 10 s stays up (Slurm pings every third of the timeout), and
+    no other test lives with the short timeout."""
+    from rstar_hpc.cluster import ClusterSpec
+
+    yield from _local_cluster("rstar-ch-", ClusterSpec(slurmd_timeout_s=30))
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """The default tiny Qwen3 model (configs/tiny-cpu.yaml's spec), built once."""

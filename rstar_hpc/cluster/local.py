@@ -50,6 +50,9 @@ class ClusterSpec:
     """Fake GPUs of each gpu node (GRES over placeholder device files). Non-zero also turns on task/affinity
     CPU binding, so that steps bind tasks to their GPUs and cores as a real GPU partition does."""
     name: str = "rstar"
+    slurmd_timeout_s: int = 60
+    """SlurmdTimeout: how long a node's slurmd may be silent before Slurm marks the node DOWN (it pings every third of
+    it). A test that loses a node for good sets it short; a slurmd that is down for less goes unnoticed."""
 
 
 def default_state_dir() -> Path:
@@ -115,7 +118,7 @@ class LocalCluster:
         self._check_binaries()
         if self.is_up():
             running = json.loads((self.dir / "cluster.json").read_text())
-            if running != dataclasses.asdict(self.spec):
+            if ClusterSpec(**running) != self.spec:   # a cluster.json from before a field was added: its default
                 raise ClusterError(f"the cluster in {self.dir} is up with another shape ({running}); "
                                    f"`rstar-hpc cluster down` first, or use another --state-dir")
             return self
@@ -181,8 +184,50 @@ class LocalCluster:
         self._wait(lambda: not self._alive(key, pid), 10)
         return pid
 
+    def lose_node(self, node: str) -> list[int]:
+        """Lose a node for good, as far as this machine can: SIGKILL its slurmd AND every process of its job steps
+        (a real lost node takes them with it; here they would run on). A step's processes are its slurmstepd (found by
+        its socket in the node's spool directory) and that one's descendants, and any process whose environment names
+        this node and this cluster (one that left the tree). Returns the pids killed, slurmd's first. Slurm marks the
+        node DOWN once it has been silent for `slurmd_timeout_s`; `start_node` brings it back."""
+        killed = [self.kill_node(node)]
+        for pid in self._node_step_processes(node):
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            except ProcessLookupError:
+                pass
+        return killed
+
+    def _node_step_processes(self, node: str) -> list[int]:
+        spool = f"{self.dir / 'nodes' / node / 'spool'}/"
+        inodes = {f"socket:[{parts[6]}]" for parts in (line.split() for line in
+                  Path("/proc/net/unix").read_text().splitlines()[1:]) if len(parts) >= 8 and parts[7].startswith(spool)}
+        parents, stepds, marked = {}, set(), set()
+        env_keys = (f"SLURMD_NODENAME={node}".encode(), f"SLURM_CONF={self.conf}".encode())
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit():
+                continue
+            pid = int(proc.name)
+            try:
+                parents[pid] = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                environ = set((proc / "environ").read_bytes().split(b"\0"))
+                if all(k in environ for k in env_keys):
+                    marked.add(pid)
+                if any(os.readlink(fd) in inodes for fd in (proc / "fd").iterdir()):
+                    stepds.add(pid)
+            except (OSError, IndexError, ValueError):
+                continue   # gone meanwhile
+        found, todo = set(marked), list(stepds)
+        while todo:   # the stepds and their descendants
+            pid = todo.pop()
+            found.add(pid)
+            todo += [child for child, parent in parents.items() if parent == pid and child not in found]
+        return sorted(found - {os.getpid()})
+
     def start_node(self, node: str, timeout_s: float = 60.0) -> int:
-        """Start one node's slurmd again (after kill_node), and wait until every node answers."""
+        """Start one node's slurmd again (after kill_node or lose_node), resume the node if Slurm still holds it DOWN
+        (ReturnToService=2 usually returns it as its slurmd registers), and wait until every node answers."""
         if node not in self.node_names:
             raise ClusterError(f"no node {node!r}; nodes: {', '.join(self.node_names)}")
         pids = self._recorded()
@@ -190,6 +235,9 @@ class LocalCluster:
                                              self.dir / "nodes" / node / "slurmd.pid", f"slurmd {node}",
                                              self.dir / "nodes" / node / "slurmd.log")
         self._save_pids(pids)
+        if not self._wait(self._sinfo_ok, min(15.0, timeout_s), interval=0.5):   # a node Slurm marked DOWN: resume it
+            subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"], env=self.env,
+                           capture_output=True, timeout=30)
         self._wait_idle(timeout_s)
         return pids[f"slurmd:{node}"]
 
@@ -369,7 +417,7 @@ class LocalCluster:
             "MinJobAge=600",
             "KillWait=5",
             "SlurmctldTimeout=30",
-            "SlurmdTimeout=60",
+            f"SlurmdTimeout={s.slurmd_timeout_s}",
             "InactiveLimit=0",
             "Waittime=0",
             "SlurmctldDebug=info",

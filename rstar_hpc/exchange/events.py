@@ -1,6 +1,6 @@
 """The run's fault events, `launch/events.jsonl`: what a launcher (the sbatch supervisor, a submitit RoleJob) did
 about a fault: a role that crashed or hung and was started again, a sandbox service that died and was restarted, a
-job that gave up. `rstar-hpc run status` reads them into its `faults` and `problems`. Stdlib only.
+job that gave up, a node lost. `rstar-hpc run status` reads them into its `faults` and `problems`. Stdlib only.
 
 Each event is one JSON line appended with a single write(2) on an O_APPEND descriptor, so the launchers of one run
 (three RoleJobs under submitit) may append at once without losing or mixing lines; a line cut by a kill is
@@ -17,9 +17,10 @@ import time
 
 from rstar_hpc.exchange.rundir import RunPaths
 
-KINDS = ("crash", "hang", "gave_up")
+KINDS = ("crash", "hang", "gave_up", "node_lost")
 """crash: a role's step ended before its stages were done; hang: its heartbeat went stale and its step was killed;
-gave_up: it failed more often than launch.role_restarts allows."""
+gave_up: it failed more often than launch.role_restarts allows; node_lost: a node of the job went DOWN or stopped
+answering (launch/nodes.py), so the job was requeued onto the nodes that are left."""
 
 
 def record_event(paths: RunPaths, kind: str, *, role: str, **fields: object) -> dict:

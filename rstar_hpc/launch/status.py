@@ -268,7 +268,8 @@ FAULT_WINDOW_S = 3600.0   # `run status` names the faults of the last hour; the 
 def faults(paths: RunPaths, now: float | None = None, window_s: float = FAULT_WINDOW_S) -> list[dict]:
     """The launchers' fault events of the last `window_s` (exchange/events.py), in words: restarts counted per role
     and host ("sandbox service on cpu1 restarted 2x in the last 10 min"), each hang with its phase and length
-    ("role rollout hung in phase generate for 12 min, restarted"), and a role given up on."""
+    ("role rollout hung in phase generate for 12 min, restarted"), a role given up on, and each node lost ("node cpu1
+    lost (DOWN: Not responding): Slurm requeued the job (restart 2), the sandbox now on cpu2")."""
     from rstar_hpc.exchange.events import read_events
 
     now = time.time() if now is None else now
@@ -290,6 +291,11 @@ def faults(paths: RunPaths, now: float | None = None, window_s: float = FAULT_WI
             out.append({"kind": "hang", "role": e.get("role"), "host": e.get("host"), "last": e["time"],
                         "text": f"role {e.get('role')} hung in phase {e.get('phase') or '?'} for "
                                 f"{_minutes(e.get('silent_s'))}, restarted ({e.get('doing')}; host {e.get('host') or '?'})"})
+        elif e.get("kind") == "node_lost":
+            how = (f"Slurm requeued the job (restart {e.get('restart')}), the {e.get('role')} now on {e.get('now_on')}"
+                   if e.get("requeued") else f"the {e.get('role')}'s step ended; the job requeues onto the nodes left")
+            out.append({"kind": "node_lost", "role": e.get("role"), "host": e.get("host"), "last": e["time"],
+                        "text": f"node {e.get('host')} lost ({e.get('state')}: {e.get('reason') or '?'}): {how}"})
         elif e.get("kind") == "gave_up":
             out.append({"kind": "gave_up", "role": e.get("role"), "host": e.get("host"), "last": e["time"],
                         "text": f"role {e.get('role')} failed {e.get('restarts', 0) + 1}x, more than "

@@ -8,7 +8,12 @@
   up to `launch.role_restarts` times, while the others keep running: it resumes from the run directory;
 - a trainer or rollout whose heartbeat is older than `launch.hang_timeout_s` (hung: SIGSTOPped, deadlocked, stuck
   on a file system) has its step killed and is started again the same way, counted against the same bound;
-- every restart, hang and give-up is appended to RUN/launch/events.jsonl (exchange/events.py) for `run status`;
+- a role whose step ends because one of its nodes is lost (Slurm holds it DOWN or not responding) is not started
+  again on it: the supervisor records a `node_lost` event and stops the job for a requeue (Slurm requeues a job on a
+  node it marks DOWN by itself), so the job starts again on the nodes that are left; the requeued job's supervisor
+  records the loss if the old one did not live to (launch/nodes.py);
+- every restart, hang, node loss and give-up is appended to RUN/launch/events.jsonl (exchange/events.py) for
+  `run status`;
 - USR2 (Slurm's pre-timeout signal, --signal=B:USR2@lead) and TERM (preemption's grace time, scancel
   --signal=TERM, scontrol requeue) are passed to the trainer and rollout steps, which save and exit; once they
   have, the sandbox is stopped and the job requeues itself, unless the run is done, `run cancel` was used, or Slurm
@@ -30,6 +35,7 @@ from pathlib import Path
 from rstar_hpc.exchange.events import record_event
 from rstar_hpc.exchange.rundir import RunPaths
 from rstar_hpc.launch import placement
+from rstar_hpc.launch.nodes import lost_nodes, note_requeue_after_node_loss
 from rstar_hpc.launch.record import cancelled
 from rstar_hpc.launch.roles import hostnames, role_done, role_env, roles_needed, run_done
 from rstar_hpc.launch.slurm import job_state
@@ -100,6 +106,9 @@ class Supervisor:
     def run(self) -> int:
         for sig in (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self.on_signal)
+        for e in note_requeue_after_node_loss(self.paths, {r: self._nodes(r) for r in self.groups}):
+            log.warning("node %s of the %s was lost (%s: %s): Slurm requeued the job; now on %s", e["host"],
+                        e["role"], e["state"], e["reason"] or "?", e["now_on"])
         for role in ("sandbox", "trainer", "rollout"):
             if role in self.groups and not (role != "sandbox" and role_done(self.cfg, self.paths, role)):
                 self.start(role)
@@ -156,6 +165,10 @@ class Supervisor:
         # a hung role's silence is no running: one that hangs again soon after each start is a loop too
         if time.monotonic() - self.started_at[role] - (hung["silent_s"] if hung else 0.0) > STABLE_S:
             self.restarts[role] = 0   # it ran a good while: a new failure, not a crash loop
+        lost = lost_nodes(self._nodes(role))
+        if lost:   # starting it again would put it on a dead node: the job must requeue onto the nodes left
+            self.node_lost(role, code, lost)
+            return
         self.restarts[role] += 1
         if hung is None:   # a hang was recorded with what it was doing
             record_event(self.paths, "crash", role=role, host=self._nodes(role), exit=code,
@@ -177,6 +190,17 @@ class Supervisor:
                     self.cfg.launch.role_restarts)
         time.sleep(delay)
         self.start(role)
+
+    def node_lost(self, role: str, code: int, lost: dict[str, tuple[str, str]]) -> None:
+        for node, (state, reason) in lost.items():
+            record_event(self.paths, "node_lost", role=role, host=node, state=state, reason=reason, exit=code,
+                         requeued=False)
+        log.error("%s ended (exit %s) and its node(s) %s are lost in Slurm (%s): not starting it there; stopping the "
+                  "job so that it requeues onto the nodes that are left", role, code, ",".join(lost),
+                  "; ".join(f"{n}: {s} {r}".strip() for n, (s, r) in lost.items()))
+        self.stop_reason = self.stop_reason or f"node {','.join(lost)} lost"
+        self.stop_at = self.stop_at or time.monotonic()
+        self.on_signal(signal.SIGTERM, None)
 
     def finish(self) -> int:
         proc = self.procs.get("sandbox")

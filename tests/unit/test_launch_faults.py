@@ -7,6 +7,8 @@ import json
 import multiprocessing
 import time
 
+import pytest
+
 from rstar_hpc.exchange.events import read_events, record_event
 from rstar_hpc.exchange.rundir import RunPaths
 from rstar_hpc.exchange.state import write_heartbeat
@@ -84,3 +86,59 @@ def test_run_status_lists_faults_among_its_problems(tmp_path):
     st = run_status(cfg, paths, with_slurm=False)
     assert [f["kind"] for f in st["faults"]] == ["hang"]
     assert "role trainer hung in phase train for 32 min, restarted (stage rl: training; host gpu1)" in st["problems"]
+
+
+def test_a_requeued_jobs_supervisor_records_the_node_its_job_lost(tmp_path, monkeypatch):
+    """The requeued job's start compares its allocation with the previous start's (RUN/launch/allocation.json): a node
+    it left that Slurm holds DOWN is recorded once as node_lost, named by run status; a node merely not given again,
+    or a first start, records nothing. Slurm's answers are stood in for (the real loss: test_launch_chaos.py)."""
+    from rstar_hpc.launch import nodes
+
+    states = {"cpu1": ("DOWN+NOT_RESPONDING", "Not responding"), "cpu2": ("MIXED", ""), "gpu1": ("MIXED", ""),
+              "gpu2": ("IDLE", "")}
+    monkeypatch.setattr(nodes, "hostnames", lambda nodelist: nodelist.split(","))
+    monkeypatch.setattr(nodes, "node_states", lambda names: {n: states[n] for n in names})
+    paths = RunPaths(tmp_path)
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    assert nodes.note_requeue_after_node_loss(paths, {"trainer": "gpu2", "sandbox": "cpu1"}) == []   # no record yet
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
+    events = nodes.note_requeue_after_node_loss(paths, {"trainer": "gpu1", "sandbox": "cpu2"})
+    assert [(e["kind"], e["role"], e["host"], e["state"], e["now_on"]) for e in events] == [
+        ("node_lost", "sandbox", "cpu1", "DOWN+NOT_RESPONDING", "cpu2")]   # gpu2 was left, but it is up
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "3")
+    assert nodes.note_requeue_after_node_loss(paths, {"trainer": "gpu1", "sandbox": "cpu2"}) == []
+    assert [f["text"] for f in faults(paths)] == [
+        "node cpu1 lost (DOWN+NOT_RESPONDING: Not responding): Slurm requeued the job (restart 2), the sandbox now "
+        "on cpu2"]
+    assert nodes.lost_nodes("cpu1,cpu2,gpu1") == {"cpu1": states["cpu1"]}
+
+
+def test_node_states_reads_state_and_reason_from_scontrol(monkeypatch):
+    from rstar_hpc.launch import nodes
+
+    line = ("NodeName=cpu1 Arch=x86_64 CoresPerSocket=1 CPUAlloc=0 State=DOWN+NOT_RESPONDING ThreadsPerCore=1 "
+            "Partitions=cpu Reason=Not responding [root@2026-11-26T07:18:03] Comment=(null)\n")
+    monkeypatch.setattr(nodes.subprocess, "run", lambda *a, **k: type("P", (), {"stdout": line})())
+    assert nodes.node_states(["cpu1"]) == {"cpu1": ("DOWN+NOT_RESPONDING", "Not responding")}
+
+
+def test_a_role_whose_node_is_lost_is_not_started_there_again(tmp_path, monkeypatch):
+    """The supervisor sees a role's step end with one of its nodes lost in Slurm: no restart on the dead node (and no
+    crash counted), a node_lost event naming the node, and the job stopped for a requeue onto the nodes left."""
+    from rstar_hpc.config import load_config
+    from rstar_hpc.launch import supervise
+
+    cfg = load_config("tiny-cpu", [f"run.root={tmp_path}", "run.name=lost"])
+    paths = RunPaths(tmp_path / "lost")
+    sup = supervise.Supervisor(cfg, paths, {"trainer": 0, "rollout": 1, "sandbox": 2})
+    monkeypatch.setenv("SLURM_JOB_NODELIST_HET_GROUP_2", "cpu1")
+    monkeypatch.setattr(supervise, "lost_nodes", lambda nodelist: {"cpu1": ("DOWN+NOT_RESPONDING", "Not responding")}
+                        if nodelist == "cpu1" else {})
+    monkeypatch.setattr(sup, "start", lambda role: pytest.fail(f"{role} started again on a lost node"))
+    sup.restart("sandbox", -9)
+    assert sup.stop_reason == "node cpu1 lost" and not sup.failed and sup.restarts["sandbox"] == 0
+    assert [(e["kind"], e["role"], e["host"], e["requeued"]) for e in read_events(paths)] == [
+        ("node_lost", "sandbox", "cpu1", False)]
+    assert [f["text"] for f in faults(paths)] == ["node cpu1 lost (DOWN+NOT_RESPONDING: Not responding): the "
+                                                  "sandbox's step ended; the job requeues onto the nodes left"]
