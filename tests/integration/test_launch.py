@@ -38,12 +38,13 @@ def test_launch_runs_every_stage_kind_as_one_hetjob(sbatch_run):
 @pytest.mark.vllm
 def test_launch_through_submitit_runs_the_same_stages(gpu_cluster, tiny_model_dir, tmp_path, sbatch_run):
     """On the cluster with fake GPUs (the sbatch run above had none): submitit's jobs place their tasks by the same
-    rules, and the run is the same."""
+    rules, and the run is the same, here in overlap mode (one-step off-policy): every stage finishes, each rl step is
+    importance-weighted, and the planner predicts its mean step in that mode."""
     config = ci_config(tmp_path, "all-stages", tiny_model_dir)
     env = {**gpu_cluster.env, "OMP_NUM_THREADS": "1"}
     proc = rstar("launch", str(config), "launch.trainer.gpus_per_node=2", "launch.rollout.gpus_per_node=2",
-                 "--launcher", "submitit", "--wait", "--json", "--timeout-s", "1200", env=env, timeout=1300,
-                 check=False)
+                 "rollout.scheduler.mode=overlap", "stages.rl-short.num_steps=4", "--launcher", "submitit", "--wait", "--json", "--timeout-s", "1200",
+                 env=env, timeout=1300, check=False)
     run = tmp_path / "runs" / "all-stages"
     assert proc.returncode == 0, proc.stderr[-3000:] + "\n" + _tail(run)
     info = json.loads(proc.stdout.splitlines()[-1])
@@ -53,8 +54,22 @@ def test_launch_through_submitit_runs_the_same_stages(gpu_cluster, tiny_model_di
     assert seen[("rollout", 0)]["cuda_visible_devices"] == "" and seen[("rollout", 1)]["cuda_visible_devices"] == "0"
     assert seen[("sandbox", 0)]["cuda_visible_devices"] is None
     facts = check_finished(run, env)
-    # the same config and seed through the other launcher: the same prompts in the same steps
-    assert facts["uids"] == run_facts(sbatch_run[0])["uids"]
+    # the same config and seed through the other launcher, in the other mode: the same prompts in the same steps
+    # (rl-short has two steps more here: from step 2 on, a step generates with the weights of two steps before)
+    reference = run_facts(sbatch_run[0])["uids"]
+    assert {k: v for k, v in facts["uids"].items() if k in reference} == reference
+    assert sorted(k[1] for k in facts["uids"] if k[0] == "rl-short") == [0, 1, 2, 3]
+    trained = {r["policy_version"]: (r["stage"], r["step"]) for r in _jsonl(run / "metrics" / "trainer.jsonl")
+               if "policy_version" in r}
+    used = {r["step"]: trained[r["policy_version"]] for r in _jsonl(run / "metrics" / "rollout.jsonl")
+            if r["stage"] == "rl-short"}
+    assert all(used[n] == ("sft", 20) for n in (0, 1)) and all(used[n][0] == "rl-short" and used[n][1] >= n - 1
+                                                              for n in (2, 3)), used
+    plan = json.loads(rstar("plan", "tiny-cpu", "--from-run", str(run), "--json", env=env).stdout.splitlines()[-1])
+    assert plan["measured_mode"] == "overlap" and plan["predicted_step_s"] == plan["at_configured_split"]["overlap"][
+        "step_s"]
+    assert abs(plan["predicted_step_s"] / plan["measured_step_s"] - 1) <= 0.35, (plan["predicted_step_s"],
+                                                                                 plan["measured_stage_step_s"])
 
 
 def test_dry_run_renders_the_14b_hetjob_and_sbatch_accepts_it(slurm_cluster, tmp_path):
@@ -101,3 +116,7 @@ def test_launch_refuses_a_run_whose_jobs_are_still_in_slurm(slurm_cluster, tmp_p
         assert json.loads((tmp_path / "runs" / "busy" / "launch" / "jobs.json").read_text())["cancelled_at"]
     finally:
         subprocess.run(["scancel", held], env=env, timeout=30)
+
+
+def _jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
