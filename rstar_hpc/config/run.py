@@ -138,6 +138,16 @@ class RunConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _sandbox_beats_within_the_hang_timeout(self) -> RunConfig:
+        # a sandbox service's announcements are its heartbeat (launch/watch.py): refreshed every stats_interval_s
+        hang, every = self.launch.hang_timeout_s, self.sandbox.stats_interval_s
+        if hang and every * 2 > hang:
+            raise ValueError(f"sandbox.stats_interval_s={every:g} is how often a sandbox service refreshes its "
+                             f"announcement, the heartbeat launch.hang_timeout_s={hang:g} checks: keep it under half "
+                             f"of that (or launch.hang_timeout_s=0), else a healthy service is taken for hung")
+        return self
+
+    @model_validator(mode="after")
     def _trainer_layout_fits(self) -> RunConfig:
         from rstar_hpc.models.shapes import model_shape
 

@@ -161,7 +161,7 @@ class RoleJob:
                 self._child.terminate()
                 self._child.wait(30)
                 return None, None
-            hung = None if self.role == "sandbox" or self._stop else stale(paths, self.role, since, timeout)
+            hung = None if self._stop else stale(paths, self.role, since, timeout)
             if hung is not None:
                 log.error("%s hung: no heartbeat for %.0f s (more than launch.hang_timeout_s=%g), last doing: %s "
                           "(host %s); killing it and starting it again", self.role, hung["silent_s"], timeout,

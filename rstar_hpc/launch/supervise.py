@@ -122,6 +122,8 @@ class Supervisor:
                 self.check_hang(role)
             if "sandbox" in self.groups and self.stop_reason is None and self.procs["sandbox"].poll() is not None:
                 self.restart("sandbox", self.procs["sandbox"].returncode)
+            elif "sandbox" in self.groups:
+                self.check_hang("sandbox")   # a service alive but not answering (its announcements go stale)
             if all(r in self.done for r in workers):
                 break
             if self.stop_reason and all(self.procs[r].poll() is not None for r in workers if r in self.procs):

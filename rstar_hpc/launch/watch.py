@@ -3,7 +3,10 @@
 Both launchers (the sbatch supervisor, a submitit RoleJob) use these, so they agree on what "hung" means:
 - `stale(paths, role, since, timeout_s)`: the trainer or rollout heartbeat (RUN/heartbeat/<role>.json, written by
   rank 0 in every phase) older than `launch.hang_timeout_s`, counted from the role's start when it has not beaten
-  since (a heartbeat left by an earlier attempt says nothing of this one);
+  since (a heartbeat left by an earlier attempt says nothing of this one). The sandbox's heartbeat is its services'
+  announcements (RUN/rendezvous/sandbox/<name>.json), which each service refreshes every
+  `sandbox.stats_interval_s` from its event loop: a service that stops answering (stopped, its loop stuck) stops
+  refreshing, and the oldest announcement of this attempt's services is the role's;
 - `kill_step(proc)`: ends a role's step even when its tasks are SIGSTOPped or stuck in the kernel.
 """
 from __future__ import annotations
@@ -27,7 +30,7 @@ def stale(paths: RunPaths, role: str, since: float, timeout_s: float, now: float
     if timeout_s <= 0:
         return None
     now = time.time() if now is None else now
-    beat = read_heartbeat(paths, role)
+    beat = _sandbox_beat(paths, since) if role == "sandbox" else read_heartbeat(paths, role)
     fresh = beat is not None and beat.get("time", 0) >= since
     last = beat["time"] if fresh else since
     if now - last < timeout_s:
@@ -36,6 +39,20 @@ def stale(paths: RunPaths, role: str, since: float, timeout_s: float, now: float
     phase = (beat.get("phase") if fresh else "start") or doing
     return {"silent_s": round(now - last, 1), "doing": doing, "phase": phase,
             "host": beat.get("host") if fresh else None}
+
+
+def _sandbox_beat(paths: RunPaths, since: float) -> dict | None:
+    """The sandbox services' heartbeat: the stalest announcement refreshed since the role's start (an earlier
+    attempt's service, never refreshed since, is not this one's), as a heartbeat record; None before any."""
+    from rstar_hpc.exchange.rendezvous import read_announcements
+
+    mine = [a for a in read_announcements(paths.dir, "sandbox") if a.get("updated_at", 0) >= since]
+    if not mine:
+        return None
+    a = min(mine, key=lambda r: r["updated_at"])
+    return {"time": a["updated_at"], "host": a.get("host"), "phase": "serve",
+            "doing": f"sandbox service {a['name']} serving ({a.get('in_flight', '?')} calls in flight, "
+                     f"{a.get('queue_depth', '?')} queued)"}
 
 
 def kill_step(proc: subprocess.Popen, argv: list[str], grace_s: float = 60.0) -> None:

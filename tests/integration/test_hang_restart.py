@@ -111,6 +111,79 @@ def test_a_role_that_keeps_hanging_uses_up_role_restarts(tmp_path, monkeypatch):
     assert any("failed 1x, more than launch.role_restarts=0" in f["text"] for f in faults(paths))
 
 
+WAIT_FOR_A_NEW_SANDBOX = r"""
+import sys, time
+from rstar_hpc.exchange.rendezvous import read_announcements
+from rstar_hpc.exchange.rundir import RunPaths
+from rstar_hpc.exchange.state import StageState, write_heartbeat, write_stage_state
+run, first_pid, stages = sys.argv[1], int(sys.argv[2]), sys.argv[3].split(",")
+paths = RunPaths(run)
+deadline = time.time() + 120
+while not any(a["pid"] != first_pid for a in read_announcements(run, "sandbox")):   # the restarted service
+    assert time.time() < deadline, "no new sandbox service"
+    write_heartbeat(paths, "trainer", "waiting for the sandbox", phase="wait")
+    time.sleep(0.2)
+for s in stages:
+    write_stage_state(paths, StageState(stage=s, status="DONE"))
+"""
+
+
+def test_a_sandbox_service_that_stops_answering_is_restarted(tmp_path, monkeypatch):
+    """A real sandbox service, SIGSTOPped once it announced itself: alive, its announcements (the role's heartbeat,
+    refreshed every sandbox.stats_interval_s) go stale; the supervisor kills the step and starts a fresh service,
+    recorded as a hang of the sandbox role. The trainer stand-in finishes once the new service is announced."""
+    import threading
+
+    from rstar_hpc.exchange.rendezvous import read_announcements
+
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    cfg = load_config("tiny-cpu", [f"run.root={tmp_path}", "run.name=sbx", "launch.role_restarts=1",
+                                   "launch.hang_timeout_s=0", "sandbox.stats_interval_s=0.5"])
+    paths = RunPaths(tmp_path / "sbx")
+    paths.logs.mkdir(parents=True)
+    stages = ",".join(s.name for s in cfg.stages if s.kind in ("sft", "rl"))
+    stopped: list[int] = []
+
+    class SandboxSupervisor(Supervisor):
+        def step_argv(self, role):
+            if role == "sandbox":
+                return [sys.executable, "-m", "rstar_hpc", "sandbox", "serve", "--run-dir", str(paths.dir),
+                        "--workers", "1", "--host", "127.0.0.1", "--name", "cpu-test", "--stats-interval", "0.5"]
+            while not stopped:   # the trainer starts once the first service is stopped (below)
+                time.sleep(0.1)
+            return [sys.executable, "-c", WAIT_FOR_A_NEW_SANDBOX, str(paths.dir), str(stopped[0]), stages]
+
+        def step_env(self, role):
+            return {**os.environ, "PYTHONPATH": str(REPO)}
+
+    def stop_the_first_service():
+        deadline = time.monotonic() + 120
+        while not read_announcements(paths.dir, "sandbox"):
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        pid = read_announcements(paths.dir, "sandbox")[0]["pid"]
+        os.kill(pid, signal.SIGSTOP)
+        stopped.append(pid)
+
+    stopper = threading.Thread(target=stop_the_first_service, daemon=True)
+    stopper.start()
+    sup = SandboxSupervisor(cfg, paths, {"sandbox": 0, "trainer": 1})
+    sup.hang_timeout_s = 3.0   # the config refuses under 60 s; the mechanism is the same
+    saved = {s: signal.getsignal(s) for s in (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)}
+    try:
+        code = sup.run()
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
+    assert code == 0 and "trainer" in sup.done and stopped
+    (hang,) = [e for e in read_events(paths) if e["kind"] == "hang"]
+    assert hang["role"] == "sandbox" and hang["phase"] == "serve" and hang["silent_s"] >= 3.0
+    assert hang["doing"].startswith("sandbox service cpu-test serving")
+    assert sup.restarts["sandbox"] == 1 and sup.starts["sandbox"] == 2
+    assert _gone(stopped[0])   # the stopped service was killed, not left behind
+    assert any(f["text"].startswith("role sandbox hung in phase serve") for f in faults(paths))
+
+
 def test_hang_timeout_is_checked():
     with pytest.raises(ConfigError, match="hang_timeout_s"):
         load_config("tiny-cpu", ["launch.hang_timeout_s=5"])
