@@ -46,6 +46,7 @@ from rstar_hpc.exchange.checkpoints import CommittedDirs
 from rstar_hpc.exchange.errors import ExchangeError, StorageError
 from rstar_hpc.trainer import host_device
 from rstar_hpc.trainer.model import collective_device
+from rstar_hpc.trainer.orphans import results_queue_dies_with_trainer
 
 FORMAT = "rstar-hpc-trainer-v2"  # v1: torch AdamW state, tensor parallelism only
 OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}  # reshardable in tp, pp, dp
@@ -243,6 +244,7 @@ def save_checkpoint(state: TrainState, root: str | os.PathLike, *, keep_last: in
     tmp = _begin(dirs, state.step)
     # a full or failing file system: StorageError (path, free space) on every rank (torch's distributed checkpoint
     # gathers each rank's write failure), with the half-written directory removed; `latest` stays where it was
+    results_queue_dies_with_trainer()   # megatron's writer helpers must not outlive a killed trainer (orphans.py)
     with host_device.on_host(), dirs.guard(tmp, "checkpoint"):
         dist_checkpointing.save(_sharded_state_dict(state, loading=False), str(tmp))
     return _commit(dirs, state.step, tmp, keep_last, meta)

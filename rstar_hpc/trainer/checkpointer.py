@@ -25,6 +25,7 @@ from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQu
 from rstar_hpc.exchange.checkpoints import CommittedDirs
 from rstar_hpc.trainer import host_device
 from rstar_hpc.trainer.checkpoint import TrainState, _begin, _commit, _sharded_state_dict, latest_checkpoint, save_checkpoint
+from rstar_hpc.trainer.orphans import results_queue_dies_with_trainer
 
 # test hook, async saves: die right after this step's save was scheduled, its writer still running (no commit)
 DIE_IN_ASYNC_WRITE_ENV = "RSTAR_HPC_TEST_DIE_IN_ASYNC_WRITE_AT_STEP"
@@ -78,6 +79,7 @@ class Checkpointer:
                 self.on_commit(final, state.data_state)
             return final
         self.finalize(blocking=True)   # one save in flight at a time
+        results_queue_dies_with_trainer()   # megatron's writer helpers must not outlive a killed trainer (orphans.py)
         t0 = time.perf_counter()
         tmp = _begin(self.dirs, state.step)
         with host_device.on_host(), self.dirs.guard(tmp, "checkpoint"):
