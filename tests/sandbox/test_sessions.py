@@ -59,7 +59,10 @@ def test_a_cell_that_dies_rolls_the_session_back(healthy, killer):
         assert after["stdout"] == "'changed'\n", after
         return
     assert r["session"]["rolled_back"], r
-    assert after["status"] == "ok" and after["stdout"] == "'before'\n" and after["session"]["state"] == "live", (r, after)
+    assert after["status"] == "ok" and after["stdout"] == "'before'\n", (r, after)
+    # the sandbox outlives the cell (its session process is replaced: live), or, on a loaded machine, its answer comes
+    # after limits.hang_grace_s and the whole sandbox is replaced (internal_error): the session is then replayed
+    assert after["session"]["state"] == ("replayed" if r["status"] == "internal_error" else "live"), (r, after)
 
 
 def test_stdin_per_cell_in_a_session(healthy):
