@@ -1,9 +1,11 @@
-"""Helpers of the launch tests: a CI-sized copy of configs/tiny-cpu.yaml, the CLI, and what a finished run's
-directory says (its data order, the trainer's cursors, commits, leftover processes)."""
+"""Helpers of the launch tests: a CI-sized copy of configs/tiny-cpu.yaml, the CLI, what a finished run's directory
+says (its data order, the trainer's cursors, commits, leftover processes), and the three roles started on their own
+(no launcher) for the RL-loop tests."""
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -116,3 +118,61 @@ def _tail(run: Path) -> str:
     return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-1500:]}" for p in logs if p.is_file())
 
 
+def loop_config(tmp_path: Path, name: str, model_dir: Path) -> dict:
+    """configs/tiny-cpu.yaml as a fast RL loop on the session's tiny model (short responses, 4 samples a prompt, every
+    group kept: the tiny random model rarely earns a reward, and the loop, not learning, is under test); the caller
+    sets its stages and knobs, then `run_roles` writes it."""
+    cfg = yaml.safe_load((REPO / "configs/tiny-cpu.yaml").read_text())
+    cfg["run"] = {"name": name, "root": str(tmp_path / "runs"), "seed": 0}
+    cfg["model"] = {"path": str(model_dir)}
+    cfg["rollout"]["engine"]["kv_cache_memory_mb"] = 16
+    cfg["rollout"]["agent"].update(max_response_length=48)
+    cfg["rollout"]["scheduler"].update(heartbeat_s=0.5, policy_wait_s=300)
+    cfg["algo"]["num_samples_per_prompt"] = 4
+    cfg["algo"]["roc"] = {"reject_equal_reward": False, "down_sample_to_n": 0}
+    cfg["trainer"].update(micro_batch_tokens=1024, trajectory_timeout_s=300)
+    return cfg
+
+
+def run_roles(tmp_path: Path, cfg: dict, trainer: list[str], rollout: list[str], env: dict | None = None) -> str:
+    """Write `cfg`, then start a sandbox service, `rstar-hpc train CONFIG *trainer` and `rstar-hpc rollout --config
+    CONFIG *rollout` at once, as users run the roles by hand: they meet only through the run directory. Returns the
+    rollout's stdout once both ended with 0 (each role's log is tmp_path/<role>.log); every role is stopped either
+    way."""
+    import pytest
+
+    name = cfg["run"]["name"]
+    path, run = tmp_path / f"{name}.yaml", tmp_path / "runs" / name
+    path.write_text(yaml.safe_dump(cfg))
+    cli = [sys.executable, "-m", "rstar_hpc"]
+    logs = {role: open(tmp_path / f"{role}.log", "w") for role in ("sandbox", "trainer", "rollout")}  # noqa: SIM115
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
+
+    def tail(role: str) -> str:
+        return (tmp_path / f"{role}.log").read_text()[-4000:]
+
+    procs = {"sandbox": subprocess.Popen([*cli, "sandbox", "serve", "--workers", "1", "--run-dir", str(run), "--host",
+                                          "127.0.0.1"], cwd=REPO, env=env, stdout=logs["sandbox"],
+                                         stderr=subprocess.STDOUT)}
+    try:
+        procs["trainer"] = subprocess.Popen([*cli, "train", str(path), *trainer], cwd=REPO, env=env,
+                                            stdout=logs["trainer"], stderr=subprocess.STDOUT)
+        procs["rollout"] = subprocess.Popen([*cli, "rollout", "--config", str(path), *rollout], cwd=REPO, env=env,
+                                            stdout=subprocess.PIPE, stderr=logs["rollout"], text=True)
+        try:
+            out, _ = procs["rollout"].communicate(timeout=600)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the rollout did not finish:\n" + tail("rollout") + "\n--- trainer\n" + tail("trainer"))
+        assert procs["rollout"].returncode == 0, tail("rollout")
+        assert procs["trainer"].wait(timeout=300) == 0, tail("trainer")
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                try:
+                    p.wait(10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+        for f in logs.values():
+            f.close()
+    return out

@@ -12,16 +12,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 import wandb_offline  # noqa: E402  (tests/unit's reader of W&B offline run files)
+from launching import loop_config, run_roles  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 2
@@ -35,52 +33,13 @@ def test_trainer_and_rollout_take_turns_through_the_run_directory(tiny_model_dir
     from rstar_hpc.exchange.rundir import RunPaths
     from rstar_hpc.exchange.state import read_stage_state
 
-    cfg = yaml.safe_load((REPO / "configs/tiny-cpu.yaml").read_text())
-    cfg["run"] = {"name": "loop", "root": str(tmp_path / "runs"), "seed": 0}
-    cfg["model"] = {"path": str(tiny_model_dir)}
-    cfg["rollout"]["engine"]["kv_cache_memory_mb"] = 16
-    cfg["rollout"]["agent"].update(max_response_length=48)
-    cfg["rollout"]["scheduler"].update(heartbeat_s=0.5, policy_wait_s=300)
-    cfg["algo"]["num_samples_per_prompt"] = 4
-    cfg["algo"]["roc"] = {"reject_equal_reward": False, "down_sample_to_n": 0}
-    cfg["trainer"]["micro_batch_tokens"] = 1024
-    cfg["trainer"]["trajectory_timeout_s"] = 300
+    cfg = loop_config(tmp_path, "loop", tiny_model_dir)
     # validation every 2 steps (points 0 and the final policy, 2) into W&B offline and an MLflow file store
     cfg["stages"] = [{"name": "rl", "kind": "rl", "num_steps": STEPS, "prompts_per_step": 2, "data": "demo",
                       "val_every": 2, "val_data": "demo", "val_k": 2, "val_max_prompts": 2}]
     cfg["tracking"] = {"wandb": {"enabled": True}, "mlflow": {"enabled": True}}
-    path = tmp_path / "loop.yaml"
-    path.write_text(yaml.safe_dump(cfg))
+    out = run_roles(tmp_path, cfg, ["--stage", "rl"], ["--step", "0", "--step", "1"], env={"WANDB_SILENT": "true"})
     run = tmp_path / "runs" / "loop"
-    cli = [sys.executable, "-m", "rstar_hpc"]
-    logs = {name: open(tmp_path / f"{name}.log", "w") for name in ("sandbox", "trainer", "rollout")}  # noqa: SIM115
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "WANDB_SILENT": "true"}
-
-    def tail(name: str) -> str:
-        return (tmp_path / f"{name}.log").read_text()[-3000:]
-
-    sandbox = subprocess.Popen([*cli, "sandbox", "serve", "--workers", "1", "--run-dir", str(run), "--host",
-                                "127.0.0.1"], cwd=REPO, env=env, stdout=logs["sandbox"], stderr=subprocess.STDOUT)
-    procs = {}
-    try:
-        procs["trainer"] = subprocess.Popen([*cli, "train", str(path), "--stage", "rl"], cwd=REPO, env=env,
-                                            stdout=logs["trainer"], stderr=subprocess.STDOUT)
-        procs["rollout"] = subprocess.Popen([*cli, "rollout", "--config", str(path), "--step", "0", "--step", "1"],
-                                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=logs["rollout"],
-                                            text=True)
-        out, _ = procs["rollout"].communicate(timeout=600)
-        assert procs["rollout"].returncode == 0, tail("rollout")
-        assert procs["trainer"].wait(timeout=300) == 0, tail("trainer")
-    finally:
-        for p in [*procs.values(), sandbox]:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-                try:
-                    p.wait(10)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-        for f in logs.values():
-            f.close()
 
     summaries = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     assert [s["step"] for s in summaries] == [0, 1] and all(s["trajectories"] == 8 for s in summaries)

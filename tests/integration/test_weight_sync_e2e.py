@@ -16,13 +16,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import yaml
+from launching import loop_config, run_roles
 
 REPO = Path(__file__).resolve().parents[2]
 RL_STEPS = 4
@@ -36,53 +35,13 @@ def test_memory_sync_through_the_real_roles_with_a_fallback(tiny_model_dir, tmp_
     from rstar_hpc.exchange.rundir import RunPaths
     from rstar_hpc.exchange.state import read_stage_state
 
-    cfg = yaml.safe_load((REPO / "configs/tiny-cpu.yaml").read_text())
-    cfg["run"] = {"name": "memsync", "root": str(tmp_path / "runs"), "seed": 0}
-    cfg["model"] = {"path": str(tiny_model_dir)}
-    cfg["rollout"]["engine"]["kv_cache_memory_mb"] = 16
-    cfg["rollout"]["agent"].update(max_response_length=48)
-    cfg["rollout"]["scheduler"].update(heartbeat_s=0.5, policy_wait_s=300)
-    cfg["algo"]["num_samples_per_prompt"] = 4
-    cfg["algo"]["roc"] = {"reject_equal_reward": False, "down_sample_to_n": 0}
-    cfg["trainer"].update(micro_batch_tokens=1024, trajectory_timeout_s=300, weight_sync="memory", publish_every=2,
-                          publish_keep_last=10, weight_sync_timeout_s=900)
+    cfg = loop_config(tmp_path, "memsync", tiny_model_dir)
+    cfg["trainer"].update(weight_sync="memory", publish_every=2, publish_keep_last=10, weight_sync_timeout_s=900)
     cfg["stages"] = [{"name": "sft", "kind": "sft", "num_steps": 2, "prompts_per_step": 8, "data": "demo"},
                      {"name": "rl", "kind": "rl", "num_steps": RL_STEPS, "prompts_per_step": 2, "data": "demo"}]
-    path = tmp_path / "memsync.yaml"
-    path.write_text(yaml.safe_dump(cfg))
+    # the test hook's stage:step:engine rank: that rank's sync fails before it joins
+    out = run_roles(tmp_path, cfg, ["--follow"], [], env={"RSTAR_HPC_TEST_SYNC_FAIL_AT_STEP": "rl:3:2"})
     run = tmp_path / "runs" / "memsync"
-    cli = [sys.executable, "-m", "rstar_hpc"]
-    logs = {name: open(tmp_path / f"{name}.log", "w") for name in ("sandbox", "trainer", "rollout")}  # noqa: SIM115
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
-           "RSTAR_HPC_TEST_SYNC_FAIL_AT_STEP": "rl:3:2"}   # stage:step:engine rank
-
-    def tail(name: str) -> str:
-        return (tmp_path / f"{name}.log").read_text()[-4000:]
-
-    sandbox = subprocess.Popen([*cli, "sandbox", "serve", "--workers", "1", "--run-dir", str(run), "--host",
-                                "127.0.0.1"], cwd=REPO, env=env, stdout=logs["sandbox"], stderr=subprocess.STDOUT)
-    procs = {}
-    try:
-        procs["trainer"] = subprocess.Popen([*cli, "train", str(path), "--follow"], cwd=REPO, env=env,
-                                            stdout=logs["trainer"], stderr=subprocess.STDOUT)
-        procs["rollout"] = subprocess.Popen([*cli, "rollout", "--config", str(path)], cwd=REPO, env=env,
-                                            stdout=subprocess.PIPE, stderr=logs["rollout"], text=True)
-        try:
-            out, _ = procs["rollout"].communicate(timeout=600)
-        except subprocess.TimeoutExpired:
-            pytest.fail("the rollout did not finish:\n" + tail("rollout") + "\n--- trainer\n" + tail("trainer"))
-        assert procs["rollout"].returncode == 0, tail("rollout")
-        assert procs["trainer"].wait(timeout=300) == 0, tail("trainer")
-    finally:
-        for p in [*procs.values(), sandbox]:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-                try:
-                    p.wait(10)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-        for f in logs.values():
-            f.close()
 
     paths = RunPaths(run)
     assert [read_stage_state(paths, s).status for s in ("sft", "rl")] == ["DONE", "DONE"]
@@ -114,8 +73,8 @@ def test_memory_sync_through_the_real_roles_with_a_fallback(tiny_model_dir, tmp_
     assert engines["1"]["reason"].startswith("session aborted: engine rank 2 could not join"), engines
     assert "in-memory sync failed" in (tmp_path / "rollout.log").read_text()
 
-    proc = subprocess.run([*cli, "run", "status", str(run)], capture_output=True, text=True, cwd=REPO, env=env,
-                          timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "rstar_hpc", "run", "status", str(run)], capture_output=True,
+                          text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next((x for x in proc.stdout.splitlines() if x.startswith("weights of step 3 (rl)")), None)
     assert line is not None and "engine 1: v3 via files" in line and "fell back" in line, proc.stdout
