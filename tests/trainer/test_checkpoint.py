@@ -8,48 +8,31 @@ from pathlib import Path
 
 import pytest
 import torch
-from trainer_helpers import BACKENDS, make_optimizer, make_policy, run_trainer, write_config
+from trainer_helpers import BACKENDS, run_trainer, sft_batch, train_state, write_config
 
 from rstar_hpc.trainer.checkpoint import (
     DIE_IN_SAVE_ENV,
     SaveOnSignal,
-    TrainState,
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
 )
 from rstar_hpc.trainer.sft_data import make_samples, write_jsonl
-from rstar_hpc.trainer.step import build_scheduler, pack, train_step
-
-
-def _batch(vocab: int, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    samples = []
-    for n in (12, 20, 9):
-        mask = torch.ones(n, dtype=torch.bool)
-        mask[0] = False
-        samples.append((torch.randint(0, vocab, (n,), generator=g), mask))
-    return pack(samples, 64)
-
-
-def _state(hf_dir, backend: str = "cpu") -> TrainState:
-    model = make_policy(hf_dir, backend)
-    opt = make_optimizer(model, lr=1e-2)
-    return TrainState(model, opt, build_scheduler(opt, 2, 10, "cosine"))
+from rstar_hpc.trainer.step import train_step
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_save_load_in_process_and_optimizer_reset(dist1, tiny_hf_dir, tmp_path, backend):
-    a = _state(tiny_hf_dir, backend)
+    a = train_state(tiny_hf_dir, backend)
     for s in range(3):
-        train_step(a.model, a.optimizer, a.scheduler, _batch(a.model.arch.vocab_size, s))
+        train_step(a.model, a.optimizer, a.scheduler, sft_batch(a.model.arch.vocab_size, s))
     a.step, a.data_state = 3, {"cursor": 42}
     path = save_checkpoint(a, tmp_path / "ckpt")
     assert path.name == "step-00000003" and latest_checkpoint(tmp_path / "ckpt") == path
     expected_next = torch.rand(3)  # the draw right after the save...
     torch.manual_seed(1234)        # ...then the generator moves on
 
-    b = _state(tiny_hf_dir, backend)
+    b = train_state(tiny_hf_dir, backend)
     load_checkpoint(b, tmp_path / "ckpt")
     assert b.step == 3 and b.data_state == {"cursor": 42}
     assert torch.equal(torch.rand(3), expected_next)  # RNG restored to the saved point
@@ -57,13 +40,13 @@ def test_save_load_in_process_and_optimizer_reset(dist1, tiny_hf_dir, tmp_path, 
         if isinstance(pa, torch.Tensor):
             assert torch.equal(pa, pb), n
     assert b.scheduler.last_epoch == a.scheduler.last_epoch
-    ma = train_step(a.model, a.optimizer, a.scheduler, _batch(a.model.arch.vocab_size, 9))
-    mb = train_step(b.model, b.optimizer, b.scheduler, _batch(b.model.arch.vocab_size, 9))
+    ma = train_step(a.model, a.optimizer, a.scheduler, sft_batch(a.model.arch.vocab_size, 9))
+    mb = train_step(b.model, b.optimizer, b.scheduler, sft_batch(b.model.arch.vocab_size, 9))
     assert ma["loss"] == mb["loss"] and ma["lr"] == mb["lr"]
     for pa, pb in zip(a.model.parameters(), b.model.parameters()):
         assert torch.equal(pa, pb)  # AdamW moments were restored, so the update is identical
 
-    c = _state(tiny_hf_dir, backend)
+    c = train_state(tiny_hf_dir, backend)
     load_checkpoint(c, tmp_path / "ckpt" / "step-00000003", reset_optimizer=True)
     assert c.step == 3 and c.scheduler.last_epoch == 0
     assert all(not opt.optimizer.state for opt in c.optimizer.chained_optimizers)  # no AdamW moments loaded
@@ -72,21 +55,21 @@ def test_save_load_in_process_and_optimizer_reset(dist1, tiny_hf_dir, tmp_path, 
 def test_a_checkpoint_saved_before_any_update_loads_with_its_optimizer(dist1, tiny_hf_dir, tmp_path):
     """RL steps that RoC leaves empty never step AdamW, so their checkpoint has no moments; the next stage (or a
     resume) loads it as the same fresh optimizer instead of failing on the missing keys."""
-    a = _state(tiny_hf_dir)
+    a = train_state(tiny_hf_dir)
     a.step = 1
     save_checkpoint(a, tmp_path / "ckpt")
-    b = _state(tiny_hf_dir)
+    b = train_state(tiny_hf_dir)
     load_checkpoint(b, tmp_path / "ckpt")
     assert b.step == 1
     for pa, pb in zip(a.model.parameters(), b.model.parameters()):
         assert torch.equal(pa, pb)
-    m = train_step(b.model, b.optimizer, b.scheduler, _batch(b.model.arch.vocab_size, 1))
+    m = train_step(b.model, b.optimizer, b.scheduler, sft_batch(b.model.arch.vocab_size, 1))
     assert m["loss"] == m["loss"]   # it trains on
 
 
 def test_missing_checkpoint_is_named(dist1, tiny_hf_dir, tmp_path):
     with pytest.raises(FileNotFoundError, match="COMMITTED.json"):
-        load_checkpoint(_state(tiny_hf_dir), tmp_path / "nothing")
+        load_checkpoint(train_state(tiny_hf_dir), tmp_path / "nothing")
 
 
 def test_usr2_requests_a_save():

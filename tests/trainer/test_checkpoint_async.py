@@ -9,27 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from trainer_helpers import BACKENDS, make_optimizer, make_policy
+from trainer_helpers import BACKENDS, make_optimizer, make_policy, rl_train, sft_batch, train_state
 
 from rstar_hpc.trainer.checkpoint import TrainState, latest_checkpoint, load_checkpoint
 from rstar_hpc.trainer.checkpointer import Checkpointer
-from rstar_hpc.trainer.step import build_scheduler, pack, train_step
-
-
-def _batch(vocab: int, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    samples = []
-    for n in (12, 20, 9):
-        mask = torch.ones(n, dtype=torch.bool)
-        mask[0] = False
-        samples.append((torch.randint(0, vocab, (n,), generator=g), mask))
-    return pack(samples, 64)
-
-
-def _state(hf_dir, backend: str = "cpu") -> TrainState:
-    model = make_policy(hf_dir, backend)
-    opt = make_optimizer(model, lr=1e-2)
-    return TrainState(model, opt, build_scheduler(opt, 2, 10, "cosine"))
+from rstar_hpc.trainer.step import train_step
 
 
 def _params(state: TrainState) -> list[torch.Tensor]:
@@ -44,14 +28,14 @@ def test_async_save_returns_before_the_commit_and_saves_the_state_of_its_step(di
     root = tmp_path / "ckpt"
     acked: list[tuple[str, dict]] = []
     ckpt = Checkpointer(root, async_save=True, keep_last=2, on_commit=lambda p, d: acked.append((p.name, d)))
-    a = _state(tiny_hf_dir, backend)
-    train_step(a.model, a.optimizer, a.scheduler, _batch(a.model.arch.vocab_size, 0))
+    a = train_state(tiny_hf_dir, backend)
+    train_step(a.model, a.optimizer, a.scheduler, sft_batch(a.model.arch.vocab_size, 0))
     a.step, a.data_state = 1, {"cursor": 1}
     assert ckpt.save(a, stage="sft") is None
     assert ckpt.pending_step == 1
     assert latest_checkpoint(root) is None and acked == []          # scheduled, not committed
     saved_params, expected_next = _params(a), torch.rand(3)
-    ref = train_step(a.model, a.optimizer, a.scheduler, _batch(a.model.arch.vocab_size, 1))  # trains on meanwhile
+    ref = train_step(a.model, a.optimizer, a.scheduler, sft_batch(a.model.arch.vocab_size, 1))  # trains on meanwhile
     a.step, a.data_state = 2, {"cursor": 2}
     assert any(not torch.equal(p, q) for p, q in zip(a.model.parameters(), saved_params))
     assert latest_checkpoint(root) is None and acked == []          # still only finalize commits
@@ -62,13 +46,13 @@ def test_async_save_returns_before_the_commit_and_saves_the_state_of_its_step(di
     assert len(ckpt.async_seconds) == 1 and ckpt.pending_step is None
     assert json.loads((root / "step-00000001" / "COMMITTED.json").read_text())["stage"] == "sft"
 
-    b = _state(tiny_hf_dir, backend)
+    b = train_state(tiny_hf_dir, backend)
     load_checkpoint(b, root)
     assert b.step == 1 and b.data_state == {"cursor": 1}
     assert torch.equal(torch.rand(3), expected_next)                # the RNG of the save's moment
     for p, q in zip(b.model.parameters(), saved_params):
         assert torch.equal(p, q)                                    # the weights at the save, not the later ones
-    mb = train_step(b.model, b.optimizer, b.scheduler, _batch(b.model.arch.vocab_size, 1))
+    mb = train_step(b.model, b.optimizer, b.scheduler, sft_batch(b.model.arch.vocab_size, 1))
     assert mb["loss"] == ref["loss"] and mb["lr"] == ref["lr"]
     for p, q in zip(a.model.parameters(), b.model.parameters()):
         assert torch.equal(p, q)                                    # and AdamW's moments of that moment
@@ -94,7 +78,7 @@ def test_a_crash_before_the_commit_leaves_latest_and_the_cursor_on_the_previous_
     from rstar_hpc.config import load_config
     from rstar_hpc.exchange.rundir import RunPaths
     from rstar_hpc.exchange.writer import ShardWriter
-    from rstar_hpc.trainer.rl import TrajectorySource, rl_step
+    from rstar_hpc.trainer.rl import TrajectorySource
 
     cfg = load_config("tiny-cpu", [f"run.root={tmp_path}", f"model.path={tiny_hf_dir}",
                                    "trainer.micro_batch_tokens=256", "trainer.optimizer.warmup_steps=0"])
@@ -115,17 +99,10 @@ def test_a_crash_before_the_commit_leaves_latest_and_the_cursor_on_the_previous_
         ckpt = Checkpointer(root, async_save=True, keep_last=3, on_commit=lambda p, d: source.commit(p.name, d))
         return state, source, ckpt
 
-    def train(state, source) -> int:
-        batch = source.next()
-        rl_step(state.model, state.optimizer, None, batch, cfg.algo.loss, cfg.trainer)
-        state.step += 1
-        state.data_state = source.state_dict()
-        return batch.step
-
     state, source, ckpt = job()
-    assert train(state, source) == 0
+    assert rl_train(state, source, cfg) == 0
     ckpt.save(state, stage="rl")                      # step 1 holds trajectory step 0
-    assert train(state, source) == 1                  # trained while step 1's checkpoint is written
+    assert rl_train(state, source, cfg) == 1                  # trained while step 1's checkpoint is written
     assert source.consumer.next_step == 0             # nothing acked before the commit
     assert ckpt.finalize(blocking=True) == [root / "step-00000001"]
     assert source.consumer.next_step == 1             # acked what step-00000001 holds, not trajectory step 1
@@ -136,7 +113,7 @@ def test_a_crash_before_the_commit_leaves_latest_and_the_cursor_on_the_previous_
 
     state, source, ckpt = job()
     assert state.step == 1 and source.next_step == 1 and source.consumer.next_step == 1
-    assert train(state, source) == 1                  # trajectory step 1 again: its update was never kept
+    assert rl_train(state, source, cfg) == 1                  # trajectory step 1 again: its update was never kept
     ckpt.save(state, stage="rl")
     ckpt.close()
     assert latest_checkpoint(root) == root / "step-00000002" and source.consumer.next_step == 2

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from trainer_helpers import BACKENDS, free_port, make_optimizer, make_policy
+from trainer_helpers import BACKENDS, free_port, make_optimizer, make_policy, rl_train
 from trainer_helpers import rl_step_trajs as _step_trajs
 from trainer_helpers import rl_traj as _traj
 
@@ -211,28 +211,21 @@ def test_each_step_is_trained_exactly_once_across_restarts(dist1, tiny_hf_dir, t
             source.load_state_dict(state.data_state)
         return state, source
 
-    def train(state, source) -> int:
-        batch = source.next()
-        rl_step(state.model, state.optimizer, None, batch, cfg.algo.loss, cfg.trainer)
-        state.step += 1
-        state.data_state = source.state_dict()
-        return batch.step
-
     state, source = job()
-    assert train(state, source) == 0
+    assert rl_train(state, source, cfg) == 0
     save_checkpoint(state, root)
     source.commit("step-00000001")
     assert source.consumer.next_step == 1
-    assert train(state, source) == 1  # ...then the job dies before its next checkpoint
+    assert rl_train(state, source, cfg) == 1  # ...then the job dies before its next checkpoint
 
     state, source = job()
-    assert source.next_step == 1 and train(state, source) == 1  # step 1 again: its update was never kept
+    assert source.next_step == 1 and rl_train(state, source, cfg) == 1  # step 1 again: its update was never kept
     save_checkpoint(state, root)  # ...and this job dies between the checkpoint and the ack
     assert source.consumer.next_step == 1
 
     state, source = job()
     assert source.consumer.next_step == 2  # reconciled: the checkpoint holds step 1
-    assert train(state, source) == 2
+    assert rl_train(state, source, cfg) == 2
 
     # a checkpoint moved back by hand while the cursor says more was trained: refuse, do not lose updates
     (root / "latest").write_text("step-00000001\n")

@@ -109,3 +109,38 @@ def rl_step_trajs(step: int, seed: int = 0, groups: int = 2, per_group: int = 8)
     """One step's trajectories: `groups` prompts of `per_group` samples, half of them correct."""
     gen = torch.Generator().manual_seed(seed * 1000 + step)
     return [rl_traj(step, f"p{step}-{g}", i, float(i % 2), gen) for g in range(groups) for i in range(per_group)]
+
+
+def sft_batch(vocab: int, seed: int):
+    """Three packed samples of random tokens (the first token of each untrained): a checkpoint test's step."""
+    from rstar_hpc.trainer.step import pack
+
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for n in (12, 20, 9):
+        mask = torch.ones(n, dtype=torch.bool)
+        mask[0] = False
+        samples.append((torch.randint(0, vocab, (n,), generator=g), mask))
+    return pack(samples, 64)
+
+
+def train_state(hf_dir: Path, backend: str = "cpu"):
+    """The policy of `hf_dir`, AdamW and a cosine schedule, as the checkpoint tests save and load them."""
+    from rstar_hpc.trainer.checkpoint import TrainState
+    from rstar_hpc.trainer.step import build_scheduler
+
+    model = make_policy(hf_dir, backend)
+    opt = make_optimizer(model, lr=1e-2)
+    return TrainState(model, opt, build_scheduler(opt, 2, 10, "cosine"))
+
+
+def rl_train(state, source, cfg) -> int:
+    """One RL step of `state` on the next step of the TrajectorySource `source`, its cursor kept in the state as the
+    trainer keeps it; returns the trajectory step trained."""
+    from rstar_hpc.trainer.rl import rl_step
+
+    batch = source.next()
+    rl_step(state.model, state.optimizer, None, batch, cfg.algo.loss, cfg.trainer)
+    state.step += 1
+    state.data_state = source.state_dict()
+    return batch.step
