@@ -142,6 +142,22 @@ class MetricsSink:
         self._trackers = None
 
 
+def read_records(path: str | os.PathLike) -> list[dict]:
+    """The records of a `metrics/<role>.jsonl` in order ([] when it does not exist yet); a line cut by a kill is
+    skipped (the record after it is whole)."""
+    out = []
+    try:
+        with open(path) as f:
+            for line in f:
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue
+    except FileNotFoundError:
+        pass
+    return out
+
+
 def metrics_sink(paths: RunPaths, role: str) -> MetricsSink:
     """This process's sink for `role` in the run `paths`: one event file per process, however many times a
     role's step objects ask for it."""

@@ -21,9 +21,10 @@ KEY = "launch.signal_lead_s"
 
 def measured(run_dir: Path) -> dict | None:
     """{"step_s", "checkpoint_s", "stage"} from the run's trainer metrics, or None without a step that saved."""
-    from rstar_hpc.planner.measured import _last_by_step, _records
+    from rstar_hpc.metrics_log import read_records
+    from rstar_hpc.planner.measured import _last_by_step
 
-    rows = _last_by_step(_records(Path(run_dir) / "metrics" / "trainer.jsonl")).values()
+    rows = _last_by_step(read_records(Path(run_dir) / "metrics" / "trainer.jsonl")).values()
     work: dict[str, list[float]] = {}
     saves, whole = [], []
     for r in rows:

@@ -24,6 +24,7 @@ from rstar_hpc.exchange.state import read_heartbeat, read_stage_state
 from rstar_hpc.launch.placement import het_groups, plan
 from rstar_hpc.launch.record import cancelled, read_record
 from rstar_hpc.launch.roles import roles_needed
+from rstar_hpc.metrics_log import read_records
 
 ACTIVE = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING",
           "SUSPENDED", "STAGE_OUT", "SIGNALING"}
@@ -31,19 +32,6 @@ SILENT_AFTER_S = 600.0   # a role whose heartbeat is older than this while its j
 
 
 # ------------------------------------------------------------------------------------------------ metrics
-def _read_jsonl(path: Path) -> list[dict]:
-    out = []
-    try:
-        with open(path) as f:
-            for line in f:
-                try:
-                    out.append(json.loads(line))
-                except json.JSONDecodeError:
-                    continue   # a line cut by a kill; the record after it is whole
-    except FileNotFoundError:
-        pass
-    return out
-
 
 def _by_stage(records: list[dict]) -> dict[str, dict[int, dict]]:
     """stage -> step -> its LAST record (a redone step after a restart replaces the first)."""
@@ -198,8 +186,8 @@ def job_rows(paths: RunPaths, env=None, het_roles: dict[int, str] | None = None)
 
 # ------------------------------------------------------------------------------------------------ the whole run
 def run_status(cfg, paths: RunPaths, env=None, *, with_slurm: bool = True) -> dict:
-    trainer = _by_stage(_read_jsonl(paths.metrics("trainer")))
-    rollout = _by_stage(_read_jsonl(paths.metrics("rollout")))
+    trainer = _by_stage(read_records(paths.metrics("trainer")))
+    rollout = _by_stage(read_records(paths.metrics("rollout")))
     from rstar_hpc.eval.results import read_results
     evals = {s.name: r for s in cfg.stages if s.kind == "eval" and (r := read_results(paths, s.name))}
     stages = [stage_status(cfg, paths, s, trainer, rollout, evals) for s in cfg.stages]
@@ -356,7 +344,7 @@ def problems(status: dict) -> list[str]:
 def trainer_idle(run_dir, last: int = 10) -> dict | None:
     """The trainer's idle share of its last `last` steps that read trajectories (rl steps): time/read(s), waiting
     on the rollout, over time/step(s), from RUN/metrics/trainer.jsonl. None before the first rl step."""
-    recs = [r for r in _read_jsonl(Path(run_dir) / "metrics" / "trainer.jsonl")
+    recs = [r for r in read_records(Path(run_dir) / "metrics" / "trainer.jsonl")
             if "reward/mean" in r and isinstance(r.get("time/read(s)"), (int, float)) and r.get("time/step(s)")]
     recs = sorted(recs, key=lambda r: r.get("time", 0))[-last:]
     total = sum(r["time/step(s)"] for r in recs)
@@ -371,7 +359,7 @@ def rollout_idle(run_dir, stages=None, last: int | None = 10) -> dict | None:
     """The rollout's idle share of its last `last` steps (None: all) of `stages` (None: any stage): the time rank 0
     waited for the policy a step needs (policy_wait_s, waiting on the trainer) over that wait plus the step's wall,
     from RUN/metrics/rollout.jsonl. None before the first such step."""
-    recs = [r for r in _read_jsonl(Path(run_dir) / "metrics" / "rollout.jsonl")
+    recs = [r for r in read_records(Path(run_dir) / "metrics" / "rollout.jsonl")
             if isinstance(r.get("policy_wait_s"), (int, float)) and isinstance(r.get("wall_s"), (int, float))
             and (stages is None or r.get("stage") in stages)]
     recs = recs[-last:] if last else recs

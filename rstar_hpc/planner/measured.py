@@ -17,25 +17,14 @@ shows it per stage): reading (waiting for the rollout), training, publishing, ch
 """
 from __future__ import annotations
 
-import json
 import statistics
 from dataclasses import replace
 from pathlib import Path
 
+from rstar_hpc.metrics_log import read_records
 from rstar_hpc.planner.model import CKPT_BYTES_PER_PARAM, PlanError, devices_per_node, shape_of
 from rstar_hpc.planner.rates import Rates
 from rstar_hpc.trainer.plan import model_flops
-
-
-def _records(path: Path) -> list[dict]:
-    out = []
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue   # a line cut by a kill
-    return out
 
 
 def _last_by_step(records: list[dict]) -> dict[tuple[str, int], dict]:
@@ -46,8 +35,8 @@ def read_run(run_dir: Path, run_cfg) -> tuple[dict, dict]:
     """(trainer records, rollout records) of the run's rl stages by (stage, step); PlanError without RL steps."""
     rl = {s.name for s in run_cfg.stages if s.kind == "rl"}
     metrics = run_dir / "metrics"
-    trainer = {k: r for k, r in _last_by_step(_records(metrics / "trainer.jsonl")).items() if k[0] in rl}
-    rollout = {k: r for k, r in _last_by_step(_records(metrics / "rollout.jsonl")).items()
+    trainer = {k: r for k, r in _last_by_step(read_records(metrics / "trainer.jsonl")).items() if k[0] in rl}
+    rollout = {k: r for k, r in _last_by_step(read_records(metrics / "rollout.jsonl")).items()
                if k[0] in rl and r.get("generation_wall_s")}
     if not trainer or not rollout:
         raise PlanError(f"{run_dir}: no RL step metrics ({metrics}/trainer.jsonl and rollout.jsonl hold no step of an "
@@ -96,7 +85,7 @@ def run_rates(run_dir: Path, run_cfg, base: Rates) -> tuple[Rates, dict]:
         if "roc/num_kept" in r:
             kept += r["roc/num_kept"]
             wanted += stages[stage].prompts_per_step * run_cfg.algo.trained_per_prompt
-    all_trainer = _last_by_step(_records(run_dir / "metrics" / "trainer.jsonl"))
+    all_trainer = _last_by_step(read_records(run_dir / "metrics" / "trainer.jsonl"))
     publish = [r["time/publish(s)"] for r in trainer.values() if r.get("time/publish(s)")]
     # an async save's whole write (logged by the step that committed it), else what the loop blocked on
     ckpt = ([r["time/checkpoint_async(s)"] for r in trainer.values() if r.get("time/checkpoint_async(s)")]
