@@ -144,7 +144,7 @@ def _timing(runs: dict, walls: dict, rl_stages: set[str]) -> dict:
 
     out = {}
     for label, paths in runs.items():
-        t, r = trainer_idle(paths.dir, last=10**9), rollout_idle(paths.dir, rl_stages, last=None)
+        t, r = trainer_idle(paths.dir, last=None), rollout_idle(paths.dir, rl_stages, last=None)
         out[MODES[label][0]] = {"wall_s": round(walls[label], 1),
                                 "idle_fraction": {"trainer": t and t["idle_fraction"], "rollout": r and r["idle_fraction"]}}
     return out

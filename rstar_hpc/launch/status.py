@@ -341,12 +341,14 @@ def problems(status: dict) -> list[str]:
     return out
 
 
-def trainer_idle(run_dir, last: int = 10) -> dict | None:
-    """The trainer's idle share of its last `last` steps that read trajectories (rl steps): time/read(s), waiting
-    on the rollout, over time/step(s), from RUN/metrics/trainer.jsonl. None before the first rl step."""
+def trainer_idle(run_dir, last: int | None = 10) -> dict | None:
+    """The trainer's idle share of its last `last` steps (None: all) that read trajectories (rl steps):
+    time/read(s), waiting on the rollout, over time/step(s), from RUN/metrics/trainer.jsonl. None before the first
+    rl step."""
     recs = [r for r in read_records(Path(run_dir) / "metrics" / "trainer.jsonl")
             if "reward/mean" in r and isinstance(r.get("time/read(s)"), (int, float)) and r.get("time/step(s)")]
-    recs = sorted(recs, key=lambda r: r.get("time", 0))[-last:]
+    recs = sorted(recs, key=lambda r: r.get("time", 0))
+    recs = recs[-last:] if last else recs
     total = sum(r["time/step(s)"] for r in recs)
     if not recs or total <= 0:
         return None
