@@ -40,7 +40,7 @@ are long; any admission that cannot tell long from short at admission (no real o
 admits past the KV budget pays preempt-and-recompute instead (static). For `static` "admitted" means handed
 to the engine's own queue, so its floor is not comparable.
 The long-tail levers (`levers`, on `--levers-engines` engines, with and without GRPO siblings sharing
-their prompt's KV through prefix caching; the engine model is rollout_sim.py's): the best static split
+their prompt's KV through prefix caching; the engine model is rstar_hpc/planner/engine_sim.py's): the best static split
 (round-robin, or verl's contiguous split, which keeps a group's 32 siblings on one engine), then cumulatively
 KV-aware placement (sibling-aware where prompts are shared), + turn-boundary migration, + partial rollouts (a step
 closes once the batch's number of groups is complete; the rest is carried, its tokens tagged with the step that
@@ -62,9 +62,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from rollout_sim import (C0, C1, C2, KV_TOKENS, MAX_NUM_SEQS, MAX_RESPONSE, MAX_TURNS, PREFILL, Sim, Traj, run_partial,
+from rstar_hpc.planner.engine_sim import (C0, C1, C2, KV_TOKENS, MAX_NUM_SEQS, MAX_RESPONSE, MAX_TURNS, PREFILL, Sim, Traj, run_partial,
                          step_cost)
 
 
@@ -188,7 +186,7 @@ def step_bound(rows: list[tuple[int, float, float]], engines: int) -> float:
 
 
 def simulate(trace: list[Traj], n_engines: int, admission: str, **kw) -> dict:
-    """One step of `trace` (rollout_sim.Sim: keywords growth_reserve, budget_coef, report_s, share, sibling_aware,
+    """One step of `trace` (engine_sim.Sim: keywords growth_reserve, budget_coef, report_s, share, sibling_aware,
     block, migrate_margin); its figures, `admission_floor_s` and `tail_s` added."""
     for t in trace:
         t.reset()

@@ -1,4 +1,4 @@
-"""One engine's generation time for an rl step: bench/rollout_sim.py's engine model, long tail included.
+"""One engine's generation time for an rl step: engine_sim.py's engine model, long tail included.
 
 The engines of a step are alike and admission balances them (rollout.scheduler.admission), so one engine with its
 share of the step's trajectories (ceil(trajectories / engines)) stands for all. Its trajectories are drawn from
@@ -12,25 +12,22 @@ SIM_MAX / 2 and SIM_MAX and extrapolated along that line (makespan and busy time
 """
 from __future__ import annotations
 
-import importlib.util
 import math
 import random
-import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
-from pathlib import Path
 
+from rstar_hpc.planner import engine_sim as sim
 from rstar_hpc.planner.rates import ALLREDUCE_S, LENGTH_SIGMA, Rates
 
-SIM_PATH = Path(__file__).resolve().parents[2] / "bench" / "rollout_sim.py"
 SIM_MAX = 768
 SEED = 0
 
 
 @dataclass(frozen=True)
 class Engine:
-    """The engine model's constants (bench/rollout_sim.py's names) for one engine of `tp` GPUs."""
+    """The engine model's constants (engine_sim's names) for one engine of `tp` GPUs."""
 
     c0: float
     c1: float
@@ -49,19 +46,6 @@ class Workload:
     max_turns: int
 
 
-@lru_cache(maxsize=1)
-def rollout_sim():
-    """bench/rollout_sim.py, loaded from the checkout (bench/ is not an installed package)."""
-    if not SIM_PATH.is_file():
-        raise FileNotFoundError(f"{SIM_PATH}: the planner simulates generation with bench/rollout_sim.py; run it "
-                                f"from a checkout of rstar-hpc (pip install -e .)")
-    spec = importlib.util.spec_from_file_location("_rstar_planner_rollout_sim", SIM_PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def engine_constants(shape, n_params: int, rates: Rates, tp: int, memory_utilization: float,
                      max_num_seqs: int) -> Engine:
     """The engine model's constants from the hardware and the model (rates.py explains each)."""
@@ -75,11 +59,11 @@ def engine_constants(shape, n_params: int, rates: Rates, tp: int, memory_utiliza
         raise ValueError(f"an engine of {tp} x {rates.memory_gb:g} GB at gpu_memory_utilization {memory_utilization} "
                          f"has no room for KV after {weights / 1e9:.0f} GB of weights; raise "
                          f"rollout.engine.tensor_parallel_size")
-    return Engine(c0, rollout_sim().C1, kv_per_token / bw, prefill, int(free // kv_per_token), max_num_seqs)
+    return Engine(c0, sim.C1, kv_per_token / bw, prefill, int(free // kv_per_token), max_num_seqs)
 
 
 @contextmanager
-def _constants(sim, engine: Engine, budget: int):
+def _constants(engine: Engine, budget: int):
     names = {"C0": engine.c0, "C1": engine.c1, "C2": engine.c2, "PREFILL": engine.prefill,
              "KV_TOKENS": engine.kv_tokens, "MAX_NUM_SEQS": engine.max_num_seqs, "MAX_RESPONSE": budget}
     saved = {k: getattr(sim, k) for k in names}
@@ -92,7 +76,7 @@ def _constants(sim, engine: Engine, budget: int):
             setattr(sim, k, v)
 
 
-def _pool(sim, w: Workload, n: int, rates: Rates) -> list:
+def _pool(w: Workload, n: int, rates: Rates) -> list:
     """n trajectories of the workload: a log-normal response length with the stage's mean, cut at the budget, made
     of turns split by its tool calls (a Poisson number with the rates' mean, at most max_turns - 1)."""
     rng = random.Random(SEED)
@@ -124,10 +108,9 @@ def _poisson(rng: random.Random, mean: float) -> int:
 @lru_cache(maxsize=256)
 def _simulate(engine: Engine, w: Workload, n: int, rates_key: tuple) -> tuple[float, float]:
     rates = Rates(tool_latency_s=rates_key[0], tool_calls_per_traj=rates_key[1], tool_tokens=rates_key[2])
-    sim = rollout_sim()
-    with _constants(sim, engine, w.budget):
+    with _constants(engine, w.budget):
         s = sim.Sim(1, "kv_aware", share=True)
-        r = s.run_step(_pool(sim, w, n, rates))
+        r = s.run_step(_pool(w, n, rates))
     return r["makespan_s"], s.busy_s
 
 

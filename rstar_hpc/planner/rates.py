@@ -14,14 +14,14 @@ Training:
                 "weak scaling" table); an RL step trains one optimizer step on variable-length packed sequences
                 with tensor and pipeline parallelism, so less is assumed.
 
-Generation (the engine model of bench/rollout_sim.py: a decode step costs c0 + c1 x batch + c2 x context tokens
+Generation (the engine model of planner/engine_sim.py: a decode step costs c0 + c1 x batch + c2 x context tokens
 read, prefill p per token). The constants follow from the hardware and the model instead of being fixed:
   c0 = weight bytes / (tp x hbm x decode_efficiency) + tp all-reduces (2 per layer x ALLREDUCE_S when tp > 1)
   c2 = KV bytes per token / (tp x hbm x decode_efficiency)
   p  = 2 x parameters / (tp x peak x prefill_mfu)
-  c1 = bench/rollout_sim.py's C1 (sampling and scheduling per sequence; host work, not the GPU's)
+  c1 = planner/engine_sim.py's C1 (sampling and scheduling per sequence; host work, not the GPU's)
   decode_efficiency 0.7, prefill_mfu 0.5: with these, a 14B model on one H100 gives c0 = 12.6 ms, c2 = 7e-8 s and
-  p = 6e-5 s, bench/rollout_sim.py's calibration of a 14B-class engine on one 80 GB GPU (C0 12 ms, C2 5e-8,
+  p = 6e-5 s, planner/engine_sim.py's calibration of a 14B-class engine on one 80 GB GPU (C0 12 ms, C2 5e-8,
   PREFILL 6e-5). ALLREDUCE_S 10 us: NCCL's small-message all-reduce latency inside an NVLink/xGMI node.
   The KV pool of an engine: tp x memory x gpu_memory_utilization - the weights, over the KV bytes per token.
 

@@ -2,7 +2,7 @@
 and the last stdout line one JSON object of its figures (the contract every bench keeps).
 
 The scripts are found by globbing bench/ for files with a `__main__` block, so a new bench is covered the day it
-lands; modules without one (rollout_sim.py, trainer_sized.py) are run through the scripts that import them.
+lands; modules without one (trainer_sized.py) are run through the scripts that import them.
 `--quick` is each bench's smoke size: seconds on a 2-core machine, figures that only show the bench works.
 
 exchange.py's exit status reports its target (1 when Arrow misses 5x JSONL), which a toy step need not meet: for it
@@ -38,7 +38,7 @@ def _run(script: str, *args: str) -> tuple[int, dict, str]:
 
 def test_the_glob_finds_the_benches():
     assert {"exchange.py", "roc.py", "rollout_balance.py", "sandbox_service.py", "trainer.py"} <= set(SCRIPTS)
-    assert "rollout_sim.py" not in SCRIPTS   # a module of rollout_balance.py, no script
+    assert "trainer_sized.py" not in SCRIPTS   # a module of trainer.py, no script
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

@@ -1,5 +1,6 @@
-"""The engine simulation behind bench/rollout_balance.py: one or several rollout steps on N vLLM-like engines,
-admission through rstar_hpc/rollout/admission.py, and the long-tail levers.
+"""The rollout engine model: one or several rollout steps on N vLLM-like engines, admission through
+rstar_hpc/rollout/admission.py, and the long-tail levers. The planner (generation.py) simulates a stage's step with
+it; bench/rollout_balance.py compares admission policies and levers on it.
 
 An engine is an FCFS queue admitted while the KV held by running requests fits (`KV_TOKENS`), at most
 `MAX_NUM_SEQS` running; a request that cannot grow preempts the most recently admitted one, which is recomputed
