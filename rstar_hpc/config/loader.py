@@ -1,4 +1,5 @@
-"""Load a run config: YAML file (or a name under configs/), dotted overrides, aliases, validation.
+"""Load a run config: YAML file (or a config name: ./configs/, $RSTAR_HPC_CONFIGS, the packaged ones), dotted
+overrides, aliases, validation.
 
     cfg = load_config("tiny-cpu", ["rollout.agent.max_turns=10", "run.seed=3"])
 
@@ -16,12 +17,12 @@ from typing import Any, Iterable
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from rstar_hpc import assets
 from rstar_hpc.config.run import ALIASES, RunConfig
 from rstar_hpc.config.stages import STAGE_KINDS
 from rstar_hpc.exchange.atomic import atomic_write_text
 from rstar_hpc.exchange.rundir import RunPaths
 
-CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
 DEFAULT_CONFIG = "tiny-cpu"
 
 
@@ -30,18 +31,20 @@ class ConfigError(ValueError):
 
 
 def resolve_config_path(name_or_path: str | os.PathLike) -> Path:
-    """A path to a YAML file, or the name of one in configs/ (`tiny-cpu` -> configs/tiny-cpu.yaml)."""
+    """A path to a YAML file, or a config name (`tiny-cpu`), looked up in ./configs/, $RSTAR_HPC_CONFIGS, then the
+    packaged configs (rstar_hpc/assets.py)."""
     p = Path(name_or_path)
     if p.suffix in (".yaml", ".yml"):
         if not p.is_file():
             raise ConfigError(f"config file {p} does not exist")
         return p
-    candidate = CONFIGS_DIR / f"{p}.yaml"
-    if candidate.is_file():
-        return candidate
-    known = sorted(f.stem for f in CONFIGS_DIR.glob("*.yaml"))
-    raise ConfigError(f"no config named {str(name_or_path)!r}; known configs: {', '.join(known)} "
-                      f"(or pass a path to a .yaml file)")
+    found = assets.find_config(str(p)) if p.name == str(p) else None
+    if found:
+        return found[0]
+    known = [name for name, _, _ in assets.known_configs()]
+    where = ", ".join(f"{s.label} ({s.dir})" for s in assets.config_sources())
+    raise ConfigError(f"no config named {str(name_or_path)!r}; known configs: {', '.join(known) or 'none'} (searched "
+                      f"{where}; `rstar-hpc config show --list`), or pass a path to a .yaml file")
 
 
 def parse_override(item: str) -> tuple[str, Any]:

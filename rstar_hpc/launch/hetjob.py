@@ -15,9 +15,8 @@ from pathlib import Path
 from rstar_hpc.launch import placement
 from rstar_hpc.launch.placement import het_groups
 from rstar_hpc.launch.roles import python_of
-from rstar_hpc.launch.slurm import SBATCH_DIR
+from rstar_hpc.assets import sbatch_template
 
-TEMPLATE = SBATCH_DIR / "run.sbatch"
 HEADER_MARK = "#RSTAR-HEADER"   # the line of the template the rendered #SBATCH header replaces
 
 
@@ -66,16 +65,16 @@ def header(cfg, run_dir: str | Path) -> str:
     return "\n".join(lines)
 
 
-def render(cfg, run_dir: str | Path, repo: str | Path | None = None) -> str:
+def render(cfg, run_dir: str | Path) -> str:
     """The job script of a run: the template with its header rendered and the run's settings filled in."""
-    text = TEMPLATE.read_text()
+    template = sbatch_template("run")
+    text = template.read_text()
     if HEADER_MARK not in text:
-        raise ValueError(f"{TEMPLATE} lost its {HEADER_MARK} line; restore it from the repository")
+        raise ValueError(f"{template} lost its {HEADER_MARK} line; reinstall rstar-hpc")
     groups = het_groups(cfg)
     setup = "\n".join([*(f"module load {shlex.quote(m)}" for m in cfg.launch.modules), *cfg.launch.setup])
     values = {
         "RUN_DIR": shlex.quote(str(run_dir)), "PYTHON": shlex.quote(python_of(cfg)),
-        "RSTAR_HPC_ROOT": shlex.quote(str(repo or Path(__file__).resolve().parents[2])),
         "HET_GROUPS": shlex.quote(",".join(f"{r}={i}" for r, i in groups.items())),
         "SETUP": setup or ":",
     }

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-SBATCH_DIR = Path(__file__).resolve().parents[2] / "sbatch"
+from rstar_hpc.assets import sbatch_template
+
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY",
             "BOOT_FAIL", "DEADLINE"}
 
@@ -19,17 +21,14 @@ class JobFailed(RuntimeError):
 
 def submit(template: str | os.PathLike, args: Sequence[str] = (), *, sbatch_args: Sequence[str] = (),
            env: Mapping[str, str] | None = None) -> str:
-    """sbatch a template (a name in sbatch/ or a path); returns the job id. The job's environment is `env` (default:
-    this process's), with RSTAR_HPC_ROOT set to this checkout unless it names one: templates start jobs/<role>.py
-    from there."""
+    """sbatch a template (a shipped one's name, rstar_hpc/assets.py, or a path); returns the job id. The job's
+    environment is `env` (default: this process's), with RSTAR_PYTHON set to this Python unless it names one: the
+    templates start `$RSTAR_PYTHON -m rstar_hpc ...`, so the job runs the install that submitted it."""
     path = Path(template)
     if not path.is_file():
-        path = SBATCH_DIR / (template if str(template).endswith(".sbatch") else f"{template}.sbatch")
-    if not path.is_file():
-        known = ", ".join(sorted(p.stem for p in SBATCH_DIR.glob("*.sbatch")))
-        raise FileNotFoundError(f"no sbatch template {template!r}; templates: {known}")
+        path = sbatch_template(str(template))
     env = {**(os.environ if env is None else env)}
-    env.setdefault("RSTAR_HPC_ROOT", str(SBATCH_DIR.parent))
+    env.setdefault("RSTAR_PYTHON", sys.executable)
     proc = subprocess.run(["sbatch", "--parsable", *sbatch_args, str(path), *args], capture_output=True, text=True,
                           env=env, timeout=60)
     if proc.returncode != 0:

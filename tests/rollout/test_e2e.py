@@ -218,7 +218,7 @@ def test_step_as_slurm_job_waits_for_its_policy(e2e, slurm_cluster):
 
     paths, work = e2e["paths"], e2e["work"]
     env = {**slurm_cluster.env, "PATH": f"{Path(PY).parent}:{os.environ.get('PATH', '')}", "PYTHONPATH": str(REPO),
-           "ROLLOUT_PY": PY, "OMP_NUM_THREADS": "1", "OMPI_ALLOW_RUN_AS_ROOT": "1",
+           "RSTAR_PYTHON": PY, "OMP_NUM_THREADS": "1", "OMPI_ALLOW_RUN_AS_ROOT": "1",
            "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}   # the template's default launcher: mpirun in the allocation
     out = work / "slurm-%j.out"
     job = submit("rollout", ["--config", str(e2e["cfg"]), "--step", "2"], env=env,

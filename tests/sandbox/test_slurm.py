@@ -22,7 +22,7 @@ def test_two_services_on_two_emulated_cpu_nodes(slurm_cluster, tmp_path):
 
     run_dir = tmp_path / "run"
     env = {**slurm_cluster.env, "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
-           "RSTAR_HPC_ROOT": str(REPO), "PYTHONPATH": str(REPO), "SANDBOX_WORKERS": "1"}
+           "PYTHONPATH": str(REPO), "SANDBOX_WORKERS": "1"}
     job = submit("sandbox", [str(run_dir)], env=env,
                  sbatch_args=["--nodes=2", "--time=10", f"--output={tmp_path}/sandbox-%j.out"])
     ann_dir = run_dir / "rendezvous" / "sandbox"

@@ -42,7 +42,7 @@ def test_train_submits_an_sft_stage_that_saves_on_usr2_requeues_and_resumes(slur
     cfg = _config(tmp_path, tiny_hf_dir)
     run = tmp_path / "runs" / "tiny-cpu"
     env = {**os.environ, **slurm_cluster.env, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-           "RSTAR_HPC_ROOT": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+           "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     # `rstar-hpc train CFG --stage sft --submit`, sized from launch.trainer: two ranks (data parallel) in one srun
     # step, as on a node with two GPUs
     cli_out = tmp_path / "cli.out"

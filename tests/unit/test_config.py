@@ -5,10 +5,10 @@ import pytest
 import yaml
 
 from rstar_hpc.config import ConfigError, build_config, dump_config, load_config
-from rstar_hpc.config.loader import CONFIGS_DIR
+from rstar_hpc.assets import packaged_configs_dir
 
 
-@pytest.mark.parametrize("name", sorted(p.stem for p in CONFIGS_DIR.glob("*.yaml")))
+@pytest.mark.parametrize("name", sorted(p.stem for p in packaged_configs_dir().glob("*.yaml")))
 def test_every_shipped_config_loads_and_round_trips(name):
     cfg = load_config(name)
     again = build_config(yaml.safe_load(dump_config(cfg)))
