@@ -9,6 +9,22 @@ from pydantic import Field, field_validator
 from rstar_hpc.config.base import Section
 
 
+class ContainerConfig(Section):
+    """A container image the role's job steps run in (rstar_hpc/launch/container.py; images: containers/). The image
+    holds rstar-hpc installed from its wheel; the step runs the image's `python -m rstar_hpc`, not the host's."""
+
+    image: str | None = None
+    """pyxis/enroot: an image or squashfs (--container-image); apptainer: a .sif path. Null: no container."""
+    runtime: Literal["pyxis", "apptainer"] = "pyxis"
+    """pyxis: srun's --container-image/--container-mounts (Slurm with the pyxis plugin); apptainer: each step's
+    command runs under `apptainer exec [--nv] --bind ...`."""
+    python: str = "python3"
+    """The image's interpreter, the one rstar-hpc is installed into (a name on the image's PATH, or a path)."""
+    mounts: list[str] = Field(default_factory=list)
+    """More host paths to mount (SRC[:DST[:FLAGS]]). Always mounted at the same path: the run root (read-write), the
+    model directory and the folder of every data file the config names (read-only)."""
+
+
 class RoleResources(Section):
     partition: str = "gpu"
     num_nodes: int = Field(1, ge=1)
@@ -33,19 +49,9 @@ class RoleResources(Section):
     """Whole nodes (--exclusive)."""
     extra: list[str] = Field(default_factory=list)
     """More sbatch options for this role, verbatim (e.g. ["--reservation=rl"])."""
-
-
-class ContainerConfig(Section):
-    """A container every job step runs in: the image must hold this project's environment (or set
-    launch.python/launch.setup to one on shared storage)."""
-
-    image: str | None = None
-    """pyxis/enroot: an image or squashfs (--container-image); apptainer: a .sif path. Null: no container."""
-    runtime: Literal["pyxis", "apptainer"] = "pyxis"
-    """pyxis: srun's --container-image/--container-mounts (Slurm with the pyxis plugin); apptainer: each step's
-    command runs under `apptainer exec --nv --bind ...`."""
-    mounts: list[str] = Field(default_factory=list)
-    """Host paths to mount (SRC[:DST]); the run root is always mounted at the same path."""
+    container: ContainerConfig | None = None
+    """This role's own image, in place of launch.container (null: launch.container's); `{image: null}`: the role
+    runs on the host though the others run in launch.container."""
 
 
 class LaunchConfig(Section):
@@ -66,6 +72,7 @@ class LaunchConfig(Section):
     cpu_bind: str | None = "cores"
     """srun --cpu-bind of every step: each task pinned to its cpus_per_task cores. Null: the site's default."""
     container: ContainerConfig = ContainerConfig()
+    """The image every role's steps run in, unless launch.<role>.container names its own."""
     account: str | None = None
     """Slurm --account of every job."""
     qos: str | None = None
@@ -75,7 +82,8 @@ class LaunchConfig(Section):
     setup: list[str] = Field(default_factory=list)
     """Shell lines every job runs before the roles start (e.g. "source /lustre/envs/rstar/bin/activate")."""
     python: str | None = None
-    """The Python that runs the roles on the nodes; null: the one running `rstar-hpc launch` (a shared venv)."""
+    """The host Python that runs the supervisor and the roles not in a container; null: the one running `rstar-hpc
+    launch` (a venv or site install on shared storage). A role in a container runs its image's python."""
     signal_lead_s: int = Field(90, ge=10)
     """Seconds before the time limit at which Slurm sends USR2: the roles save, the job requeues itself."""
     max_restarts: int = Field(20, ge=0)

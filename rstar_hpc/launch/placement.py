@@ -23,6 +23,7 @@ import shlex
 import subprocess
 from pathlib import Path
 
+from rstar_hpc.launch import container
 from rstar_hpc.launch.roles import role_argv, roles_needed
 
 ROLE_ORDER = ("trainer", "rollout", "sandbox")
@@ -173,17 +174,6 @@ def table(tasks: list[Task]) -> str:
 
 
 # ------------------------------------------------------------------------------------------------------ job steps
-def _container(cfg, run_root: str) -> tuple[list[str], list[str]]:
-    """(srun options, argv prefix) that run a step in launch.container."""
-    c = cfg.launch.container
-    if not c.image:
-        return [], []
-    mounts = [f"{run_root}:{run_root}", *c.mounts]
-    if c.runtime == "pyxis":
-        return [f"--container-image={c.image}", f"--container-mounts={','.join(mounts)}"], []
-    return [], ["apptainer", "exec", "--nv", *(f"--bind={m}" for m in mounts), c.image]
-
-
 def hostfile_lines(cfg, nodes: list[str]) -> list[str]:
     """SLURM_HOSTFILE of the rollout step: rank 0 and the first node's engines on node 0, then each node's engines."""
     per = engines_per_node(cfg)
@@ -228,8 +218,7 @@ def step_argv(cfg, role: str, run_dir: str | Path, *, het_group: int | None = No
                  f"--cpus-per-task={res.cpus_per_task}"]
     if launch.cpu_bind and not (role == "rollout" and launch.mpi == "none"):
         srun.append(f"--cpu-bind={launch.cpu_bind}")
-    opts, prefix = _container(cfg, str(Path(run_dir).parent))
-    return [*srun, *opts, *prefix, *argv]
+    return [*srun, *container.srun_options(cfg, role), *container.command_prefix(cfg, role), *argv]
 
 
 def steps(cfg, run_dir: str | Path) -> dict[str, str]:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from rstar_hpc import pipeline
 from rstar_hpc.exchange.rundir import RunPaths
+from rstar_hpc.launch import container
 
 ROLES = ("trainer", "rollout", "sandbox")
 
@@ -26,9 +27,10 @@ def python_of(cfg) -> str:
 
 
 def role_argv(cfg, role: str, run_dir: str | Path) -> list[str]:
-    """`python -m rstar_hpc ...` of a role (without the launcher's srun/mpirun around it)."""
+    """`python -m rstar_hpc ...` of a role (without the launcher's srun/mpirun around it), with the role's image's
+    python when it runs in a container."""
     config = str(Path(run_dir) / "config.yaml")
-    base = [python_of(cfg), "-m", "rstar_hpc"]
+    base = [container.python(cfg, role) or python_of(cfg), "-m", "rstar_hpc"]
     if role == "trainer":
         return [*base, "train", config, "--follow"]
     if role == "rollout":

@@ -86,16 +86,54 @@ def test_srun_lines_follow_mpi_container_and_gres_settings(tmp_path):
                                     "launch.container.image=/lustre/images/rstar.sqsh", "launch.container.mounts=[/scratch]"])
     line = placement.steps(cfg, tmp_path / "run")["rollout"]
     assert "--mpi=pmi2" in line and "--container-image=/lustre/images/rstar.sqsh" in line
-    assert f"--container-mounts={tmp_path}:{tmp_path},/scratch" in line
+    mounts = line.split("--container-mounts=")[1].split()[0].split(",")
+    assert f"{tmp_path}:{tmp_path}" in mounts and mounts[-1] == "/scratch"
     cfg = load_config("qwen3-14b", [f"run.root={tmp_path}", *BASE, "launch.container.runtime=apptainer",
                                     "launch.container.image=/x/rstar.sif", "launch.gpu_gres=false",
                                     "launch.cpu_bind=null"])
     line = placement.steps(cfg, tmp_path / "run")["trainer"]
-    assert f"apptainer exec --nv --bind={tmp_path}:{tmp_path} /x/rstar.sif" in line
+    assert "apptainer exec --nv --bind=" in line and f"--bind={tmp_path}:{tmp_path} " in line
+    assert " /x/rstar.sif python3 -m rstar_hpc train " in line
     assert "--gpus" not in line and "--cpu-bind" not in line   # no GRES: each rank picks its GPU (binding.py)
     one = load_config("tiny-cpu", [f"run.root={tmp_path}", "launch.mpi=none"])
     line = placement.steps(one, tmp_path / "run")["rollout"]
     assert "--ntasks=1" in line and line.endswith("--engines 1") and "--mpi" not in line
+
+
+def test_each_role_runs_its_own_image_with_the_images_python_and_the_configs_paths_mounted(tmp_path):
+    """One image per role (trainer on a TE base, rollout on vLLM's, a slim sandbox): each step runs its image's
+    interpreter, never the host's, with the run root, the model and the data mounted at their own paths."""
+    data, model, root = tmp_path / "data", tmp_path / "models" / "q", tmp_path / "data" / "runs"
+    data.mkdir()
+    (data / "sft.jsonl").write_text("")
+    cfg = load_config("tiny-cpu", [f"run.root={root}", f"model.path={model}", f"stages.sft.data={data}/sft.jsonl",
+                                   "launch.container.image=/img/trainer.sqsh",
+                                   "launch.rollout.container={image: /img/rollout.sqsh, python: /opt/venv/bin/python}",
+                                   "launch.sandbox.container={image: /img/sandbox.sif, runtime: apptainer}"])
+    lines = placement.steps(cfg, root / "tiny-cpu")
+    host = sys.executable
+    assert all(host not in line for line in lines.values()), lines
+    assert "--container-image=/img/trainer.sqsh" in lines["trainer"] and " python3 -m rstar_hpc train " in lines["trainer"]
+    assert "--container-image=/img/rollout.sqsh" in lines["rollout"]
+    assert " /opt/venv/bin/python -m rstar_hpc rollout " in lines["rollout"]
+    assert "--container-image" not in lines["sandbox"]
+    assert "apptainer exec --bind=" in lines["sandbox"] and "--nv" not in lines["sandbox"]   # no GPUs there
+    assert " /img/sandbox.sif python3 -m rstar_hpc sandbox serve " in lines["sandbox"]
+    # the data folder read-only, the run root inside it read-write over it, the model read-only
+    mounts = lines["trainer"].split("--container-mounts=")[1].split()[0].split(",")
+    assert mounts == [f"{data}:{data}:ro", f"{root}:{root}", f"{model}:{model}:ro"], mounts
+    # a role can leave the shared image and run on the host's python
+    bare = load_config("tiny-cpu", [f"run.root={root}", "launch.container.image=/img/all.sqsh",
+                                    "launch.sandbox.container={image: null}"])
+    lines = placement.steps(bare, root / "tiny-cpu")
+    assert "--container-image=/img/all.sqsh" in lines["rollout"]
+    assert "--container" not in lines["sandbox"] and f"{host} -m rstar_hpc sandbox serve" in lines["sandbox"]
+    # the dry run prints the same lines
+    proc = subprocess.run([sys.executable, "-m", "rstar_hpc", "launch", "tiny-cpu", f"run.root={root}",
+                           "launch.rollout.container.image=/img/rollout.sqsh", "--dry-run"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "--container-image=/img/rollout.sqsh" in proc.stdout and "python3 -m rstar_hpc rollout" in proc.stdout
 
 
 def test_each_task_takes_its_block_of_the_gpus_slurm_gave_it():
