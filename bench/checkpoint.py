@@ -10,15 +10,17 @@ blocked / sync blocked, measured in the same run.
 
     python bench/checkpoint.py --device cuda --model qwen3-0.6b [--saves 3] [--dir /lustre/...]
     python bench/checkpoint.py --quick        # a toy shape on the CPU: a smoke test, the figures say little
+
+Scratch (the checkpoints, without --dir) goes under $TMPDIR and is removed at the end, failure or not; --keep keeps
+it and prints its path on stderr.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
-import shutil
 import statistics
-import tempfile
 import time
 import warnings
 
@@ -34,7 +36,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=None, help="fewer layers than the published shape")
     p.add_argument("--saves", type=int, default=3, help="timed saves per mode (after one untimed warm-up save)")
     p.add_argument("--tokens", type=int, default=2048, help="tokens of the step trained between saves")
-    p.add_argument("--dir", default=None, help="where checkpoints go (default: a temporary directory)")
+    p.add_argument("--dir", default=None, help="where checkpoints go, left there (default: a scratch directory "
+                   "under $TMPDIR, removed at the end)")
+    p.add_argument("--keep", action="store_true", help="keep the scratch directory (its path goes to stderr)")
     p.add_argument("--quick", action="store_true", help="a toy shape, 2 saves: a smoke test")
     return p.parse_args()
 
@@ -54,6 +58,18 @@ def _arch(args):
 
 def main() -> None:
     args = parse_args()
+    from rstar_hpc.scratch import private_torch_cache
+
+    private_torch_cache()   # before megatron/vLLM import torch._dynamo: its kernel cache goes at exit
+    from rstar_hpc.scratch import scratch_dir
+
+    with contextlib.ExitStack() as stack:   # the scratch directory is removed at the end, failure or not
+        root = args.dir or str(stack.enter_context(scratch_dir("bench-ckpt-", keep=args.keep)))
+        out = bench(args, root)
+    print(json.dumps(out))
+
+
+def bench(args, root: str) -> dict:
     if args.quick:
         args.saves, args.tokens = 2, 128
     from rstar_hpc.config.trainer import TrainerConfig
@@ -78,7 +94,6 @@ def main() -> None:
     mask = torch.ones(args.tokens, dtype=torch.bool)
     mask[0] = False   # the first token has no prediction
     batch = [(sample, mask)]
-    root = args.dir or tempfile.mkdtemp(prefix="rstar-bench-ckpt-")
 
     def sync_wait():
         if args.device == "cuda":
@@ -105,8 +120,6 @@ def main() -> None:
         ckpt.close()   # waits for the last async write and commits it
     write_s = ckpts["async"].async_seconds[1:] or ckpts["async"].async_seconds
     destroy_distributed()
-    if args.dir is None:
-        shutil.rmtree(root, ignore_errors=True)
     sync_b, async_b = statistics.median(blocked["sync"]), statistics.median(blocked["async"])
     out = {"bench": "checkpoint", "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
            "model": "toy" if args.quick else args.model, "layers": arch.num_layers, "params": params,
@@ -114,7 +127,7 @@ def main() -> None:
            "train_step_s": round(statistics.median(train_s), 4), "sync_blocked_s": round(sync_b, 4),
            "async_blocked_s": round(async_b, 4), "async_write_s": round(statistics.median(write_s), 4),
            "blocked_ratio": round(async_b / sync_b, 3) if sync_b else None}
-    print(json.dumps(out))
+    return out
 
 
 if __name__ == "__main__":

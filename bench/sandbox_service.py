@@ -1,6 +1,6 @@
 """Sandbox service throughput and latency vs one fresh `python3` per call (the public rStar2 service's way).
 
-    python bench/sandbox_service.py [--workers N] [--quick] [--repeats 5]
+    python bench/sandbox_service.py [--workers N] [--quick] [--repeats 5] [--keep]
 
 --quick: at most 256 calls queued at once, one repeat, fewer baseline calls (a smoke test, well under a minute).
 
@@ -34,10 +34,8 @@ import asyncio
 import itertools
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -88,10 +86,11 @@ async def run_level(submit, code: str, n: int, concurrency: int, rounds: int = 1
 
 
 class Baseline:
-    def __init__(self, limits: Limits, workers: int):
+    def __init__(self, limits: Limits, workers: int, folder: str):
         self.limits = limits
         self.sem = asyncio.Semaphore(workers)
-        self.dir = tempfile.mkdtemp(prefix="bench-baseline-")
+        self.dir = folder
+        os.makedirs(folder)
         self.n = 0
         self.rlimits = {"RLIMIT_CPU": int(limits.cpu_time_s), "RLIMIT_AS": (limits.memory_mb + 512) << 20,
                         "RLIMIT_NPROC": 4096, "RLIMIT_NOFILE": limits.open_files,
@@ -134,17 +133,17 @@ def start_service(workers: int, run_dir: str) -> tuple[subprocess.Popen, str]:
     return proc, f"{rec['host']}:{rec['port']}"
 
 
-async def main_async(args) -> dict:
+async def main_async(args, scratch: str) -> dict:
     workers = args.workers or Limits().workers()
     limits = Limits()
     levels = [(1, 1), (64, 64), (2048, 2048)]
     if args.quick:
         levels = [(1, 1), (64, 64), (256, 256)]
-    run_dir = tempfile.mkdtemp(prefix="bench-sandbox-")
+    run_dir = os.path.join(scratch, "run")
     proc, address = start_service(workers, run_dir)
     figures: dict = {"workers": workers, "cores": os.cpu_count(), "ours": {}, "baseline": {}, "ratio": {},
                      "load_avg_1m_at": {}}
-    base = Baseline(limits, workers)
+    base = Baseline(limits, workers, os.path.join(scratch, "baseline"))
     per = {"trivial": (20, 64), "numpy_sympy": (4, 16)}   # baseline calls measured at c1 and at saturation
     if args.quick:
         per = {"trivial": (5, 16), "numpy_sympy": (1, 4)}
@@ -190,10 +189,8 @@ async def main_async(args) -> dict:
     finally:
         proc.terminate()
         proc.wait(30)
-        shutil.rmtree(run_dir, ignore_errors=True)
     figures["load_avg_1m_at"]["baseline_numpy_sympy"] = os.getloadavg()[0]
     numpy_c1, numpy_sat = await baseline("numpy_sympy")
-    shutil.rmtree(base.dir, ignore_errors=True)
 
     # trivial: each repeat against the mean of the baseline runs right before and right after it
     around = [(a["throughput"] + b["throughput"]) / 2 for a, b in itertools.pairwise(brackets)]
@@ -239,10 +236,17 @@ def main() -> None:
                     "baseline calls (smoke test)")
     ap.add_argument("--repeats", type=int, default=None, help="interleaved ours/baseline repeats of the trivial "
                     "saturated levels; the median repeat's ratio is reported (default 5, 1 with --quick)")
+    ap.add_argument("--keep", action="store_true", help="keep the scratch directory (the service's run directory, "
+                    "the baseline's call folders) under $TMPDIR; its path goes to stderr")
     args = ap.parse_args()
     if args.repeats is None:
         args.repeats = 1 if args.quick else 5
-    figures = asyncio.run(main_async(args))
+    from rstar_hpc.scratch import scratch_dir
+
+    # the service's run directory and the baseline's call folders; the service's own scratch (its compiled worker
+    # package, under the $TMPDIR it inherits) goes when it stops
+    with scratch_dir("bench-sandbox-", keep=args.keep) as scratch:
+        figures = asyncio.run(main_async(args, str(scratch)))
     print(json.dumps(figures, separators=(",", ":")))
 
 

@@ -20,6 +20,8 @@ object of the figures.
                             [--mix-short 28] [--short-tokens 64] [--mix-long 4] [--long-tokens 1536] [--pack-tokens 2048]
 
 --quick: one timed step of each comparison at toy sizes (a smoke test of the bench; the ratios say little).
+--keep: keep the scratch directory (the tiny model, SFT data, the RL run directory; under $TMPDIR) that is otherwise
+removed at the end, failure or not; its path goes to stderr.
 
 Realistic sizes (`--model qwen3-0.6b|qwen3-1.7b|qwen3-4b|...`, usually `--device cuda`): the SFT step only, on a
 Qwen3-architecture model of that published shape built from its config (random init, bf16 weights with fp32 main
@@ -34,7 +36,6 @@ import argparse
 import json
 import os
 import statistics
-import tempfile
 import time
 import warnings
 
@@ -92,6 +93,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--layers", type=int, default=None, help="sized models: fewer layers (smoke tests)")
     ap.add_argument("--warmup", type=int, default=2, help="sized models: untimed steps first (compilation)")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="MFU denominator (H100 SXM dense bf16)")
+    ap.add_argument("--keep", action="store_true", help="keep the scratch directory (tiny model, SFT data) under "
+                    "$TMPDIR instead of removing it at the end; its path goes to stderr")
     ap.add_argument("--quick", action="store_true", help="toy sizes, one timed step (smoke test); explicit flags "
                     "still win")
     args = ap.parse_args()
@@ -107,6 +110,9 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    from rstar_hpc.scratch import private_torch_cache
+
+    private_torch_cache()   # before megatron/vLLM import torch._dynamo: its kernel cache goes at exit
     if args.model != "tiny":
         from trainer_sized import bench_sized  # bench/ is on sys.path when this file runs as a script
 
@@ -116,16 +122,22 @@ def main() -> None:
     from rstar_hpc.models.tiny import make_tiny_model
     from rstar_hpc.trainer.model import destroy_distributed, init_distributed
 
-    tmp = tempfile.mkdtemp(prefix="bench-trainer-")
-    model_dir = make_tiny_model(os.path.join(tmp, "tiny"), TinyModelSpec())
-    for k, v in (("MASTER_PORT", "29587"), ("RANK", "0"), ("WORLD_SIZE", "1")):
-        os.environ.setdefault(k, v)
-    init_distributed(tp=1)
-    figures = {"bench": "trainer_step", "device": "cpu", "threads": torch.get_num_threads(), "steps": args.steps}
-    figures.update(bench_sft(args, model_dir, tmp))
-    figures.update(bench_rl(args, model_dir, tmp))
-    figures.update(bench_packing(args, model_dir))
-    destroy_distributed()
+    from rstar_hpc.scratch import scratch_dir
+
+    with scratch_dir("bench-trainer-", keep=args.keep) as scratch:   # removed at the end, failure or not
+        tmp = str(scratch)
+        model_dir = make_tiny_model(os.path.join(tmp, "tiny"), TinyModelSpec())
+        for k, v in (("MASTER_PORT", "29587"), ("RANK", "0"), ("WORLD_SIZE", "1")):
+            os.environ.setdefault(k, v)
+        init_distributed(tp=1)
+        try:
+            figures = {"bench": "trainer_step", "device": "cpu", "threads": torch.get_num_threads(),
+                       "steps": args.steps}
+            figures.update(bench_sft(args, model_dir, tmp))
+            figures.update(bench_rl(args, model_dir, tmp))
+            figures.update(bench_packing(args, model_dir))
+        finally:
+            destroy_distributed()
     print(json.dumps(figures))
 
 

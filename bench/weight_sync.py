@@ -16,7 +16,11 @@ Both are timed from "the trainer holds the new tensors" to "the engine generates
 logprobs are compared between the two paths (same weights: same numbers). Files are read back from the page
 cache here (one host, no Lustre): the file path's best case.
 
-    python bench/weight_sync.py [--rounds R] [--bucket-mb B] [--dir DIR] [--quick]
+    python bench/weight_sync.py [--rounds R] [--bucket-mb B] [--dir DIR | --keep] [--quick]
+
+The model and run directory go into a scratch directory under $TMPDIR, removed at the end (also on failure or
+interruption; ~800 MB at full size); --keep keeps it and prints its path on stderr, --dir DIR writes into DIR
+and leaves it. The engine's own scratch (vLLM's IPC sockets, torch's kernel cache) is removed at its shutdown.
 
 --quick: a 4-layer, hidden-256 model (a smoke test; its ratio says little). The last stdout line is one JSON
 object: both times, `speedup` (files / memory), the model's size; exit status 1 when the logprobs disagree.
@@ -25,11 +29,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -67,6 +71,14 @@ def publish_files(paths, state: dict, model_dir: Path, version: int) -> Path:
 
 
 async def run(args) -> dict:
+    from rstar_hpc.scratch import scratch_dir
+
+    with contextlib.ExitStack() as stack:
+        root = Path(args.dir) if args.dir else stack.enter_context(scratch_dir("bench-wsync-", keep=args.keep))
+        return await _run(args, root)
+
+
+async def _run(args, root: Path) -> dict:
     import torch
     from safetensors.torch import load_file
 
@@ -77,7 +89,6 @@ async def run(args) -> dict:
     from rstar_hpc.rollout.weight_sync import open_session
     from rstar_hpc.trainer.weight_sync import WeightServer
 
-    root = Path(args.dir or tempfile.mkdtemp(prefix="bench-wsync-"))
     model_dir = build_model(root, args.quick)
     state = load_file(str(model_dir / "model.safetensors"))
     params = sum(t.numel() for t in state.values())
@@ -128,10 +139,15 @@ async def run(args) -> dict:
 
 
 def main() -> int:
+    from rstar_hpc.scratch import private_torch_cache
+
+    private_torch_cache()   # before megatron/vLLM import torch._dynamo: its kernel cache goes at exit
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3, help="timed rounds per path (after one warm-up round)")
     ap.add_argument("--bucket-mb", type=int, default=64)
-    ap.add_argument("--dir", default=None, help="where the model and run directory go (default: a temp dir)")
+    ap.add_argument("--dir", default=None, help="where the model and run directory go, left there (default: a "
+                    "scratch directory under $TMPDIR, removed at the end)")
+    ap.add_argument("--keep", action="store_true", help="keep the scratch directory (its path goes to stderr)")
     ap.add_argument("--quick", action="store_true", help="a small model (smoke test)")
     args = ap.parse_args()
     if args.rounds < 1:

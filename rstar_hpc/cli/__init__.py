@@ -76,6 +76,9 @@ def main(argv: list[str] | None = None) -> None:
     from rstar_hpc.config import ConfigError
     from rstar_hpc.datasets import DatasetError
 
+    if argv is None:   # the program (not a test calling it in-process): torch's kernel cache goes when it exits
+        from rstar_hpc.scratch import private_torch_cache
+        private_torch_cache()
     try:
         cli.main(args=argv, prog_name="rstar-hpc", standalone_mode=False)
     except click.exceptions.Exit as e:

