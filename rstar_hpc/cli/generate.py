@@ -20,7 +20,7 @@ def command(config: str, overrides: tuple[str, ...], num_prompts: int, max_token
     """Load the policy of CONFIG (building the tiny model if the config asks for one) into vLLM, sample
     math prompts in the rStar2 format, and write token ids, per-token logprobs and text as JSONL.
 
-    CONFIG is a name in configs/ or a YAML path; OVERRIDES are dotted key=value pairs.
+    CONFIG is a config name (`rstar-hpc config show --list`) or a YAML path; OVERRIDES are dotted key=value pairs.
     """
     import os
 

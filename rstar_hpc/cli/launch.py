@@ -24,9 +24,9 @@ from rstar_hpc.cli.status import EXIT_CONFIG, EXIT_FAILED
 def command(config: str, overrides: tuple[str, ...], launcher, wait: bool, dry_run: bool, timeout_s, as_json) -> None:
     """Submit every stage of CONFIG (sft -> rl ... -> hard_subset -> rl -> eval) as one run.
 
-    CONFIG is a name in configs/, a YAML path, or a run directory's config.yaml (launching a run again continues
-    it where its run directory says it stopped). OVERRIDES are dotted key=value pairs, e.g.
-    model.path=/lustre/models/Qwen3-14B-Base launch.trainer.partition=a100 launch.account=proj42.
+    CONFIG is a config name (`rstar-hpc config show --list`), a YAML path, or a run directory's config.yaml
+    (launching a run again continues it where its run directory says it stopped). OVERRIDES are dotted key=value
+    pairs, e.g. model.path=/lustre/models/Qwen3-14B-Base launch.trainer.partition=a100 launch.account=proj42.
     Site settings (partition, account, qos, constraint, time, gres, modules) come from the config's `launch`
     section and overrides; `--dry-run` shows the result.
     """

@@ -28,7 +28,7 @@ def command(config: str, overrides: tuple[str, ...], stage_name: str | None, fol
     the end (sbatch/trainer.sbatch then requeues). Under srun every task is one rank (one GPU); alone it is a
     world of one.
 
-    CONFIG is a name in configs/ or a YAML path; OVERRIDES are dotted key=value pairs.
+    CONFIG is a config name (`rstar-hpc config show --list`) or a YAML path; OVERRIDES are dotted key=value pairs.
     """
     from rstar_hpc.config import load_config
 

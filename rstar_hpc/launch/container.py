@@ -74,6 +74,18 @@ def command_prefix(cfg, role: str) -> list[str]:
     return ["apptainer", "exec", *gpus, *(f"--bind={m}" for m in mounts(cfg, role)), c.image]
 
 
+def in_image(cfg, role: str, argv: list[str]) -> list[str]:
+    """A role's command run from inside its allocation without a step of its own (submitit's one-task roles, a
+    one-node rollout's own mpirun): in its image through a one-task `srun --overlap` (pyxis) or `apptainer exec`;
+    unchanged on the host."""
+    c = of(cfg, role)
+    if c is None:
+        return argv
+    if c.runtime == "pyxis":
+        return ["srun", "--overlap", "--nodes=1", "--ntasks=1", *srun_options(cfg, role), *argv]
+    return [*command_prefix(cfg, role), *argv]
+
+
 def python(cfg, role: str) -> str | None:
     """The interpreter inside the role's image, or None when the role runs on the host."""
     c = of(cfg, role)

@@ -31,7 +31,7 @@ from pathlib import Path
 from rstar_hpc.config import RunConfig
 from rstar_hpc.exchange.events import record_event
 from rstar_hpc.exchange.rundir import RunPaths
-from rstar_hpc.launch import placement
+from rstar_hpc.launch import container, placement
 from rstar_hpc.launch.roles import ROLES, hostnames, role_argv, role_done, role_env, roles_needed, run_done
 from rstar_hpc.launch.watch import kill_step, stale
 
@@ -111,11 +111,11 @@ class RoleJob:
         nodes = os.environ.get("SLURM_JOB_NODELIST")
         env = role_env(cfg, self.role, nodes, attempt)
         if self.role == "rollout" and (res.num_nodes == 1 or cfg.launch.mpi == "none"):
-            argv = role_argv(cfg, self.role, self.run_dir)
-            return [*argv, "--engines", str(placement.num_engines(cfg))], own_mpirun_env(env)
+            argv = [*role_argv(cfg, self.role, self.run_dir), "--engines", str(placement.num_engines(cfg))]
+            return container.in_image(cfg, self.role, argv), own_mpirun_env(env)
         tasks = [t for t in placement.plan(cfg) if t.role == self.role]
         if len(tasks) == 1:
-            return role_argv(cfg, self.role, self.run_dir), env
+            return container.in_image(cfg, self.role, role_argv(cfg, self.role, self.run_dir)), env
         if self.role == "rollout":
             env["SLURM_HOSTFILE"] = str(placement.write_hostfile(cfg, self.run_dir, hostnames(nodes)))
         return placement.step_argv(cfg, self.role, self.run_dir, overlap=True), env

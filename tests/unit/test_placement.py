@@ -128,6 +128,14 @@ def test_each_role_runs_its_own_image_with_the_images_python_and_the_configs_pat
     lines = placement.steps(bare, root / "tiny-cpu")
     assert "--container-image=/img/all.sqsh" in lines["rollout"]
     assert "--container" not in lines["sandbox"] and f"{host} -m rstar_hpc sandbox serve" in lines["sandbox"]
+    # submitit's one-task roles and a one-node rollout start their command from the job itself: in the image too
+    from rstar_hpc.launch.submitit_launch import RoleJob
+
+    argv, _ = RoleJob(str(root / "tiny-cpu"), "sandbox").argv(cfg, 0)
+    assert argv[:2] == ["apptainer", "exec"] and "/img/sandbox.sif" in argv and host not in argv, argv
+    argv, _ = RoleJob(str(root / "tiny-cpu"), "rollout").argv(cfg, 0)
+    assert argv[:2] == ["srun", "--overlap"] and "--container-image=/img/rollout.sqsh" in argv, argv
+    assert argv[-2:] == ["--engines", "1"] and "/opt/venv/bin/python" in argv and host not in argv
     # the dry run prints the same lines
     proc = subprocess.run([sys.executable, "-m", "rstar_hpc", "launch", "tiny-cpu", f"run.root={root}",
                            "launch.rollout.container.image=/img/rollout.sqsh", "--dry-run"], capture_output=True,
