@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +22,7 @@ from rstar_hpc.models import chat_format as fmt
 from rstar_hpc.trainer.hf_convert import read_hf_weights
 
 pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[2]
 QUESTION = "Compute 12 * 34."
 
 
@@ -37,9 +42,17 @@ def run(tiny_hf_dir, tmp_path_factory) -> RunPaths:
 
 @pytest.fixture(scope="module")
 def exported(run, tmp_path_factory) -> dict:
-    """The newest checkpoint through the CLI (the run directory), the early one from its checkpoint directory."""
+    """The newest checkpoint through the CLI (the run directory; the program, with TMPDIR an empty folder that it
+    must leave empty), the early one from its checkpoint directory."""
     out = tmp_path_factory.mktemp("exported")
-    main(["export", str(run.dir), str(out / "newest")])
+    tmpdir = tmp_path_factory.mktemp("t")
+    done = subprocess.run([sys.executable, "-m", "rstar_hpc", "export", str(run.dir), str(out / "newest")],
+                          cwd=REPO, env={**os.environ, "TMPDIR": str(tmpdir), "PYTHONPATH": str(REPO)},
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == str(out / "newest")
+    left = sorted(str(p.relative_to(tmpdir)) for p in tmpdir.rglob("*"))
+    assert not left, f"rstar-hpc export left in $TMPDIR: {left[:20]}"
     export_model(run.checkpoints("sft").path(2), out / "early")
     return {"newest": out / "newest", "early": out / "early"}
 
