@@ -7,7 +7,7 @@ gives trainer rank 0; the gather is the same for both paths and not timed). Each
   files   write the policy as safetensors into RUN/policy/v-N and commit it (trainer/publish.py's layout: the
           same writer, fsync'd rename), then the engine's in-place reload from that directory
           (VLLMEngine.load_policy) and its prefix-cache reset;
-  memory  offer it from a WeightServer (trainer/weight_sync.py: TCPStore + one gloo group per session), open a
+  memory  offer it from a WeightServer (trainer/weight_sender.py: TCPStore + one gloo group per session), open a
           session as the rollout's rank 0 does and receive it in the engine's worker bucket by bucket into the
           same in-place reload (VLLMEngine.sync_policy), prefix-cache reset included.
 
@@ -84,10 +84,10 @@ async def _run(args, root: Path) -> dict:
 
     from rstar_hpc.config import load_config
     from rstar_hpc.exchange.rundir import RunPaths
-    from rstar_hpc.exchange.weight_sync import read_offer
+    from rstar_hpc.exchange.weight_protocol import read_offer
     from rstar_hpc.rollout.engine import VLLMEngine
-    from rstar_hpc.rollout.weight_sync import open_session
-    from rstar_hpc.trainer.weight_sync import WeightServer
+    from rstar_hpc.rollout.weight_receiver import open_session
+    from rstar_hpc.trainer.weight_sender import WeightServer
 
     model_dir = build_model(root, args.quick)
     state = load_file(str(model_dir / "model.safetensors"))

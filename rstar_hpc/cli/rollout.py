@@ -70,24 +70,11 @@ def command(config, steps, stage, engines, sandbox, mpirun, progress, overrides)
                  *(["--stage", stage] if stage else []), *(a for s in sandbox for a in ("--sandbox", s)),
                  "--progress", *overrides]
     cmd += [sys.executable, "-m", "rstar_hpc", "rollout", *rank_args]
+    from rstar_hpc.launch.roles import own_mpirun_env
     from rstar_hpc.rollout.progress import TTY_ENV
     rc = _run_mpirun(cmd, {**own_mpirun_env(os.environ), TTY_ENV: "1" if sys.stderr.isatty() else "0"})
     if rc:
         raise SystemExit(rc)
-
-
-_SLURM_MPI_VARS = ("SLURM_", "PMIX_", "PMI_", "OMPI_")
-
-
-def own_mpirun_env(env) -> dict[str, str]:
-    """The environment of this command's own mpirun inside a Slurm task (launch.mpi=none, or submitit's one-node
-    rollout): without Slurm's task and MPI variables, else mpirun takes the ranks for a Slurm step of its own and
-    tries to launch them through srun on the node names Slurm knows. The job id stays, renamed, for the ranks'
-    placement records."""
-    out = {k: v for k, v in env.items() if not k.startswith(_SLURM_MPI_VARS)}
-    if "SLURM_JOB_ID" in env:
-        out["RSTAR_SLURM_JOB_ID"] = env["SLURM_JOB_ID"]
-    return out
 
 
 def _run_mpirun(cmd: list[str], env: dict) -> int:

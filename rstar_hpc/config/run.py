@@ -25,7 +25,7 @@ from rstar_hpc.config.base import Section
 from rstar_hpc.config.launch import LaunchConfig
 from rstar_hpc.config.rollout import RolloutConfig
 from rstar_hpc.config.sandbox import SandboxConfig
-from rstar_hpc.config.stages import STAGE_OUTPUT, StageConfig, val_stage
+from rstar_hpc.config.stages import STAGE_OUTPUT, StageConfig, StageLimits, val_stage
 from rstar_hpc.config.tracking import TrackingConfig
 from rstar_hpc.config.trainer import TrainerConfig, layout_problems
 from rstar_hpc.exchange.rundir import default_run_root
@@ -161,6 +161,17 @@ class RunConfig(Section):
         """Response tokens (tool outputs included) one trajectory of a rollout stage may hold."""
         default = self.eval.max_response_length if stage.kind == "eval" else self.rollout.agent.max_response_length
         return stage.max_response_length or default
+
+    def stage_limits(self, stage: StageConfig) -> StageLimits:
+        """The limits a rollout stage's trajectories run with: response_budget (the one rule validation checks
+        against the engine context), the stage's turns, and for an eval stage the eval protocol's sampling."""
+        budget = self.response_budget(stage)
+        if stage.kind == "eval":
+            protocol = self.eval
+            return StageLimits(budget, stage.max_turns or protocol.max_turns,
+                               protocol.temperature if stage.temperature is None else stage.temperature,
+                               protocol.top_p if stage.top_p is None else stage.top_p)
+        return StageLimits(budget, stage.max_turns or self.rollout.agent.max_turns)
 
     def engine_context(self, stage: StageConfig) -> int:
         """The engine context (vLLM max_model_len) a rollout stage runs with."""

@@ -13,7 +13,7 @@ Which role works in which kind, and when a stage is done, is rstar_hpc.pipeline'
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal, NamedTuple, Union
 
 from pydantic import Field, model_validator
 
@@ -176,3 +176,18 @@ def val_stage(name: str) -> str:
 STAGE_KINDS = {"sft": SFTStage, "rl": RLStage, "hard_subset": HardSubsetStage, "eval": EvalStage}
 StageConfig = Annotated[Union[SFTStage, RLStage, HardSubsetStage, EvalStage], Field(discriminator="kind")]
 """One stage of the pipeline: its `kind` picks the spec."""
+
+
+class StageLimits(NamedTuple):
+    """A rollout stage's response budget, turn limit and sampling, as its trajectories run (RunConfig.stage_limits
+    derives them: the stage's own, else the agent loop's defaults; an eval stage: the eval protocol's).
+    temperature/top_p None: the engine's (rollout.agent's)."""
+    max_response_length: int
+    max_turns: int
+    temperature: float | None = None
+    top_p: float | None = None
+
+    def sampling(self) -> dict | None:
+        """The engine's sampling overrides, if any."""
+        out = {k: v for k, v in (("temperature", self.temperature), ("top_p", self.top_p)) if v is not None}
+        return out or None

@@ -112,7 +112,7 @@ class TrainerConfig(Section):
     """How the rollout engines get each RL step's weights. `files`: a published Hugging Face directory per step
     (policy/v-N, what every engine can read, on any schedule). `memory`: trainer rank 0 keeps the newest policy in
     host memory and sends it to the engine workers over a torch.distributed (gloo) group per sync
-    (trainer/weight_sync.py), bucket by bucket, loading overlapping receiving: no write and re-read of the whole
+    (trainer/weight_sender.py), bucket by bucket, loading overlapping receiving: no write and re-read of the whole
     model on shared storage per step (bench/weight_sync.py, docs/performance.md). Files are then published every
     `publish_every` steps (and at a stage's end) for eval, export, restarts and engines that cannot join, which
     fall back to the newest published version (said in the log and in `rstar-hpc run status`). Default `files`:

@@ -67,8 +67,7 @@ def policy_label(cfg, need: pipeline.PolicyNeed) -> str:
 def write_eval_results(cfg, paths: RunPaths, stage, num_steps: int) -> dict:
     rows, versions = collect(paths, stage.name, num_steps)
     need = pipeline.starting_policy(cfg, stage.name)
-    from rstar_hpc.rollout.step import StageLimits
-    limits = StageLimits.of(cfg, stage)
+    limits = cfg.stage_limits(stage)
     results = {
         "stage": stage.name, "k": pipeline.sample_count(cfg, stage),
         "protocol": {"temperature": limits.temperature, "top_p": limits.top_p, "max_turns": limits.max_turns,

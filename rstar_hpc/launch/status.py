@@ -217,9 +217,9 @@ def run_status(cfg, paths: RunPaths, env=None, *, with_slurm: bool = True) -> di
 
 
 def engine_weights(paths: RunPaths) -> dict | None:
-    """How the engines got the newest rollout step's weights (exchange/weight_sync.py): in memory from the trainer,
+    """How the engines got the newest rollout step's weights (exchange/weight_protocol.py): in memory from the trainer,
     from published files (with why, when the in-memory sync failed), or kept; `text` is one line for people."""
-    from rstar_hpc.exchange.weight_sync import describe_engine_weights, read_engine_weights
+    from rstar_hpc.exchange.weight_protocol import describe_engine_weights, read_engine_weights
 
     record = read_engine_weights(paths.dir)
     return None if record is None else {**record, "text": describe_engine_weights(record)}

@@ -32,7 +32,8 @@ from rstar_hpc.config import RunConfig
 from rstar_hpc.exchange.events import record_event
 from rstar_hpc.exchange.rundir import RunPaths
 from rstar_hpc.launch import container, placement
-from rstar_hpc.launch.roles import ROLES, hostnames, role_argv, role_done, role_env, roles_needed, run_done
+from rstar_hpc.launch.roles import (ROLES, hostnames, own_mpirun_env, role_argv, role_done, role_env, roles_needed,
+                                    run_done)
 from rstar_hpc.launch.watch import kill_step, stale
 
 log = logging.getLogger("rstar_hpc.launch")
@@ -105,8 +106,6 @@ class RoleJob:
         """The child's command and environment: the role's tasks started with srun --overlap inside this job
         (placement.step_argv, as the sbatch supervisor starts them), or the role's command itself where it is one
         task; a one-node rollout (or launch.mpi=none) runs the command's own mpirun."""
-        from rstar_hpc.cli.rollout import own_mpirun_env
-
         res = getattr(cfg.launch, self.role)
         nodes = os.environ.get("SLURM_JOB_NODELIST")
         env = role_env(cfg, self.role, nodes, attempt)

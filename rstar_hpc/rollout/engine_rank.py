@@ -22,7 +22,8 @@ from rstar_hpc.rollout.messages import TrajectoryResult
 from rstar_hpc.rollout.mpi import (TAG_ABORT, TAG_ACK, TAG_DEAD, TAG_DONE, TAG_EXIT, TAG_HELLO, TAG_KV, TAG_MIGRATE,
                                    TAG_MOVED, TAG_PAUSE, TAG_RESULT, TAG_SKIP, TAG_START, TAG_STATS, TAG_WORK,
                                    recv_from_rank0)
-from rstar_hpc.rollout.step import StageLimits, WorkItem, request_seed
+from rstar_hpc.config.stages import StageLimits
+from rstar_hpc.rollout.step import WorkItem, request_seed
 
 log = logging.getLogger("rstar_hpc.rollout")
 
@@ -58,7 +59,7 @@ def _test_fails_sync(start: dict, rank: int) -> bool:
     """RSTAR_HPC_TEST_SYNC_FAIL_AT_STEP=stage:step:rank (tests): this rank's sync of that step fails."""
     import os
 
-    from rstar_hpc.exchange.weight_sync import TEST_FAIL_ENV
+    from rstar_hpc.exchange.weight_protocol import TEST_FAIL_ENV
 
     return os.environ.get(TEST_FAIL_ENV) == f"{start['stage']}:{start['step']}:{rank}"
 
@@ -90,7 +91,7 @@ async def _load_weights(engine, start: dict, rank: int) -> dict:
             if aborted:
                 reason = aborted.group(0)
             else:   # the others wait for this rank's join: let them go
-                from rstar_hpc.rollout.weight_sync import abort_session
+                from rstar_hpc.rollout.weight_receiver import abort_session
                 abort_session(session, f"engine rank {rank} could not join: {reason[:300]}")
             reason = reason[:300]
             version = start.get("fallback_version")

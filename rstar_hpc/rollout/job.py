@@ -1,7 +1,7 @@
 """The rollout role's job: one MPI rank of one or more rollout steps (rank 0 schedules, ranks 1.. run engines).
 
 `run(cfg, stage, steps)` is what every rank of the MPI job calls; `rstar-hpc rollout` parses the command line and
-calls it when it runs under an MPI launcher (sbatch/rollout.sbatch: `mpirun python jobs/rollout.py ...`), or
+calls it when it runs under an MPI launcher (sbatch/rollout.sbatch: `mpirun python -m rstar_hpc rollout ...`), or
 starts mpirun on this node itself otherwise.
 """
 from __future__ import annotations
@@ -99,7 +99,7 @@ def _scheduler(cfg, paths, stage, steps, progress, model_dir) -> tuple[int, str]
     comm = MPI.COMM_WORLD
     from rstar_hpc.rollout.scheduler import StopRequested
     try:
-        return _scheduler_steps(cfg, paths, stage, steps, progress, tok, comm, MPI)
+        return RolloutJob(cfg, paths, comm, MPI, tok, explicit_steps=steps).run(stage, progress)
     except StopRequested as e:
         log.warning("%s; ending the job, run again to continue", e)
         wait_sent([comm.isend(str(e), dest=r, tag=TAG_ABORT) for r in range(1, comm.Get_size())], 5.0)
@@ -112,64 +112,91 @@ def _scheduler(cfg, paths, stage, steps, progress, model_dir) -> tuple[int, str]
         return 1, "exit"
 
 
-def _scheduler_steps(cfg, paths, stage, steps, progress, tok, comm, MPI) -> tuple[int, str]:
-    from rstar_hpc import pipeline
-    from rstar_hpc.exchange.state import write_heartbeat
-    from rstar_hpc.rollout.progress import TTY_ENV, StageProgress, stage_problem_counts
-    from rstar_hpc.rollout.scheduler import StepScheduler
-    from rstar_hpc.rollout.step import Scorer, StepGivesWay
-    from rstar_hpc.rollout.tasks import finish_stage, stage_steps
-    from rstar_hpc.rollout.validation import val_prompts, validate_due
+class RolloutJob:
+    """Rank 0's job: what lives for the whole job (MPI, the run, the tokenizer, the scorer, the engine ranks lost so
+    far and the policy each engine runs), the walk over its stages, and each step run by a StepScheduler.
+    `explicit_steps`: the steps the command line named (a requeue may not take steps back then)."""
 
-    score = Scorer(cfg.run.name, cfg.algo.reward, cfg.algo.roc)
-    dead: set[int] = set()
-    versions: dict[int, int | None] = {}   # the policy each engine rank runs (its HELLOs): no sync of what it holds
-    stages = [s.name for s in pipeline.rollout_stages(cfg, stage)]
-    for name in stages:
-        if stage is None and pipeline.rollout_done(cfg, paths, name):
-            continue
+    def __init__(self, cfg, paths, comm, MPI, tokenizer, *, explicit_steps: Sequence[int] | None = None):
+        from rstar_hpc.rollout.step import Scorer
+
+        self.cfg, self.paths, self.comm, self.MPI, self.tok = cfg, paths, comm, MPI, tokenizer
+        self.explicit_steps = explicit_steps
+        self.score = Scorer(cfg.run.name, cfg.algo.reward, cfg.algo.roc)
+        self.dead: set[int] = set()                    # engine ranks lost, for the rest of the job
+        self.versions: dict[int, int | None] = {}      # the policy each engine rank runs (its HELLOs)
+
+    def run(self, stage: str | None, progress: bool) -> tuple[int, str]:
+        """Every rollout stage asked for (all of the run's with no `stage`), then the job's end."""
+        from rstar_hpc import pipeline
+        from rstar_hpc.exchange.state import write_heartbeat
+
+        for name in [s.name for s in pipeline.rollout_stages(self.cfg, stage)]:
+            if stage is None and pipeline.rollout_done(self.cfg, self.paths, name):
+                continue
+            self.run_stage(name, progress)
+        write_heartbeat(self.paths, "rollout", "done: every rollout stage asked for is committed")
+        return _end_job(self.comm, self.MPI, self.cfg.rollout.scheduler, self.dead)
+
+    def run_stage(self, name: str, progress: bool) -> None:
+        from rstar_hpc import pipeline
+        from rstar_hpc.exchange.state import write_heartbeat
+        from rstar_hpc.rollout.policy_source import StepGivesWay
+        from rstar_hpc.rollout.progress import TTY_ENV, StageProgress, stage_problem_counts
+        from rstar_hpc.rollout.step import StepSpec
+        from rstar_hpc.rollout.tasks import finish_stage, stage_steps
+        from rstar_hpc.rollout.validation import val_prompts, validate_due
+
+        cfg, paths, steps = self.cfg, self.paths, self.explicit_steps
         write_heartbeat(paths, "rollout", f"stage {name}: reading its prompts", stage=name)
         # a bar where someone watches (the local launcher says whether its stderr is a terminal), else log lines
         bar = StageProgress(name, *stage_problem_counts(cfg, paths, name),
                             tty=progress and (sys.stderr.isatty() or os.environ.get(TTY_ENV) == "1"))
         kind = cfg.stage(name).kind
-        sc = cfg.rollout.scheduler
-        if kind != "rl":   # only training steps may carry work on
-            sc = sc.model_copy(update={"partial_rollouts": False})
-
-        def run_step(stage_name, step, items, limits, need, dropped, progress=None, sc=sc, name=name):
-            return StepScheduler(
-                comm, MPI, sc if stage_name == name else sc.model_copy(update={"partial_rollouts": False}), paths,
-                stage_name, step, items, limits=limits, need=need, score=score, dropped=dropped, progress=progress,
-                dead_ranks=dead, beat=lambda text, **kw: write_heartbeat(paths, "rollout", text, stage=name, **kw),
-                stop=lambda: _STOP[0] if _STOP else None,
-                taken_back=(lambda: pipeline.taken_back(cfg, paths, need)) if steps is None else None,
-                engine_workers=cfg.rollout.engine.tensor_parallel_size, engine_versions=versions).run()
         last = pipeline.rollout_steps(cfg.stage(name)) - 1 if kind == "rl" else None
         if pipeline.val_points(cfg.stage(name)):
             val_prompts(cfg, cfg.stage(name))   # an unreadable val_data file fails the job now, not after step 0
-        for task in stage_steps(cfg, paths, name, tok, steps=steps):
+        for task in stage_steps(cfg, paths, name, self.tok, steps=steps):
             bar.start_step(task.items)
             write_heartbeat(paths, "rollout", f"step {task.step} of stage {name}: starting", stage=name,
                             step=task.step, phase="start_step")
             try:
-                summary = run_step(name, task.step, task.items, task.limits, task.need, task.dropped, bar)
-                print(json.dumps(summary), flush=True)
+                spec = StepSpec(name, task.step, task.items, task.limits, task.need, task.dropped)
+                print(json.dumps(self.run_step(spec, name, bar)), flush=True)
                 write_heartbeat(paths, "rollout", f"step {task.step} of stage {name}: committed", stage=name,
                                 step=task.step)
                 if kind == "rl":   # the points up to this step; after the last one, the final policy's too
-                    validate_due(cfg, paths, name, task.step + (task.step == last), tok, run_step)
+                    validate_due(cfg, paths, name, task.step + (task.step == last), self.tok,
+                                 lambda s: self.run_step(s, name))
             except StepGivesWay as e:   # the stage walk comes back to this step after the taken-back one
                 log.warning("%s", e)
         bar.close()
         if kind == "rl" and steps is None:   # points a requeue left behind, with every step committed already
-            validate_due(cfg, paths, name, last + 1, tok, run_step)
+            validate_due(cfg, paths, name, last + 1, self.tok, lambda s: self.run_step(s, name))
         if steps is None:
             out = finish_stage(cfg, paths, name)
             if out is not None:
                 log.info("stage %s done: %s", name, out.get("summary", ""))
-    write_heartbeat(paths, "rollout", "done: every rollout stage asked for is committed")
-    return _end_job(comm, MPI, cfg.rollout.scheduler, dead)
+
+    def run_step(self, spec, stage_name: str, progress=None) -> dict:
+        """One step of stage `stage_name` (spec.stage is it, or its validation pseudo-stage); its summary. Only an
+        rl stage's own steps may carry work on (partial rollouts)."""
+        from rstar_hpc import pipeline
+        from rstar_hpc.exchange.state import write_heartbeat
+        from rstar_hpc.rollout.scheduler import StepScheduler
+        from rstar_hpc.rollout.step import StepHooks
+
+        cfg, paths = self.cfg, self.paths
+        sc = cfg.rollout.scheduler
+        if spec.stage != stage_name or cfg.stage(stage_name).kind != "rl":
+            sc = sc.model_copy(update={"partial_rollouts": False})
+        hooks = StepHooks(
+            progress=progress, stop=lambda: _STOP[0] if _STOP else None,
+            beat=lambda text, **kw: write_heartbeat(paths, "rollout", text, stage=stage_name, **kw),
+            taken_back=(lambda: pipeline.taken_back(cfg, paths, spec.need)) if self.explicit_steps is None else None)
+        return StepScheduler(self.comm, self.MPI, sc, paths, spec, score=self.score, hooks=hooks,
+                             dead_ranks=self.dead, engine_workers=cfg.rollout.engine.tensor_parallel_size,
+                             engine_versions=self.versions).run()
 
 
 def _end_job(comm, MPI, sc, dead: set[int]) -> tuple[int, str]:

@@ -44,7 +44,6 @@ import dataclasses
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
 
 from rstar_hpc import pipeline
 from rstar_hpc.config.rollout import SchedulerConfig
@@ -59,8 +58,8 @@ from rstar_hpc.rollout.levers import Levers, Route
 from rstar_hpc.rollout.messages import TrajectoryResult
 from rstar_hpc.rollout.mpi import (TAG_ACK, TAG_ALIVE, TAG_DEAD, TAG_DONE, TAG_HELLO, TAG_KV, TAG_MIGRATE, TAG_MOVED,
                                    TAG_PAUSE, TAG_RESULT, TAG_SKIP, TAG_START, TAG_STATS, TAG_WORK, wait_sent)
-from rstar_hpc.rollout.step import MEMORY, Scorer, StageLimits, WorkItem, trajectory_figures, wait_for_policy
-from rstar_hpc.rollout.step_weights import StepWeights
+from rstar_hpc.rollout.policy_source import MEMORY, StepWeights, wait_for_policy
+from rstar_hpc.rollout.step import Scorer, StepHooks, StepSpec, WorkItem, trajectory_figures
 
 FILE_BEAT_S = 10.0   # the role's heartbeat file during a phase: often enough for `run status`, cheap on Lustre
 log = logging.getLogger("rstar_hpc.rollout")
@@ -71,23 +70,24 @@ class StopRequested(Exception):
 
 
 class StepScheduler:
-    """Rank 0's side of one step. `dead_ranks` carries the engine ranks lost in earlier steps of the job (updated
-    in place); `progress(keys, tokens)` hears every finished trajectory's key and model tokens (rollout/progress.py)."""
+    """Rank 0's side of one step. `dead_ranks` carries the engine ranks lost in earlier steps of the job and
+    `engine_versions` the policy each engine runs (both the job's, updated in place); `engine_workers`: the vLLM
+    workers of an engine (its tensor-parallel size)."""
 
-    def __init__(self, comm, MPI, sc: SchedulerConfig, paths: RunPaths, stage: str, step: int,
-                 items: Sequence[WorkItem], *, limits: StageLimits, need, score: Scorer, dropped: Sequence[str] = (),
-                 progress: Callable[..., object] | None = None, dead_ranks: set[int] | None = None,
-                 beat: Callable[[str], object] | None = None, stop: Callable[[], str | None] = lambda: None,
-                 taken_back: Callable[[], list[int]] | None = None, engine_workers: int = 1,
+    def __init__(self, comm, MPI, sc: SchedulerConfig, paths: RunPaths, spec: StepSpec, *, score: Scorer,
+                 hooks: StepHooks | None = None, dead_ranks: set[int] | None = None, engine_workers: int = 1,
                  engine_versions: dict[int, int | None] | None = None):
         # what the step is, and who it reports to
-        self.comm, self.MPI, self.sc, self.paths, self.stage, self.step = comm, MPI, sc, paths, stage, step
-        self.items: list[WorkItem] = list(items)   # in item order; the carry goes first (Levers.carry_in)
-        self.limits, self.need, self.score, self.dropped = limits, need, score, list(dropped)
-        self.progress, self.beat_file, self.stop, self.taken_back = progress, beat, stop, taken_back
+        self.comm, self.MPI, self.sc, self.paths, self.score = comm, MPI, sc, paths, score
+        self.stage, self.step, self.limits, self.need = spec.stage, spec.step, spec.limits, spec.need
+        self.items: list[WorkItem] = list(spec.items)   # in item order; the carry goes first (Levers.carry_in)
+        self.dropped = list(spec.dropped)
+        hooks = hooks or StepHooks()
+        self.progress, self.beat_file, self.stop, self.taken_back = hooks.progress, hooks.beat, hooks.stop, \
+            hooks.taken_back
         self.dead_ranks: set[int] = set() if dead_ranks is None else dead_ranks   # the job's, updated in place
         # how the engines get the step's weights (files or an in-memory session) and how they got them
-        self.weights = StepWeights(paths, stage, step, need, engine_workers, engine_versions)
+        self.weights = StepWeights(paths, spec.stage, spec.step, spec.need, engine_workers, engine_versions)
         # the engines
         self.engines: list[int] = []              # those that said HELLO
         self.alive: dict[int, float] = {}         # engine rank -> when it was last heard from
@@ -109,7 +109,7 @@ class StepScheduler:
         self.policy_wait_s = 0.0
         self.reruns = 0
         self.infra_failures = 0
-        self.journal = Journal(paths, stage, step, sc.journal_every_s)
+        self.journal = Journal(paths, spec.stage, spec.step, sc.journal_every_s)
         self.levers = Levers(sc)
 
     def run(self) -> dict:

@@ -1,5 +1,5 @@
-"""What one rollout step is, independent of who runs it: its work items, its limits, the policy it needs, the seed
-of each trajectory, and how a finished trajectory becomes a schema row (`Scorer`).
+"""What one rollout step is, independent of who runs it: its work items, the seed of each trajectory, and how a
+finished trajectory becomes a schema row (`Scorer`). The policy it runs comes from policy_source.py.
 
 Each function takes the config sections it reads, never the whole run config.
 """
@@ -9,13 +9,12 @@ import dataclasses
 import hashlib
 import logging
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
 from rstar_hpc.config.algo import RewardConfig, RoCConfig
-from rstar_hpc.config.rollout import AgentConfig, SchedulerConfig
-from rstar_hpc.config.stages import StageConfig
-from rstar_hpc.exchange.rundir import RunPaths
+from rstar_hpc.config.rollout import AgentConfig
+from rstar_hpc.config.stages import StageConfig, StageLimits
 from rstar_hpc.exchange.schema import Trajectory
 from rstar_hpc.rollout.agent import AgentResult
 from rstar_hpc.rollout.messages import TrajectoryResult
@@ -43,30 +42,27 @@ class WorkItem:
         return len(self.prompt_ids) + (len(self.resume.response_ids) if self.resume is not None else 0)
 
 
-class StageLimits(NamedTuple):
-    """A stage's response budget, turn limit and sampling: the stage's own, else the agent loop's defaults (an
-    eval stage: the eval protocol's). temperature/top_p None: the engine's (rollout.agent's)."""
-    max_response_length: int
-    max_turns: int
-    temperature: float | None = None
-    top_p: float | None = None
+@dataclass(frozen=True)
+class StepSpec:
+    """One rollout step as rank 0 runs it: which step, its work items, their limits, the policy it needs
+    (pipeline.PolicyNeed; None: the base model) and the prompt uids dropped as over-long."""
+    stage: str
+    step: int
+    items: Sequence[WorkItem]
+    limits: StageLimits
+    need: object = None
+    dropped: Sequence[str] = ()
 
-    @classmethod
-    def of(cls, cfg, stage: StageConfig) -> StageLimits:
-        """`cfg` (a RunConfig) says the response budget (RunConfig.response_budget, the one rule config validation
-        checks against the engine context)."""
-        budget = cfg.response_budget(stage)
-        if stage.kind == "eval":
-            protocol = cfg.eval
-            return cls(budget, stage.max_turns or protocol.max_turns,
-                       protocol.temperature if stage.temperature is None else stage.temperature,
-                       protocol.top_p if stage.top_p is None else stage.top_p)
-        return cls(budget, stage.max_turns or cfg.rollout.agent.max_turns)
 
-    def sampling(self) -> dict | None:
-        """The engine's sampling overrides, if any."""
-        out = {k: v for k, v in (("temperature", self.temperature), ("top_p", self.top_p)) if v is not None}
-        return out or None
+@dataclass
+class StepHooks:
+    """What a step reports to and asks of its job: `progress(keys, tokens)` hears every finished trajectory's key and
+    model tokens (rollout/progress.py), `beat(text, **fields)` writes the role's heartbeat, `stop()` names a stop
+    signal that arrived (USR2, TERM), `taken_back()` the uncommitted steps the step's policy is trained on."""
+    progress: Callable[..., object] | None = None
+    beat: Callable[..., object] | None = None
+    stop: Callable[[], str | None] = lambda: None
+    taken_back: Callable[[], list[int]] | None = None
 
 
 # --------------------------------------------------------------------------------------------------- step input
@@ -106,72 +102,6 @@ def request_seed(run_seed: int, stage: str, step: int, prompt_uid: str, sample_i
     death samples what the lost run would have): reproducible for a given run seed."""
     h = hashlib.blake2b(f"{run_seed}/{stage}/{step}/{prompt_uid}/{sample_index}".encode(), digest_size=8)
     return int.from_bytes(h.digest(), "little") >> 1
-
-
-# --------------------------------------------------------------------------------------------------- policy
-class StepGivesWay(Exception):
-    """The policy a step waits for is trained on a step that is no longer committed (the trainer took it back as
-    corrupt on disk, exchange/quarantine.py): that step is written again first. Nothing of this step ran yet."""
-
-
-MEMORY = "memory"
-"""wait_for_policy's directory when the version it picked is the trainer's in-memory offer (no files yet)."""
-
-
-def in_memory(paths: RunPaths, need) -> int | None:
-    """The version the trainer offers in memory (exchange/weight_sync.py, `trainer.weight_sync: memory`) if it
-    satisfies `need` (same stage, trainer_step >= need's, as a COMMITTED.json is read), else None."""
-    from rstar_hpc.exchange.weight_sync import read_offer
-
-    offer = read_offer(paths.dir)
-    if offer is None or offer.get("stage") != need.stage or int(offer.get("trainer_step", -1)) < need.trainer_step:
-        return None
-    return int(offer["version"])
-
-
-def wait_for_policy(sc: SchedulerConfig, paths: RunPaths, need, *, what: str = "a rollout step", beat=None,
-                    poll_s: float = 1.0, taken_back=None) -> tuple[int, str] | None:
-    """(version, directory) of the newest published policy that satisfies `need` (pipeline.PolicyNeed), waiting
-    for the trainer to publish it (`policy_wait_s`); None when `need` is the base model. A newer version the
-    trainer offers in memory that satisfies `need` wins, and so does the same version: (version, MEMORY), and the
-    engines sync it in memory. `beat(text)` hears what it waits for (the role's heartbeat, shown by
-    `rstar-hpc run status`). `taken_back()`: the steps `need`
-    is trained on that are uncommitted (pipeline.taken_back); any, and StepGivesWay (else the step and the trainer
-    would wait for each other)."""
-    if need.stage is None:
-        return None
-    from rstar_hpc.exchange.state import silence_s
-
-    dirs = paths.policies()
-    t0, wall0 = time.monotonic(), time.time()
-    waited = False
-    while True:
-        files = next((v for v in sorted(dirs.complete_steps(), reverse=True)
-                      if dirs.marker(v).get("stage") == need.stage
-                      and int(dirs.marker(v).get("trainer_step", -1)) >= need.trainer_step), None)
-        # read after the files: the trainer offers a version before it publishes it, so a version seen as files is
-        # seen in the offer too; the same version in both is synced in memory (the faster way), files the fallback
-        offer = in_memory(paths, need)
-        if files is not None:
-            return (offer, MEMORY) if offer is not None and offer >= files else (files, str(dirs.path(files)))
-        if offer is not None:
-            return offer, MEMORY
-        if not waited:
-            log.info("%s waits for %s (policy lag %d, mode %s)", what, need, sc.policy_lag, sc.mode)
-            waited = True
-        gone = taken_back() if taken_back is not None else []
-        if gone:
-            raise StepGivesWay(f"{what} waits for {need}, which is trained on steps {gone} of stage {need.stage}: "
-                               f"no longer committed (taken back as corrupt); writing them again first")
-        if beat is not None:
-            beat(f"waiting for {need} since {time.monotonic() - t0:.0f}s")
-        if silence_s(paths, "trainer", wall0) > sc.policy_wait_s:   # a trainer at work may take its time
-            raise TimeoutError(
-                f"{what} needs {need} (COMMITTED.json stage {need.stage!r}, trainer_step >= {need.trainer_step} "
-                f"under {dirs.root}); the trainer said nothing for {sc.policy_wait_s:.0f}s (heartbeat/trainer.json)."
-                f" Is it running? (rollout.scheduler.max_policy_lag allows older policies; policy_wait_s waits "
-                f"longer)")
-        time.sleep(poll_s)
 
 
 # --------------------------------------------------------------------------------------------------- output

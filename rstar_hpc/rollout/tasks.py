@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 from rstar_hpc import pipeline
 from rstar_hpc.exchange.rundir import RunPaths
-from rstar_hpc.rollout.step import StageLimits, WorkItem, make_items, step_items
+from rstar_hpc.config.stages import StageLimits
+from rstar_hpc.rollout.step import WorkItem, make_items, step_items
 
 log = logging.getLogger("rstar_hpc.rollout")
 
@@ -36,7 +37,7 @@ def stage_steps(cfg, paths: RunPaths, stage_name: str, tokenizer, *, steps: Sequ
     (corrupt on disk) comes again. Work items are built only for the steps that run: prompts are read once."""
     stage = cfg.stage(stage_name)
     rows = pipeline.stage_prompts(cfg, stage)
-    limits = StageLimits.of(cfg, stage)
+    limits = cfg.stage_limits(stage)
     samples = pipeline.sample_count(cfg, stage)
     n = pipeline.rollout_steps(stage, len(rows))
     for step in (pipeline.uncommitted_steps(paths, stage.name, n) if steps is None else steps):

@@ -22,7 +22,8 @@ from rstar_hpc import pipeline
 from rstar_hpc.config.stages import val_stage
 from rstar_hpc.exchange.atomic import atomic_write_json
 from rstar_hpc.exchange.rundir import RunPaths
-from rstar_hpc.rollout.step import StageLimits, make_items
+from rstar_hpc.config.stages import StageLimits
+from rstar_hpc.rollout.step import StepSpec, make_items
 
 log = logging.getLogger("rstar_hpc.rollout")
 ROLE = "validation"   # metrics/validation.jsonl
@@ -38,7 +39,7 @@ def val_prompts(cfg, stage) -> list[dict]:
 
 
 def val_limits(cfg, stage) -> StageLimits:
-    agent = StageLimits.of(cfg, stage)
+    agent = cfg.stage_limits(stage)
     return agent._replace(temperature=cfg.eval.temperature, top_p=cfg.eval.top_p)
 
 
@@ -55,12 +56,12 @@ def validate_due(cfg, paths: RunPaths, stage_name: str, upto: int, tokenizer, ru
 
 
 def validate(cfg, paths: RunPaths, stage, point: int, tokenizer, run_step) -> dict:
-    """Score point `point`: `run_step(stage_name, step, items, limits, need, dropped)` runs one rollout step (the
-    job's StepScheduler) and returns its summary. Returns the results written."""
+    """Score point `point`: `run_step(spec)` runs one rollout step (a StepSpec, through the job's StepScheduler) and
+    returns its summary. Returns the results written."""
     k = stage.val_k or cfg.eval.k
     items, dropped = make_items(val_prompts(cfg, stage), tokenizer, agent=cfg.rollout.agent, samples_per_prompt=k)
     need = pipeline.val_need(cfg, stage, point)
-    run_step(val_stage(stage.name), point, items, val_limits(cfg, stage), need, dropped)
+    run_step(StepSpec(val_stage(stage.name), point, items, val_limits(cfg, stage), need, dropped))
     return write_scores(paths, stage, point, k, need)
 
 

@@ -7,7 +7,7 @@ Where a stage starts: its own latest checkpoint (a requeued or restarted job); e
 nearest earlier sft/rl stage (weights, plus AdamW moments unless the stage says `reset_optimizer`, the paper's
 stage 3; this stage's lr and schedule start afresh); else the Hugging Face model of `model`.
 What it writes: ckpt/<stage>/ (checkpoints), policy/ (a version after each RL step, or every trainer.publish_every
-with the in-memory weight sync, trainer/weight_sync.py; and at the end of SFT),
+with the in-memory weight sync, trainer/weight_sender.py; and at the end of SFT),
 metrics/trainer.jsonl (one JSON object per step; tb/<stage>/ the same as TensorBoard scalars),
 stages/<stage>/state.json (RUNNING, DONE or FAILED).
 Returns 0 when the stage is done, EXIT_REQUEUE after saving on USR2 (Slurm's pre-timeout signal; the CLI exits 0
@@ -36,7 +36,7 @@ from rstar_hpc.trainer.checkpointer import Checkpointer
 from rstar_hpc.trainer.hf_convert import load_hf_checkpoint
 from rstar_hpc.trainer.model import Qwen3Arch, destroy_distributed, init_distributed
 from rstar_hpc.trainer.parallel import build_optimizer, build_policy
-from rstar_hpc.trainer.weight_sync import makes_version, publish_step, start_server
+from rstar_hpc.trainer.weight_sender import makes_version, publish_step, start_server
 from rstar_hpc.trainer.step import build_scheduler
 
 log = logging.getLogger("rstar_hpc.trainer")
@@ -87,7 +87,7 @@ def run(cfg: RunConfig, stage_name: str, *, on_step: Callable[[int, dict], None]
             state.step += 1
             state.data_state = data.state_dict()
             stop = signal_save.should_save()
-            if makes_version(tcfg, stage, state.step):   # in memory and/or as files (trainer/weight_sync.py)
+            if makes_version(tcfg, stage, state.step):   # in memory and/or as files (trainer/weight_sender.py)
                 with timer("publish"):
                     metrics["policy_version"] = publish_step(state.model, paths, server, tcfg, stage, state.step,
                                                              source_dir=model_dir)

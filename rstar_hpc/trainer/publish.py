@@ -13,7 +13,7 @@ the one a step needs. `stages/<stage>/state.json` mirrors the newest version in 
 `rstar-hpc run` and the launcher; it is not the signal. (No rendezvous announcement: the trainer serves nothing.)
 
 Versions are run-global and increase by one per publish (the newest committed version + 1; with
-`trainer.weight_sync: memory`, the newest version published or offered in memory + 1: trainer/weight_sync.py
+`trainer.weight_sync: memory`, the newest version published or offered in memory + 1: trainer/weight_sender.py
 numbers them, and steps offered only in memory leave gaps here), across stages and restarts: a restarted trainer retrains from its checkpoint and publishes the next number, never rewriting one
 that engines may already be running. The last `trainer.publish_keep_last` versions are kept (the one `latest`
 names always), so an engine still loading the previous version is not pulled from under it.
@@ -50,7 +50,7 @@ def publish_policy(model: torch.nn.Module, paths: RunPaths, *, source_dir: str |
 
     `source_dir` is the Hugging Face directory the policy came from (config and tokenizer files are copied);
     `meta` goes into COMMITTED.json. `version`: the number to publish as (rank 0's value counts), when the caller
-    numbers versions itself (trainer/weight_sync.py: in-memory offers take numbers too); else the next one.
+    numbers versions itself (trainer/weight_sender.py: in-memory offers take numbers too); else the next one.
     Returns (version, directory) on every rank.
     """
     dirs = paths.policies()

@@ -31,7 +31,7 @@ pytestmark = [pytest.mark.skipif(shutil.which("mpirun") is None or shutil.which(
 
 
 def test_memory_sync_through_the_real_roles_with_a_fallback(tiny_model_dir, tmp_path):
-    from rstar_hpc.exchange import weight_sync as proto
+    from rstar_hpc.exchange import weight_protocol as protocol
     from rstar_hpc.exchange.rundir import RunPaths
     from rstar_hpc.exchange.state import read_stage_state
 
@@ -53,7 +53,7 @@ def test_memory_sync_through_the_real_roles_with_a_fallback(tiny_model_dir, tmp_
     trainer = [json.loads(x) for x in (run / "metrics" / "trainer.jsonl").read_text().splitlines()]
     assert [(m["step"], m.get("policy_version")) for m in trainer if m.get("stage") == "rl"] == \
         [(1, 2), (2, 3), (3, 4), (4, 5)]
-    assert proto.newest_offered_version(run) == 5 and proto.read_offer(run) is None   # withdrawn at the end
+    assert protocol.newest_offered_version(run) == 5 and protocol.read_offer(run) is None   # withdrawn at the end
 
     summaries = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     rollout = [json.loads(x) for x in (run / "metrics" / "rollout.jsonl").read_text().splitlines()]
@@ -65,7 +65,7 @@ def test_memory_sync_through_the_real_roles_with_a_fallback(tiny_model_dir, tmp_
     assert [(rl[s]["policy_version"], rl[s]["weights_via"]) for s in range(RL_STEPS)] == [
         (1, {"1": "files", "2": "files"}), (2, {"1": "memory", "2": "memory"}),
         (3, {"1": "memory", "2": "memory"}), (3, {"1": "files", "2": "files"})], rl
-    sync = proto.read_engine_weights(run)
+    sync = protocol.read_engine_weights(run)
     assert (sync["stage"], sync["step"]) == ("rl", 3), sync
     engines = sync["engines"]
     assert {e["via"] for e in engines.values()} == {"files"} and {e["version"] for e in engines.values()} == {3}

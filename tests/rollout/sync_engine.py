@@ -16,9 +16,9 @@ from pathlib import Path
 
 async def main(model_dir: str, run_dir: str, out: str) -> None:
     from rstar_hpc.config import load_config
-    from rstar_hpc.exchange.weight_sync import read_offer
+    from rstar_hpc.exchange.weight_protocol import read_offer
     from rstar_hpc.rollout.engine import VLLMEngine
-    from rstar_hpc.rollout.weight_sync import open_session
+    from rstar_hpc.rollout.weight_receiver import open_session
 
     cfg = load_config("tiny-cpu", ["rollout.engine.kv_cache_memory_mb=16"])
     engine = VLLMEngine(cfg.rollout, Path(model_dir), seed=0)

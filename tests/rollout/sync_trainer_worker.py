@@ -2,7 +2,7 @@
 VERSION` with RANK/WORLD_SIZE/MASTER_PORT set (tensor parallel over the world, so the offer gathers shards).
 
 Trains two steps on a fixed batch (the weights move away from HF_DIR), offers the result as policy VERSION
-(trainer/weight_sync.py), exports the same weights to RUN_DIR/expected (the test's HF reference), then (rank 0)
+(trainer/weight_sender.py), exports the same weights to RUN_DIR/expected (the test's HF reference), then (rank 0)
 serves until one session has sent it, and prints the server's session records as one JSON line. Run by
 test_weight_sync.py and bench/weight_sync.py, never collected by pytest (no test_ prefix).
 """
@@ -28,7 +28,7 @@ def main(hf_dir: str, run_dir: str, version: int, wait_s: float = 300.0) -> None
     from rstar_hpc.trainer.hf_convert import export_hf_checkpoint
     from rstar_hpc.trainer.model import destroy_distributed, init_distributed
     from rstar_hpc.trainer.step import train_step
-    from rstar_hpc.trainer.weight_sync import WeightServer, offer_policy
+    from rstar_hpc.trainer.weight_sender import WeightServer, offer_policy
 
     init_distributed(tp=int(os.environ["WORLD_SIZE"]))
     rank0 = torch.distributed.get_rank() == 0

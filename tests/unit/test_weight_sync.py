@@ -10,19 +10,19 @@ import threading
 import pytest
 import torch
 
-from rstar_hpc.exchange import weight_sync as proto
+from rstar_hpc.exchange import weight_protocol as protocol
 from rstar_hpc.exchange.rundir import RunPaths
 
 
 def test_buckets_keep_order_alignment_and_size():
     specs = [("a", (3,), "float32"), ("b", (5, 2), "bfloat16"), ("big", (100,), "float32"), ("c", (1,), "int64")]
-    plan = proto.plan_buckets(specs, bucket_bytes=64)
+    plan = protocol.plan_buckets(specs, bucket_bytes=64)
     assert [[e.name for e in b] for b in plan] == [["a", "b"], ["big"], ["c"]]   # big alone: larger than a bucket
     a, b = plan[0]
     assert (a.offset, a.nbytes, b.offset, b.nbytes) == (0, 12, 16, 20)          # 8-byte aligned
-    assert proto.bucket_nbytes(plan[0]) == 36 and proto.layout_from_json(proto.layout_to_json(plan)) == plan
+    assert protocol.bucket_nbytes(plan[0]) == 36 and protocol.layout_from_json(protocol.layout_to_json(plan)) == plan
     with pytest.raises(ValueError, match="dtype 'complex64' cannot be synced"):
-        proto.plan_buckets([("z", (1,), "complex64")], 64)
+        protocol.plan_buckets([("z", (1,), "complex64")], 64)
 
 
 def _state(seed: int) -> dict[str, torch.Tensor]:
@@ -33,14 +33,14 @@ def _state(seed: int) -> dict[str, torch.Tensor]:
 
 
 def test_session_sends_every_tensor_bitwise_and_refuses_a_stale_version(tmp_path):
-    from rstar_hpc.rollout.weight_sync import SessionRefused, open_session, receive_buckets
-    from rstar_hpc.trainer.weight_sync import WeightServer
+    from rstar_hpc.rollout.weight_receiver import SessionRefused, open_session, receive_buckets
+    from rstar_hpc.trainer.weight_sender import WeightServer
 
     server = WeightServer(tmp_path, timeout_s=30, bucket_bytes=2048, host="127.0.0.1")
     try:
         state = _state(0)
         server.offer(4, "rl", 3, state)
-        offer = proto.read_offer(tmp_path)
+        offer = protocol.read_offer(tmp_path)
         assert (offer["version"], offer["stage"], offer["trainer_step"]) == (4, "rl", 3)
         session = open_session(offer, 4, receivers=2)
         got: list[dict] = [{}, {}]
@@ -59,20 +59,20 @@ def test_session_sends_every_tensor_bitwise_and_refuses_a_stale_version(tmp_path
             for name, t in state.items():
                 assert got[k][name].dtype == t.dtype and torch.equal(got[k][name], t), name
         assert stats[0]["bytes"] == server.sessions[-1]["bytes"] > 0 and server.sessions[-1]["receivers"] == 2
-        assert len(proto.layout_from_json(server.store.get(proto.session_prefix(0) + "layout"))) > 1  # buckets
+        assert len(protocol.layout_from_json(server.store.get(protocol.session_prefix(0) + "layout"))) > 1  # buckets
 
         server.offer(5, "rl", 4, _state(1))   # the trainer moved on: a request for v4 is refused, with why
         with pytest.raises(SessionRefused, match="holds v5 now, not v4"):
             open_session(offer, 4, receivers=1)
     finally:
         server.close()
-    assert proto.read_offer(tmp_path) is None and proto.newest_offered_version(tmp_path) == 5
+    assert protocol.read_offer(tmp_path) is None and protocol.newest_offered_version(tmp_path) == 5
 
 
 def test_rollout_picks_the_newer_of_offer_and_files(tmp_path):
     from rstar_hpc.config.rollout import SchedulerConfig
     from rstar_hpc.pipeline import PolicyNeed
-    from rstar_hpc.rollout.step import MEMORY, wait_for_policy
+    from rstar_hpc.rollout.policy_source import MEMORY, wait_for_policy
 
     paths = RunPaths(tmp_path / "run")
     paths.create()
@@ -80,7 +80,7 @@ def test_rollout_picks_the_newer_of_offer_and_files(tmp_path):
     dirs.commit(1, dirs.begin(1), stage="rl", trainer_step=1)
     sc = SchedulerConfig()
     assert wait_for_policy(sc, paths, PolicyNeed("rl", 1)) == (1, str(dirs.path(1)))
-    proto.announce_offer(paths.dir, "127.0.0.1", 1234, version=2, stage="rl", trainer_step=2, timeout_s=5,
+    protocol.announce_offer(paths.dir, "127.0.0.1", 1234, version=2, stage="rl", trainer_step=2, timeout_s=5,
                          bucket_bytes=1 << 20)
     assert wait_for_policy(sc, paths, PolicyNeed("rl", 1)) == (2, MEMORY)    # newer than the files
     assert wait_for_policy(sc, paths, PolicyNeed("rl", 2)) == (2, MEMORY)    # only in memory
@@ -88,8 +88,8 @@ def test_rollout_picks_the_newer_of_offer_and_files(tmp_path):
     assert wait_for_policy(sc, paths, PolicyNeed("rl", 2)) == (2, MEMORY)    # the same version: memory, the faster
     dirs.commit(3, dirs.begin(3), stage="rl", trainer_step=3)
     assert wait_for_policy(sc, paths, PolicyNeed("rl", 2)) == (3, str(dirs.path(3)))   # files newer
-    from rstar_hpc.trainer.weight_sync import next_version
-    proto.record_offered(paths.dir, 7, "rl", 6)
+    from rstar_hpc.trainer.weight_sender import next_version
+    protocol.record_offered(paths.dir, 7, "rl", 6)
     assert next_version(paths) == 8   # run-global: past what was offered in memory, not only the files
 
 
@@ -97,7 +97,7 @@ def test_publish_cadence_and_config_check():
     from types import SimpleNamespace
 
     from rstar_hpc.config.trainer import TrainerConfig
-    from rstar_hpc.trainer.weight_sync import makes_version, publishes_files
+    from rstar_hpc.trainer.weight_sender import makes_version, publishes_files
 
     rl = SimpleNamespace(kind="rl", num_steps=7, name="rl")
     sft = SimpleNamespace(kind="sft", num_steps=7, name="sft")
@@ -111,10 +111,10 @@ def test_publish_cadence_and_config_check():
 
 
 def test_status_line_names_fallbacks(tmp_path):
-    proto.write_engine_weights(tmp_path, "rl", 4, {1: {"via": "memory", "version": 9, "seconds": 0.5},
+    protocol.write_engine_weights(tmp_path, "rl", 4, {1: {"via": "memory", "version": 9, "seconds": 0.5},
                                                    2: {"via": "files", "version": 8, "seconds": 2.0,
                                                        "reason": "DistStoreError: timed out"}})
-    text = proto.describe_engine_weights(proto.read_engine_weights(tmp_path))
+    text = protocol.describe_engine_weights(protocol.read_engine_weights(tmp_path))
     assert text == ("weights of step 4 (rl): engine 1: v9 via memory (0.50s); engine 2: v8 via files (2.00s), "
                     "fell back: DistStoreError: timed out")
 
@@ -122,7 +122,7 @@ def test_status_line_names_fallbacks(tmp_path):
 def _scheduler(paths, step: int = 3, need=None, versions=None):
     """Rank 0's side of a step's weights (no MPI: it only reads the offer and talks to the store)."""
     from rstar_hpc.pipeline import PolicyNeed
-    from rstar_hpc.rollout.step_weights import StepWeights
+    from rstar_hpc.rollout.policy_source import StepWeights
 
     return StepWeights(paths, "rl", step, need or PolicyNeed("rl", 2), engine_versions=versions)
 
@@ -144,11 +144,11 @@ def test_no_reachable_offer_falls_back_to_files_at_once(tmp_path):
     assert "withdrew its in-memory offer" in start["memory_failed"] and "policy_memory" not in start
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    proto.announce_offer(paths.dir, "127.0.0.1", 1, version=4, stage="rl", trainer_step=3, timeout_s=900,
+    protocol.announce_offer(paths.dir, "127.0.0.1", 1, version=4, stage="rl", trainer_step=3, timeout_s=900,
                          bucket_bytes=1 << 20)
-    record = proto.read_offer(paths.dir)
+    record = protocol.read_offer(paths.dir)
     record["pid"] = int(dead.stdout)
-    path = proto.rendezvous.announcement_path(paths.dir, proto.ROLE, proto.NAME)
+    path = protocol.rendezvous.announcement_path(paths.dir, protocol.ROLE, protocol.NAME)
     with open(path, "w") as f:
         f.write(json.dumps(record))
     start = _scheduler(paths).memory_session([1, 2], 4)
@@ -157,10 +157,10 @@ def test_no_reachable_offer_falls_back_to_files_at_once(tmp_path):
     record["pid"] = os.getpid()   # alive, but nothing listens on the port: a connection error
     with open(path, "w") as f:
         f.write(json.dumps(record))
-    from rstar_hpc.rollout import weight_sync as rws
+    from rstar_hpc.rollout import weight_receiver
     with pytest.raises(Exception) as err:
-        rws.open_session(record, 4, receivers=1, connect_timeout_s=1)
-    assert not isinstance(err.value, rws.SessionRefused)
+        weight_receiver.open_session(record, 4, receivers=1, connect_timeout_s=1)
+    assert not isinstance(err.value, weight_receiver.SessionRefused)
 
     empty = RunPaths(tmp_path / "empty")   # a version only in memory, nothing published: nothing to fall back to
     empty.create()
@@ -172,8 +172,8 @@ def test_sessions_leave_out_engines_holding_the_version_and_follow_the_offer(tmp
     """Rank 0 knows each engine's version from its HELLOs: only the others join; all hold it, and no session opens.
     The trainer moved on to a newer version that still satisfies the step: that one is synced."""
     from rstar_hpc.pipeline import PolicyNeed
-    from rstar_hpc.rollout.weight_sync import abort_session
-    from rstar_hpc.trainer.weight_sync import WeightServer
+    from rstar_hpc.rollout.weight_receiver import abort_session
+    from rstar_hpc.trainer.weight_sender import WeightServer
 
     paths = RunPaths(tmp_path / "run")
     paths.create()
@@ -201,13 +201,13 @@ def test_sessions_leave_out_engines_holding_the_version_and_follow_the_offer(tmp
 def test_a_member_that_cannot_join_aborts_the_session_for_everyone(tmp_path):
     """Engine 2 cannot join and says so: engine 1 and the trainer give up at once with its reason (the session's
     timeout is 900 s: waiting for the missing member would outlast the test)."""
-    from rstar_hpc.rollout.weight_sync import abort_session, open_session, receive_buckets
-    from rstar_hpc.trainer.weight_sync import WeightServer
+    from rstar_hpc.rollout.weight_receiver import abort_session, open_session, receive_buckets
+    from rstar_hpc.trainer.weight_sender import WeightServer
 
     server = WeightServer(tmp_path, timeout_s=900, bucket_bytes=2048, host="127.0.0.1")
     try:
         server.offer(4, "rl", 3, _state(0))
-        session = open_session(proto.read_offer(tmp_path), 4, receivers=2)
+        session = open_session(protocol.read_offer(tmp_path), 4, receivers=2)
         failed: list[BaseException] = []
 
         def receive() -> None:
@@ -219,7 +219,7 @@ def test_a_member_that_cannot_join_aborts_the_session_for_everyone(tmp_path):
         t.start()
         assert abort_session(session, "engine rank 2 could not join: RuntimeError: no route")
         t.join(120)
-        assert not t.is_alive() and isinstance(failed[0], proto.SessionAborted) and "no route" in str(failed[0])
+        assert not t.is_alive() and isinstance(failed[0], protocol.SessionAborted) and "no route" in str(failed[0])
         for _ in range(600):
             if server.sessions:
                 break
@@ -267,5 +267,5 @@ def test_engine_rank_outside_the_session_keeps_its_version_or_takes_the_files():
     got = asyncio.run(_load_weights(member, start, 2))
     assert member.calls == [("sync", 1), ("files", "/run/policy/v-4", 4)]
     assert got["via"] == "files" and "cannot reach the trainer" in got["reason"]
-    assert store.get(proto.session_prefix(0) + proto.ABORT).decode() == \
+    assert store.get(protocol.session_prefix(0) + protocol.ABORT).decode() == \
         "engine rank 2 could not join: RuntimeError: cannot reach the trainer"

@@ -1,4 +1,4 @@
-"""The rollout's side of the in-memory weight sync (protocol: exchange/weight_sync.py).
+"""The rollout's side of the in-memory weight sync (protocol: exchange/weight_protocol.py).
 
 - rank 0 (the scheduler) opens a session with the trainer for the version a step needs (`open_session`): it
   gets a session number, the group size and the trainer's store address, which go to the engine ranks in START;
@@ -16,7 +16,7 @@ import json
 import logging
 import time
 
-from rstar_hpc.exchange import weight_sync as proto
+from rstar_hpc.exchange import weight_protocol as protocol
 
 log = logging.getLogger("rstar_hpc.rollout")
 
@@ -47,8 +47,8 @@ def offer_gone(offer: dict) -> str | None:
     return None
 
 
-def open_session(offer: dict, version: int, receivers: int, connect_timeout_s: float = proto.CONNECT_TIMEOUT_S) -> dict:
-    """Rollout rank 0: ask the trainer (its `offer`, exchange.weight_sync.read_offer) to send `version` to
+def open_session(offer: dict, version: int, receivers: int, connect_timeout_s: float = protocol.CONNECT_TIMEOUT_S) -> dict:
+    """Rollout rank 0: ask the trainer (its `offer`, exchange.weight_protocol.read_offer) to send `version` to
     `receivers` workers. Returns the session every engine rank needs (START's `policy_memory`); raises
     SessionRefused (with the trainer's reason, or at once when the offering process is known to be gone) or a
     connection error (after `connect_timeout_s`, not the session's timeout: an unreachable store is not waited for
@@ -59,9 +59,9 @@ def open_session(offer: dict, version: int, receivers: int, connect_timeout_s: f
     timeout_s = float(offer.get("timeout_s", 120.0))
     store = _store(offer["host"], offer["port"], min(timeout_s, connect_timeout_s))
     store.set_timeout(datetime.timedelta(seconds=timeout_s))
-    i = int(store.add(proto.COUNTER, 1)) - 1
-    store.set(proto.request_key(i), json.dumps({"version": int(version), "size": receivers + 1}))
-    answer = json.loads(store.get(proto.response_key(i)))
+    i = int(store.add(protocol.COUNTER, 1)) - 1
+    store.set(protocol.request_key(i), json.dumps({"version": int(version), "size": receivers + 1}))
+    answer = json.loads(store.get(protocol.response_key(i)))
     if not answer.get("ok"):
         raise SessionRefused(answer.get("reason", "refused"))
     return {"host": offer["host"], "port": int(offer["port"]), "session": i, "size": receivers + 1,
@@ -72,15 +72,15 @@ def abort_session(session: dict, reason: str) -> bool:
     """An engine rank that cannot take part in `session`: tell its other members, so they fall back at once
     instead of waiting for it until the session's timeout. Best effort: False if the store cannot be reached."""
     try:
-        store = _store(session["host"], session["port"], proto.CONNECT_TIMEOUT_S)
-        proto.abort(store, proto.session_prefix(int(session["session"])), reason)
+        store = _store(session["host"], session["port"], protocol.CONNECT_TIMEOUT_S)
+        protocol.abort(store, protocol.session_prefix(int(session["session"])), reason)
         return True
     except Exception as e:   # noqa: BLE001  (the trainer is gone too: nobody waits)
         log.warning("could not abort weight sync session %s: %s", session.get("session"), e)
         return False
 
 
-def _unpack(bucket: list[proto.Entry], flat):
+def _unpack(bucket: list[protocol.Entry], flat):
     import torch
 
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -95,18 +95,18 @@ def receive_buckets(session: dict, rank: int, stats: dict):
 
     timeout = datetime.timedelta(seconds=float(session["timeout_s"]))
     t0 = time.perf_counter()
-    store = _store(session["host"], session["port"], min(float(session["timeout_s"]), proto.CONNECT_TIMEOUT_S))
+    store = _store(session["host"], session["port"], min(float(session["timeout_s"]), protocol.CONNECT_TIMEOUT_S))
     store.set_timeout(timeout)
-    prefix = proto.session_prefix(int(session["session"]))
-    plan = proto.layout_from_json(store.get(prefix + "layout"))
-    proto.join(store, prefix, int(session["size"]), float(session["timeout_s"]))   # or SessionAborted: files
+    prefix = protocol.session_prefix(int(session["session"]))
+    plan = protocol.layout_from_json(store.get(prefix + "layout"))
+    protocol.join(store, prefix, int(session["size"]), float(session["timeout_s"]))   # or SessionAborted: files
     group = torch.distributed.ProcessGroupGloo(torch.distributed.PrefixStore(prefix, store), rank,
                                                int(session["size"]), timeout)
     stats["join_s"] = time.perf_counter() - t0
     stats["bytes"], stats["wait_s"] = 0, 0.0
 
     def post(k: int):
-        flat = torch.empty(proto.bucket_nbytes(plan[k]), dtype=torch.uint8)
+        flat = torch.empty(protocol.bucket_nbytes(plan[k]), dtype=torch.uint8)
         return flat, group.broadcast(flat, 0)
 
     pending = post(0) if plan else None

@@ -1,4 +1,4 @@
-"""The trainer's side of the in-memory weight sync (protocol: exchange/weight_sync.py).
+"""The trainer's side of the in-memory weight sync (protocol: exchange/weight_protocol.py).
 
 `WeightServer` runs on the trainer's global rank 0 (with `trainer.weight_sync: memory`): it hosts a TCPStore on
 a free port, holds the newest policy as Hugging Face tensors on the CPU (a copy, so training goes on), and a
@@ -26,7 +26,7 @@ import time
 import torch
 from megatron.core import parallel_state
 
-from rstar_hpc.exchange import weight_sync as proto
+from rstar_hpc.exchange import weight_protocol as protocol
 
 log = logging.getLogger("rstar_hpc.trainer")
 
@@ -35,9 +35,9 @@ def dtype_name(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
 
 
-def pack_bucket(bucket: list[proto.Entry], tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+def pack_bucket(bucket: list[protocol.Entry], tensors: dict[str, torch.Tensor]) -> torch.Tensor:
     """One flat uint8 tensor holding the bucket's tensors at their offsets."""
-    flat = torch.empty(proto.bucket_nbytes(bucket), dtype=torch.uint8)
+    flat = torch.empty(protocol.bucket_nbytes(bucket), dtype=torch.uint8)
     for e in bucket:
         src = tensors[e.name].detach().contiguous().view(-1).view(torch.uint8)
         flat[e.offset:e.offset + e.nbytes].copy_(src)
@@ -66,29 +66,29 @@ class WeightServer:
 
     def offer(self, version: int, stage: str, trainer_step: int, state: dict[str, torch.Tensor]) -> None:
         specs = [(n, tuple(t.shape), dtype_name(t)) for n, t in sorted(state.items())]
-        plan = proto.plan_buckets(specs, self.bucket_bytes)
+        plan = protocol.plan_buckets(specs, self.bucket_bytes)
         with self._lock:
             self._held = (int(version), stage, int(trainer_step), state, plan)
-        proto.record_offered(self.run_dir, version, stage, trainer_step)
-        proto.announce_offer(self.run_dir, self.host, self.port, version=version, stage=stage,
+        protocol.record_offered(self.run_dir, version, stage, trainer_step)
+        protocol.announce_offer(self.run_dir, self.host, self.port, version=version, stage=stage,
                              trainer_step=trainer_step, timeout_s=self.timeout_s, bucket_bytes=self.bucket_bytes)
         log.info("policy v%d (stage %s, trainer step %d) offered in memory at %s:%d", version, stage, trainer_step,
                  self.host, self.port)
 
     def close(self) -> None:
         self._stop.set()
-        proto.withdraw_offer(self.run_dir)
+        protocol.withdraw_offer(self.run_dir)
         self._thread.join(timeout=self.timeout_s + 5)
 
     # --------------------------------------------------------------------------------------------- the thread
     def _serve(self) -> None:
         i = 0
         while not self._stop.is_set():
-            if not self.store.check([proto.request_key(i)]):   # polled: a timed-out wait() logs a warning
+            if not self.store.check([protocol.request_key(i)]):   # polled: a timed-out wait() logs a warning
                 self._stop.wait(0.02)
                 continue
             try:
-                self._session(i, json.loads(self.store.get(proto.request_key(i))))
+                self._session(i, json.loads(self.store.get(protocol.request_key(i))))
             except Exception as e:   # noqa: BLE001  (an engine that never joined: the rollout falls back to files)
                 log.warning("weight sync session %d failed: %s: %s", i, type(e).__name__, e)
                 self.sessions.append({"session": i, "error": f"{type(e).__name__}: {e}"})
@@ -100,17 +100,17 @@ class WeightServer:
         if held is None or held[0] != int(req["version"]):
             why = (f"the trainer holds v{held[0]} now, not v{req['version']}" if held is not None
                    else "the trainer holds no policy in memory yet")
-            self.store.set(proto.response_key(i), json.dumps({"ok": False, "reason": why}))
+            self.store.set(protocol.response_key(i), json.dumps({"ok": False, "reason": why}))
             self.sessions.append({"session": i, "refused": why})
             return
         version, _, _, state, plan = held
-        prefix = proto.session_prefix(i)
-        self.store.set(prefix + "layout", proto.layout_to_json(plan))
-        self.store.set(proto.response_key(i), json.dumps({"ok": True}))
+        prefix = protocol.session_prefix(i)
+        self.store.set(prefix + "layout", protocol.layout_to_json(plan))
+        self.store.set(protocol.response_key(i), json.dumps({"ok": True}))
         t0 = time.perf_counter()
         try:   # all members counted in before the group forms: one that cannot join aborts, nobody waits for it
-            proto.join(self.store, prefix, int(req["size"]), self.timeout_s)
-        except proto.SessionAborted as e:
+            protocol.join(self.store, prefix, int(req["size"]), self.timeout_s)
+        except protocol.SessionAborted as e:
             self.sessions.append({"session": i, "version": version, "aborted": str(e)})
             log.warning("weight sync session %d (v%d) aborted by a member: %s", i, version, e)
             return
@@ -151,7 +151,7 @@ def offer_policy(model: torch.nn.Module, server: WeightServer | None, *, version
 def next_version(paths) -> int:
     """Run-global numbering: the newest version published as files or ever offered in memory, + 1."""
     latest = paths.policies().latest()
-    return max(latest[0] if latest else 0, proto.newest_offered_version(paths.dir)) + 1
+    return max(latest[0] if latest else 0, protocol.newest_offered_version(paths.dir)) + 1
 
 
 def publishes_files(tcfg, stage, step: int) -> bool:
