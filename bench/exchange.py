@@ -30,7 +30,7 @@ from rstar_hpc.exchange.atomic import atomic_write_bytes, fsync_dir
 from rstar_hpc.exchange.columns import to_table, token_view
 from rstar_hpc.exchange.reader import StepReader
 from rstar_hpc.exchange.rundir import RunPaths
-from rstar_hpc.exchange.synthetic import make_step
+from rstar_hpc.synthetic.trajectories import make_step
 from rstar_hpc.exchange.writer import ShardWriter
 
 STAGE, STEP = "bench", 1

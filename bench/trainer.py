@@ -146,7 +146,7 @@ def bench_sft(args, model_dir, tmp: str) -> dict:
     from transformers import AutoTokenizer, Qwen3ForCausalLM
 
     from rstar_hpc.trainer.sft import SFTData
-    from rstar_hpc.trainer.sft_data import make_samples, write_jsonl
+    from rstar_hpc.synthetic.sft_chats import make_samples, write_jsonl
     from rstar_hpc.trainer.step import pack, train_step
 
     data = write_jsonl(make_samples(args.samples * (args.steps + 1), seed=0, system=""), os.path.join(tmp, "d.jsonl"))
@@ -226,7 +226,7 @@ def bench_rl(args, model_dir: str, tmp: str) -> dict:
     from rstar_hpc.algo.loss import policy_loss
     from rstar_hpc.config import load_config
     from rstar_hpc.exchange.rundir import RunPaths
-    from rstar_hpc.exchange.synthetic import make_step
+    from rstar_hpc.synthetic.trajectories import make_step
     from rstar_hpc.exchange.writer import ShardWriter
     from rstar_hpc.trainer.model import Qwen3Arch
     from rstar_hpc.trainer.rl import TrajectorySource, rl_step

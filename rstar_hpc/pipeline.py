@@ -167,7 +167,7 @@ def taken_back(cfg, paths: RunPaths, need: PolicyNeed) -> list[int]:
 def stage_prompts(cfg, stage) -> list[dict]:
     """All prompts a rollout stage draws from (rl: its data; hard_subset: the source; eval: every benchmark's),
     system turns kept where the stage's `keep_system` says so."""
-    from rstar_hpc.datasets import load_prompt_file, load_prompts
+    from rstar_hpc.data.sets import load_prompt_file, load_prompts
 
     limit, keep = stage.max_prompts, stage.keep_system
     if stage.kind == "eval":

@@ -106,7 +106,7 @@ def sft_batches(args, vocab: int) -> list[list]:
 def rl_tables(args, vocab: int) -> list:
     """Trajectory steps as the trainer reads them (exchange rows), tokens in the model's vocabulary."""
     from rstar_hpc.exchange.columns import to_table
-    from rstar_hpc.exchange.synthetic import make_step
+    from rstar_hpc.synthetic.trajectories import make_step
 
     rng, out = np.random.default_rng(0), []
     for step in range(args.warmup + args.steps):

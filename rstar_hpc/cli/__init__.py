@@ -74,7 +74,7 @@ def cli() -> None:
 
 def main(argv: list[str] | None = None) -> None:
     from rstar_hpc.config import ConfigError
-    from rstar_hpc.datasets import DatasetError
+    from rstar_hpc.data.sets import DatasetError
 
     if argv is None:   # the program (not a test calling it in-process): torch's kernel cache goes when it exits
         from rstar_hpc.scratch import private_torch_cache

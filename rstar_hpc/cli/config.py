@@ -64,7 +64,7 @@ def _check_data(cfg, config: str) -> None:
     """Read every data file of `cfg` with the stages' readers; DatasetError (exit 3) listing every problem."""
     from rstar_hpc.cli.data import describe, summary_line
     from rstar_hpc.data.files import DataFileMissing
-    from rstar_hpc.datasets import DatasetError, config_data_files
+    from rstar_hpc.data.sets import DatasetError, config_data_files
 
     done: dict[tuple[str, str], str | DatasetError] = {}
     problems = []

@@ -1,5 +1,5 @@
 """`rstar-hpc data show|check FILE`: how the project reads a data file, with the code the stages use
-(rstar_hpc.datasets.read_data)."""
+(rstar_hpc.data.sets.read_data)."""
 from __future__ import annotations
 
 import json
@@ -23,7 +23,7 @@ def command() -> None:
 
 
 def _read(file: str, kind: str | None, keep_system: bool = False):
-    from rstar_hpc.datasets import ChatSet, read_data
+    from rstar_hpc.data.sets import ChatSet, read_data
 
     got = read_data(file, kind, keep_system=keep_system)
     return got, ("sft" if isinstance(got, ChatSet) else kind or "rl")

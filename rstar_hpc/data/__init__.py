@@ -6,7 +6,9 @@
     prompts  prompt files: the layout detected from the columns (verl, question/answer, GSM8K, MATH solutions),
              exact repeats dropped and counted
     chats    OpenAI-style chat files: tool_calls rendered in the rStar2 format, content parts joined
+    sets     what a stage trains or evaluates on (`stages[].data`: a file, a demo set by name, "@<stage>"): the entry
+             point the roles and `rstar-hpc data|config validate` call
+    demo_task  the CPU demo's task family (arithmetic in four levels) and its built-in sets
 
-rstar_hpc.datasets is the entry point the roles and `rstar-hpc data|config validate` call (stage data, the demo
-sets); it reads files through this package. Nothing here imports torch.
+Nothing here imports torch.
 """

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rstar_hpc.config import ConfigError, RunConfig, build_config, load_config
-from rstar_hpc.datasets import ANSWER_KEYS, DatasetError, load_prompt_file
+from rstar_hpc.data.sets import ANSWER_KEYS, DatasetError, load_prompt_file
 from rstar_hpc.exchange.rundir import RunPaths, default_run_root
 from rstar_hpc.export.choose import Checkpoint, ExportError, find_checkpoint
 

@@ -19,7 +19,6 @@ With pyarrow (the trajectory data):
     retention.py    prune consumed trajectory steps
     quarantine.py   take back the commit of a step whose shard is corrupt on disk, so its producer writes it again
     export.py       Parquet / JSON Lines copies of committed steps
-    synthetic.py    paper-shaped synthetic trajectories (tests and bench/)
 
 Importing this package is cheap: names below are loaded on first use, so `import rstar_hpc.exchange.rendezvous`
 pulls in the stdlib only.

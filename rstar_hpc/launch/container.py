@@ -27,7 +27,7 @@ def of(cfg, role: str) -> ContainerConfig | None:
 
 def _named_paths(cfg) -> list[tuple[Path, str]]:
     """(path, mode) of what the config names on shared storage: the run root rw, the model and data folders ro."""
-    from rstar_hpc.datasets import config_data_files
+    from rstar_hpc.data.sets import config_data_files
 
     out = [(cfg.run.root_dir, "rw")]
     if cfg.model.path:

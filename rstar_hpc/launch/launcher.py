@@ -45,12 +45,13 @@ def slurm_env(env=None) -> dict[str, str]:
 
 def preflight(cfg) -> None:
     """Fail now on what would fail on the nodes: unreadable stage data, a missing model, no sbatch."""
-    from rstar_hpc import datasets, pipeline
+    from rstar_hpc import pipeline
+    from rstar_hpc.data import sets
     from rstar_hpc.models.resolve import resolve_model
 
     for s in cfg.stages:
         if s.kind == "sft":
-            datasets.load_sft_conversations(s, cfg.run.seed)
+            sets.load_sft_conversations(s, cfg.run.seed)
         elif not (s.data or "").startswith("@"):
             pipeline.stage_prompts(cfg, s)
         if s.kind == "rl" and s.val_every:

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from rstar_hpc.config import RunConfig, prepare_run_dir
-from rstar_hpc.datasets import demo_prompts
+from rstar_hpc.data.sets import demo_prompts
 from rstar_hpc.exchange.atomic import atomic_write_text
 from rstar_hpc.models.chat_format import render_prompt
 from rstar_hpc.models.resolve import resolve_model

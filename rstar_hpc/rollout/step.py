@@ -68,7 +68,7 @@ class StepHooks:
 # --------------------------------------------------------------------------------------------------- step input
 def step_items(stage: StageConfig, step: int, tokenizer, rows: list[dict], *, agent: AgentConfig,
                samples_per_prompt: int) -> tuple[list[WorkItem], list[str]]:
-    """An rl step's prompts (out of the stage's `rows`, datasets.load_prompts) x samples_per_prompt, and the
+    """An rl step's prompts (out of the stage's `rows`, data/sets.load_prompts) x samples_per_prompt, and the
     uids of prompts dropped as over-long (microsoft/rStar filters them too: they cannot be trained on)."""
     n = stage.prompts_per_step
     if n > len(rows):

@@ -32,7 +32,7 @@ ROLE = "validation"   # metrics/validation.jsonl
 def val_prompts(cfg, stage) -> list[dict]:
     """Every validation problem of the stage, uids "<benchmark>/<uid>" (as an eval stage's); system turns kept
     where the stage's `keep_system` says so."""
-    from rstar_hpc.datasets import load_prompt_file
+    from rstar_hpc.data.sets import load_prompt_file
 
     return [dict(p, uid=f"{name}/{p['uid']}") for name, data in stage.val_files().items()
             for p in load_prompt_file(data, cfg.run.seed, keep_system=stage.keep_system)[:stage.val_max_prompts]]

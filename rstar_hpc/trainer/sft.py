@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from rstar_hpc.datasets import load_chat_jsonl, load_sft_conversations
+from rstar_hpc.data.sets import load_chat_jsonl, load_sft_conversations
 from rstar_hpc.models import chat_format as fmt
 from rstar_hpc.trainer.step import pack
 

@@ -19,11 +19,11 @@ TEMPERATURE = 0.7   # the engines return logprobs of the tempered distribution t
 
 def teach_tool_format(base: Path, out: Path, steps: int = 150, batch: int = 8, lr: float = 2e-3) -> Path:
     """The model at `base` after a short SFT (HF transformers) on the synthetic tool-using traces of
-    rstar_hpc.trainer.sft_data, saved to `out`: the format, not arithmetic (test_e2e's docstring says more)."""
+    rstar_hpc.synthetic.sft_chats, saved to `out`: the format, not arithmetic (test_e2e's docstring says more)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rstar_hpc.trainer.sft_data import make_samples
+    from rstar_hpc.synthetic.sft_chats import make_samples
 
     torch.manual_seed(0)
     threads = torch.get_num_threads()

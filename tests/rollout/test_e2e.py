@@ -2,7 +2,7 @@
 sandbox service, trajectories committed to the run directory.
 
 The tiny random model never writes a well-formed tool call on its own, so it is first taught the format: a
-short SFT (HF transformers) on the synthetic "Compute A * B" traces of rstar_hpc.trainer.sft_data. The
+short SFT (HF transformers) on the synthetic "Compute A * B" traces of rstar_hpc.synthetic.sft_chats. The
 shared system prompt (~75% of every sequence) is run once per batch and its KV reused by all samples, so 150
 steps take ~40 s; that is the format, not arithmetic. Every tool call below is the model's own sampled text.
 

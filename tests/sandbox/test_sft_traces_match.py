@@ -9,8 +9,8 @@ import re
 import subprocess
 import sys
 
-from rstar_hpc.demo_task import sft_sample
-from rstar_hpc.trainer.sft_data import make_sample
+from rstar_hpc.data.demo_task import sft_sample
+from rstar_hpc.synthetic.sft_chats import make_sample
 
 
 def _rendered(codes: list[str]) -> list[str]:

@@ -17,7 +17,7 @@ from rstar_hpc.trainer.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from rstar_hpc.trainer.sft_data import make_samples, write_jsonl
+from rstar_hpc.synthetic.sft_chats import make_samples, write_jsonl
 from rstar_hpc.trainer.step import train_step
 
 

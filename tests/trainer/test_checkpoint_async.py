@@ -133,7 +133,7 @@ def test_trainer_killed_mid_async_write_resumes_and_matches_the_uninterrupted_ru
     from rstar_hpc.exchange.rundir import RunPaths
     from rstar_hpc.exchange.state import read_stage_state
     from rstar_hpc.trainer.checkpointer import DIE_IN_ASYNC_WRITE_ENV
-    from rstar_hpc.trainer.sft_data import make_samples, write_jsonl
+    from rstar_hpc.synthetic.sft_chats import make_samples, write_jsonl
 
     data = write_jsonl(make_samples(40, seed=0, system=""), tmp_path / "train.jsonl")
     stages = [{"name": "sft", "kind": "sft", "num_steps": 6, "prompts_per_step": 4, "lr": 2e-3, "data": str(data)}]

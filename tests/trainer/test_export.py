@@ -28,7 +28,7 @@ QUESTION = "Compute 12 * 34."
 
 @pytest.fixture(scope="module")
 def run(tiny_hf_dir, tmp_path_factory) -> RunPaths:
-    from rstar_hpc.trainer.sft_data import make_samples, write_jsonl
+    from rstar_hpc.synthetic.sft_chats import make_samples, write_jsonl
 
     tmp = tmp_path_factory.mktemp("export-run")
     data = write_jsonl(make_samples(40, seed=0), tmp / "train.jsonl")

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rstar_hpc.trainer.sft_data import make_samples, write_jsonl
+from rstar_hpc.synthetic.sft_chats import make_samples, write_jsonl
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]

@@ -19,7 +19,7 @@ from trainer_helpers import free_port, rl_step_trajs, rl_traj
 
 from rstar_hpc.exchange.rundir import RunPaths
 from rstar_hpc.exchange.writer import ShardWriter
-from rstar_hpc.trainer.sft_data import make_samples, write_jsonl
+from rstar_hpc.synthetic.sft_chats import make_samples, write_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
 SFT_LR, RL_LR, RL_WARMUP = 2e-3, 1e-4, 2

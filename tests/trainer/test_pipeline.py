@@ -147,7 +147,7 @@ def test_trainer_role_on_two_pipeline_stages_resumes_and_trains_like_one_rank(ti
     from trainer_helpers import write_config
 
     from rstar_hpc.trainer.checkpoint import DIE_IN_SAVE_ENV
-    from rstar_hpc.trainer.sft_data import make_samples, write_jsonl
+    from rstar_hpc.synthetic.sft_chats import make_samples, write_jsonl
 
     data = write_jsonl(make_samples(40, seed=0, system=""), tmp_path / "train.jsonl")
     cfg = write_config(tmp_path / "cfg.yaml", tiny4_hf_dir,

@@ -8,10 +8,10 @@ import torch
 from trainer_helpers import BACKENDS, run_trainer, write_config
 from transformers import AutoTokenizer
 
-from rstar_hpc.datasets import load_chat_jsonl
+from rstar_hpc.data.sets import load_chat_jsonl
 from rstar_hpc.exchange.rundir import RunPaths
 from rstar_hpc.trainer.sft import SFTData, render_segments, tokenize_conversation
-from rstar_hpc.trainer.sft_data import make_samples, write_jsonl
+from rstar_hpc.synthetic.sft_chats import make_samples, write_jsonl
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +35,7 @@ def test_rendering_equals_chat_template_and_masks_assistant_only(tokenizer):
 
 
 def test_bad_data_is_named(tmp_path):
-    with pytest.raises(FileNotFoundError, match="sft_data"):
+    with pytest.raises(FileNotFoundError, match="rstar_hpc.synthetic.sft_chats"):
         load_chat_jsonl(tmp_path / "missing.jsonl")
     (tmp_path / "bad.jsonl").write_text(json.dumps({"messages": [{"role": "bot", "content": "x"}]}) + "\n")
     with pytest.raises(ValueError, match="bad.jsonl:1"):

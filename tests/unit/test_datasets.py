@@ -12,10 +12,10 @@ from datafiles import CALL, openai_chat, verl_row, write_jsonl, write_parquet
 from rstar_hpc.config import load_config
 from rstar_hpc.data.answers import ground_truth
 from rstar_hpc.data.prompts import REPEATS, SYSTEM_UNUSED, read_prompt_file
-from rstar_hpc.datasets import (DEMO_EVAL_PROMPTS, DatasetError, load_chat_jsonl, load_prompt_file, load_prompts,
+from rstar_hpc.data.sets import (DEMO_EVAL_PROMPTS, DatasetError, load_chat_jsonl, load_prompt_file, load_prompts,
                                 load_sft_conversations)
 from rstar_hpc.models import chat_format as fmt
-from rstar_hpc.demo_task import DIRECT_SHARE, TYPO_SHARE, evaluate, level_of, sft_samples
+from rstar_hpc.data.demo_task import DIRECT_SHARE, TYPO_SHARE, evaluate, level_of, sft_samples
 
 
 def _stage(tmp_path, data, kind="rl", **extra):

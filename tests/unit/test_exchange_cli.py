@@ -8,7 +8,7 @@ from rstar_hpc.cli import cli
 from rstar_hpc.exchange import rendezvous
 from rstar_hpc.exchange.rundir import RunPaths
 from rstar_hpc.exchange.state import read_stage_state, write_stage_state
-from rstar_hpc.exchange.synthetic import make_step
+from rstar_hpc.synthetic.trajectories import make_step
 from rstar_hpc.exchange.writer import ShardWriter
 
 

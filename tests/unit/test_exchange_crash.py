@@ -16,7 +16,7 @@ from rstar_hpc.exchange.writer import ShardWriter
 PRODUCER = """
 import sys, time
 from rstar_hpc.exchange.rundir import RunPaths
-from rstar_hpc.exchange.synthetic import make_step
+from rstar_hpc.synthetic.trajectories import make_step
 from rstar_hpc.exchange.writer import ShardWriter
 run, rank, num_steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 first = int(sys.argv[4]) if len(sys.argv) > 4 else 0
@@ -133,7 +133,7 @@ def test_shards_without_commit_record_are_invisible(tmp_path):
     # the state a SIGKILL between the last shard's rename and the commit record leaves behind
     # (max_rows_per_shard=1: each write publishes its shard at once)
     paths = RunPaths(tmp_path / "run")
-    from rstar_hpc.exchange.synthetic import make_step
+    from rstar_hpc.synthetic.trajectories import make_step
     w = ShardWriter(paths, "rl", 0, "rollout-0", max_rows_per_shard=1)
     w.write(make_step("run", "rl", 0, 2, 1, mean_tokens=30))
     assert len([n for n in paths.traj_step_dir("rl", 0).iterdir() if n.suffix == ".arrows"]) == 2

@@ -15,7 +15,7 @@ from rstar_hpc.exchange.errors import CorruptShardError, ExchangeError
 from rstar_hpc.exchange.quarantine import MAX_QUARANTINES, quarantine_commit, quarantine_dir, quarantined
 from rstar_hpc.exchange.reader import Consumer, StepReader
 from rstar_hpc.exchange.rundir import RunPaths
-from rstar_hpc.exchange.synthetic import make_step
+from rstar_hpc.synthetic.trajectories import make_step
 from rstar_hpc.exchange.writer import ShardWriter
 
 STAGE, PRODUCER = "rl-short", pipeline.PRODUCER

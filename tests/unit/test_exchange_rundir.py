@@ -9,7 +9,7 @@ from rstar_hpc.exchange.reader import Consumer
 from rstar_hpc.exchange.retention import prune_trajectories
 from rstar_hpc.exchange.rundir import RunPaths
 from rstar_hpc.exchange.state import StageState, read_stage_state, write_stage_state
-from rstar_hpc.exchange.synthetic import make_step
+from rstar_hpc.synthetic.trajectories import make_step
 from rstar_hpc.exchange.writer import ShardWriter
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from rstar_hpc.exchange.columns import conform, from_table, to_table
 from rstar_hpc.exchange.schema import SCHEMA, SCHEMA_VERSION, TOOL_STATUSES, ToolCall, Trajectory, Turn
-from rstar_hpc.exchange.synthetic import make_step
+from rstar_hpc.synthetic.trajectories import make_step
 
 
 def _equal(a: Trajectory, b: Trajectory) -> bool:

@@ -9,7 +9,7 @@ from rstar_hpc.exchange.columns import from_table, token_view
 from rstar_hpc.exchange.errors import CorruptShardError, ExchangeError, StepNotReadyError
 from rstar_hpc.exchange.reader import StepReader
 from rstar_hpc.exchange.rundir import RunPaths
-from rstar_hpc.exchange.synthetic import make_step
+from rstar_hpc.synthetic.trajectories import make_step
 from rstar_hpc.exchange.writer import ShardWriter
 
 
@@ -109,7 +109,7 @@ def test_torn_commit_record_is_reported(paths):
 WRITER = """
 import sys, time
 from rstar_hpc.exchange.rundir import RunPaths
-from rstar_hpc.exchange.synthetic import make_step
+from rstar_hpc.synthetic.trajectories import make_step
 from rstar_hpc.exchange.writer import ShardWriter
 run, step, rank, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 paths = RunPaths(run)

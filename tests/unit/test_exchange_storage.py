@@ -16,7 +16,7 @@ from rstar_hpc.exchange.columns import from_table
 from rstar_hpc.exchange.errors import StorageError, is_storage_failure
 from rstar_hpc.exchange.reader import Consumer, StepReader
 from rstar_hpc.exchange.rundir import RunPaths
-from rstar_hpc.exchange.synthetic import make_step
+from rstar_hpc.synthetic.trajectories import make_step
 from rstar_hpc.exchange.writer import ShardWriter
 
 
@@ -68,7 +68,7 @@ def test_full_disk_while_writing_shards_leaves_nothing_and_retry_commits_once(fs
 PRODUCER = """
 import sys
 from rstar_hpc.exchange.rundir import RunPaths
-from rstar_hpc.exchange.synthetic import make_step
+from rstar_hpc.synthetic.trajectories import make_step
 from rstar_hpc.exchange.writer import ShardWriter
 paths = RunPaths(sys.argv[1])
 if not ShardWriter.is_committed(paths, "rl", 0, "rollout"):   # a restarted producer skips committed steps

@@ -11,7 +11,7 @@ import pytest
 
 from rstar_hpc import pipeline
 from rstar_hpc.config import load_config, prepare_run_dir
-from rstar_hpc.exchange.synthetic import make_trajectory
+from rstar_hpc.synthetic.trajectories import make_trajectory
 from rstar_hpc.exchange.writer import ShardWriter
 from rstar_hpc.launch.status import validation_status
 from rstar_hpc.rollout import validation

@@ -1,6 +1,6 @@
 """What a stage trains or evaluates on: `stages[].data`, read in one place for every role.
 
-    data: demo                   the built-in synthetic set (the CPU demo, rstar_hpc.demo_task: arithmetic in four
+    data: demo                   the built-in synthetic set (the CPU demo, rstar_hpc.data.demo_task: arithmetic in four
                                  levels with a distractor; easy ones can be done in the head, hard ones need the tool)
     data: demo-eval              the demo's held-out eval problems (DEMO_EVAL_PROMPTS, levels in equal shares)
     data: demo-256               the first 256 prompts of the demo set (e.g. a hard_subset stage's source)
@@ -29,13 +29,13 @@ DEMO_SFT_SAMPLES = 20000   # > samples an SFT stage sees: fresh problems, nothin
 KINDS = ("rl", "eval", "sft")
 PROMPT_HINT = (f"set stages[].data to a JSONL or Parquet file, or to '{DEMO}' for the built-in demo set")
 SFT_HINT = ("set stages[].data to a chat JSONL or Parquet file, or generate the demo set with "
-            "`python -m rstar_hpc.trainer.sft_data FILE`")
+            "`python -m rstar_hpc.synthetic.sft_chats FILE`")
 __all__ = ["ANSWER_KEYS", "CHAT_ROLES", "QUESTION_KEYS", "ChatSet", "DataFileMissing", "DatasetError", "PromptSet"]
 
 
 def demo_prompts(n: int, seed: int, *, held_out: bool = False) -> list[dict]:
-    """n demo problems [{"uid", "question", "answer"}] (rstar_hpc.demo_task), levels in turn."""
-    from rstar_hpc.demo_task import problems
+    """n demo problems [{"uid", "question", "answer"}] (rstar_hpc.data.demo_task), levels in turn."""
+    from rstar_hpc.data.demo_task import problems
     return problems(n, seed, held_out=held_out)
 
 
@@ -91,7 +91,7 @@ def load_sft_conversations(stage, seed: int = 0, system_prompt: str | None = Non
         raise DatasetError(f"stage {stage.name!r} (sft) has no data; set stages[].data to a chat JSONL file "
                            f"({{\"messages\": [...]}} per line), or to '{DEMO}' for the built-in demo set")
     if stage.data == DEMO:
-        from rstar_hpc.demo_task import sft_samples
+        from rstar_hpc.data.demo_task import sft_samples
         return [s["messages"] for s in sft_samples(DEMO_SFT_SAMPLES, seed, system=system_prompt)]
     return load_chat_jsonl(stage.data)
 
@@ -117,11 +117,11 @@ def read_data(data: str, kind: str | None = None, seed: int = 0, *, keep_system:
                            f"name that file (RUN/data/<stage>.parquet) to read it")
     if is_demo(data):
         if kind == "sft":
-            from rstar_hpc.demo_task import sft_samples
+            from rstar_hpc.data.demo_task import sft_samples
             chats = [s["messages"] for s in sft_samples(DEMO_SFT_SAMPLES, seed)]
             return ChatSet(chats, "demo", len(chats))
         rows = _demo_set(data, seed)
-        return PromptSet(rows, "demo", len(rows), sources={"the built-in demo set (rstar_hpc.demo_task)": len(rows)})
+        return PromptSet(rows, "demo", len(rows), sources={"the built-in demo set (rstar_hpc.data.demo_task)": len(rows)})
     src = read_rows(data, SFT_HINT if kind == "sft" else PROMPT_HINT)
     if (kind or guess_kind(src.columns())) == "sft":
         return read_chat_file(src)

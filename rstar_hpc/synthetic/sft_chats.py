@@ -6,7 +6,7 @@ assistant `<answer>\\boxed{A*B}</answer>`. Every assistant turn starts with the 
 prefills. The numbers have 4 digits, too many for a tiny model to multiply in its head, so it must learn to use
 the tool (and RL has room to improve it).
 
-    python -m rstar_hpc.trainer.sft_data out.jsonl --num-samples 6000 --seed 0
+    python -m rstar_hpc.synthetic.sft_chats out.jsonl --num-samples 6000 --seed 0
 """
 from __future__ import annotations
 
