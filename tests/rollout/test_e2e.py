@@ -37,7 +37,7 @@ PY = sys.executable
 PROMPTS, SAMPLES = 4, 4
 
 pytestmark = [pytest.mark.skipif(shutil.which("mpirun") is None or shutil.which("bwrap") is None,
-                                 reason="needs mpirun and bwrap"), pytest.mark.slow]
+                                 reason="needs mpirun and bwrap"), pytest.mark.slow, pytest.mark.vllm]
 
 
 def _rank_pid(rank: int, parent: int) -> int | None:

@@ -31,7 +31,7 @@ PY = sys.executable
 PROMPTS, SAMPLES = 6, 4
 
 pytestmark = [pytest.mark.skipif(shutil.which("mpirun") is None or shutil.which("bwrap") is None,
-                                 reason="needs mpirun and bwrap"), pytest.mark.slow]
+                                 reason="needs mpirun and bwrap"), pytest.mark.slow, pytest.mark.vllm]
 
 
 @pytest.fixture(scope="module")

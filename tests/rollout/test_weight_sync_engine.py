@@ -15,7 +15,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).parent
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 
 def _free_port() -> int:
