@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -61,7 +62,10 @@ def test_eval_two_benchmarks_interrupted_then_resumed(tiny_model_dir, tmp_path):
            *(a for d in data for a in ("--data", d)), "--k", str(K), "--max-tokens", str(MAX_TOKENS),
            "--max-turns", "2", "--out", str(out), "--engines", "1", "--prompts-per-step", "1",
            "rollout.engine.kv_cache_memory_mb=16", "rollout.scheduler.heartbeat_s=0.5"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    # scratch (vLLM's sockets and caches, torch's kernel cache) goes under TMPDIR and is gone when eval ends,
+    # the interrupted run's included; a short path: vLLM's IPC socket paths must fit 107 bytes
+    scratch = Path(tempfile.mkdtemp(prefix="ev-tmp-", dir="/tmp"))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "TMPDIR": str(scratch)}
     paths = RunPaths(out)
     steps = 2 * PROBLEMS
 
@@ -117,6 +121,9 @@ def test_eval_two_benchmarks_interrupted_then_resumed(tiny_model_dir, tmp_path):
     t0 = time.monotonic()
     third = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert third.returncode == 0 and "| arith |" in third.stdout and time.monotonic() - t0 < 60, third.stderr
+    left = sorted(str(p.relative_to(scratch)) for p in scratch.rglob("*"))
+    shutil.rmtree(scratch, ignore_errors=True)
+    assert not left, f"eval left scratch in $TMPDIR: {left[:20]}"
 
 
 def _commit_mtime(paths, step: int) -> int:
