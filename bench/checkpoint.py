@@ -75,8 +75,7 @@ def bench(args, root: str) -> dict:
     from rstar_hpc.config.trainer import TrainerConfig
     from rstar_hpc.trainer.checkpoint import TrainState
     from rstar_hpc.trainer.checkpointer import Checkpointer
-    from rstar_hpc.trainer.model import destroy_distributed, init_distributed
-    from rstar_hpc.trainer.parallel import build_optimizer, build_policy
+    from rstar_hpc.trainer.parallel import build_optimizer, build_policy, destroy_distributed, init_distributed
     from rstar_hpc.trainer.step import pack, train_step
 
     for k, v in (("MASTER_PORT", "29591"), ("RANK", "0"), ("WORLD_SIZE", "1")):

@@ -120,7 +120,7 @@ def main() -> None:
         return
     from rstar_hpc.config.run import TinyModelSpec
     from rstar_hpc.models.tiny import make_tiny_model
-    from rstar_hpc.trainer.model import destroy_distributed, init_distributed
+    from rstar_hpc.trainer.parallel import destroy_distributed, init_distributed
 
     from rstar_hpc.scratch import scratch_dir
 

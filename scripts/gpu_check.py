@@ -191,7 +191,8 @@ def main() -> None:
     args.shape = DRY_SHAPE if args.dry else PUBLISHED[args.model]
     for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29591"), ("RANK", "0"), ("WORLD_SIZE", "1")):
         os.environ.setdefault(k, v)
-    from rstar_hpc.trainer.model import destroy_distributed, have_transformer_engine, init_distributed
+    from rstar_hpc.trainer.model import have_transformer_engine
+    from rstar_hpc.trainer.parallel import destroy_distributed, init_distributed
 
     init_distributed(tp=1, backend=device)
     peak = peak_tflops(args)

@@ -72,7 +72,7 @@ def command(config: str, overrides: tuple[str, ...], stage_name: str | None, fol
             bar.close()
         ran = stage.name   # for the requeue note below: `stage` is None after the loop
         stage = _pick_stage(cfg, None, none_left_ok=True) if follow and code == 0 else None
-    from rstar_hpc.trainer.model import destroy_distributed
+    from rstar_hpc.trainer.parallel import destroy_distributed
     destroy_distributed()
     if code == EXIT_REQUEUE:
         # exit 0 on every rank: under `srun --kill-on-bad-exit` one rank's non-zero exit kills the others; the

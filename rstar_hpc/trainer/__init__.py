@@ -1,7 +1,8 @@
 """The trainer role: a Qwen3 policy in Megatron-core, trained by SFT or GRPO-RoC, checkpointed and published.
 
-    model.py       the policy as megatron-core GPTModel chunks (TE spec on GPU, SDPA spec on CPU), init_distributed
-    parallel.py    Policy: this rank's chunks (tp x pp x vpp) in megatron DDP; megatron's (distributed) optimizer
+    model.py       the policy as megatron-core GPTModel chunks (TE spec on GPU, SDPA spec on CPU), ParallelDims
+    parallel.py    the parallel world (init_distributed, destroy_distributed); Policy: this rank's chunks
+                   (tp x pp x vpp) in megatron DDP; megatron's (distributed) optimizer
     packing.py     MicroBatch, token-budget packing (THD) and the padded baseline
     step.py        train_step through megatron's schedules (global token normalisation), the lr schedule
     host_device.py what lets megatron's CUDA-assuming training code run on gloo (the `cpu` backend)
@@ -10,6 +11,8 @@
     rl.py          the RL step (RoC, group advantages, pi_old recompute, GRPO-RoC loss) and TrajectorySource
     checkpoint.py  distributed checkpoints with an atomic commit, resume (also under another layout), SaveOnSignal
     publish.py     policy versions for the rollout engines (HF safetensors under policy/, `latest`)
+    weight_sender.py  rank 0's in-memory offer of each policy to the engines (trainer.weight_sync: memory)
+    checkpointer.py   the loop's sync and async saves
     plan.py        per-GPU memory and micro-batch plan of a layout (`rstar-hpc trainer plan`), no torch
     job.py         the role's job: run(cfg, stage), called by `rstar-hpc train` (jobs/trainer.py)
 """

@@ -45,7 +45,7 @@ from megatron.core.optimizer import DistributedOptimizer
 from rstar_hpc.exchange.checkpoints import CommittedDirs
 from rstar_hpc.exchange.errors import ExchangeError, StorageError
 from rstar_hpc.trainer import host_device
-from rstar_hpc.trainer.model import collective_device
+from rstar_hpc.trainer.parallel import collective_device
 from rstar_hpc.trainer.orphans import results_queue_dies_with_trainer
 
 FORMAT = "rstar-hpc-trainer-v2"  # v1: torch AdamW state, tensor parallelism only

@@ -34,8 +34,8 @@ from rstar_hpc.metrics_log import metrics_sink
 from rstar_hpc.trainer.checkpoint import SaveOnSignal, TrainState, latest_checkpoint, load_checkpoint
 from rstar_hpc.trainer.checkpointer import Checkpointer
 from rstar_hpc.trainer.hf_convert import load_hf_checkpoint
-from rstar_hpc.trainer.model import Qwen3Arch, destroy_distributed, init_distributed
-from rstar_hpc.trainer.parallel import build_optimizer, build_policy
+from rstar_hpc.trainer.model import Qwen3Arch
+from rstar_hpc.trainer.parallel import build_optimizer, build_policy, destroy_distributed, init_distributed
 from rstar_hpc.trainer.weight_sender import makes_version, publish_step, start_server
 from rstar_hpc.trainer.step import build_scheduler
 

@@ -71,7 +71,7 @@ class Qwen3Arch(ModelShape):
 
 
 # --------------------------------------------------------------------------------------------------
-# parallel layout
+# parallel layout (the world itself: parallel.py)
 
 
 @dataclass(frozen=True)
@@ -119,59 +119,6 @@ class ParallelDims:
             raise ValueError(f"num_hidden_layers={arch.num_layers} is not divisible by pipeline_parallel_size="
                              f"{self.pp} x virtual_pipeline_parallel_size={self.vpp or 1}; pick degrees that divide it")
 
-
-def init_distributed(tp: int = 1, pp: int = 1, backend: Backend = "cpu", seed: int = 0,
-                     vpp: int | None = None) -> ParallelDims:
-    """Join the process group (env:// from torchrun, or SLURM_* under srun) and build Megatron's groups.
-
-    Idempotent within a process: a second call checks the degrees and returns.
-    """
-    import os
-
-    if not torch.distributed.is_initialized():
-        env = os.environ
-        rank = int(env.get("RANK", env.get("SLURM_PROCID", 0)))
-        world = int(env.get("WORLD_SIZE", env.get("SLURM_NTASKS", 1)))
-        env.setdefault("MASTER_ADDR", "127.0.0.1")
-        env.setdefault("MASTER_PORT", "29533")
-        if backend == "cuda":
-            # a rank bound to its GPU (srun --gpus-per-task=1, launch/binding.py) sees that one GPU only
-            local = int(env.get("LOCAL_RANK", env.get("SLURM_LOCALID", 0)))
-            torch.cuda.set_device(local if torch.cuda.device_count() > 1 else 0)
-        # NCCL reduces CUDA tensors only; gloo in the same group serves the CPU ones (a flag, a checkpoint's
-        # metadata), so neither side has to move a tensor to suit the other
-        torch.distributed.init_process_group("cpu:gloo,cuda:nccl" if backend == "cuda" else "gloo", rank=rank,
-                                             world_size=world)
-    dims = ParallelDims(world_size=torch.distributed.get_world_size(), tp=tp, pp=pp, vpp=vpp)
-    if parallel_state.model_parallel_is_initialized():
-        have = (parallel_state.get_tensor_model_parallel_world_size(),
-                parallel_state.get_pipeline_model_parallel_world_size(),
-                parallel_state.get_virtual_pipeline_model_parallel_world_size())
-        if have != (tp, pp, vpp):
-            raise RuntimeError(f"model parallel groups already built with (tp, pp, vpp)={have}, asked for "
-                               f"{(tp, pp, vpp)}")
-        return dims
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                             virtual_pipeline_model_parallel_size=vpp)
-    torch.manual_seed(seed)
-    if backend == "cuda":
-        tensor_parallel.model_parallel_cuda_manual_seed(seed)
-    return dims
-
-
-def collective_device() -> str:
-    """Where a small tensor for a collective lives: CUDA where the group runs NCCL, else the CPU (gloo)."""
-    if torch.distributed.is_initialized() and "nccl" in str(torch.distributed.get_backend()):
-        return "cuda"
-    return "cpu"
-
-
-def destroy_distributed(keep_world: bool = False) -> None:
-    """Megatron's model-parallel groups, and (unless `keep_world`) the process group itself."""
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    if torch.distributed.is_initialized() and not keep_world:
-        torch.distributed.destroy_process_group()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -354,7 +301,7 @@ def build_model(arch: Qwen3Arch, *, backend: Backend = "cpu", params_dtype: torc
     groups at construction). `parallel.build_policy` builds every chunk of a rank and wraps them for training.
     """
     if not parallel_state.model_parallel_is_initialized():
-        raise RuntimeError("call rstar_hpc.trainer.model.init_distributed(...) before build_model")
+        raise RuntimeError("call rstar_hpc.trainer.parallel.init_distributed(...) before build_model")
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()

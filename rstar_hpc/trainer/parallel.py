@@ -1,7 +1,8 @@
-"""The policy as megatron-core trains it: model chunks of this rank's pipeline stage(s), wrapped in megatron's
-DistributedDataParallel, and megatron's optimizer over them.
+"""The trainer's parallel world and the policy as megatron-core trains it in it: the process group and megatron's
+model-parallel groups, model chunks of this rank's pipeline stage(s), wrapped in megatron's DistributedDataParallel,
+and megatron's optimizer over them.
 
-    init_distributed(tp, pp, backend, vpp=...)          # model.py: process groups
+    init_distributed(tp, pp, backend, vpp=...)          # process groups (destroy_distributed at the end)
     policy = build_policy(arch, cfg.trainer, backend)   # chunks of this rank, DDP-wrapped
     load_hf_checkpoint(policy, hf_dir)                  # hf_convert.py: this rank's shard of every chunk
     optimizer = build_optimizer(policy, cfg.trainer, lr)
@@ -18,12 +19,75 @@ On the `cpu` backend all of this runs on gloo inside `host_device.on_host()`.
 from __future__ import annotations
 
 import torch
-from megatron.core import parallel_state
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
 from rstar_hpc.trainer import host_device
-from rstar_hpc.trainer.model import Backend, Qwen3Arch, Recompute, build_model, collective_device
+from rstar_hpc.trainer.model import Backend, ParallelDims, Qwen3Arch, Recompute, build_model
+
+
+# --------------------------------------------------------------------------------------------------
+# the parallel world
+
+
+def init_distributed(tp: int = 1, pp: int = 1, backend: Backend = "cpu", seed: int = 0,
+                     vpp: int | None = None) -> ParallelDims:
+    """Join the process group (env:// from torchrun, or SLURM_* under srun) and build Megatron's groups.
+
+    Idempotent within a process: a second call checks the degrees and returns.
+    """
+    import os
+
+    if not torch.distributed.is_initialized():
+        env = os.environ
+        rank = int(env.get("RANK", env.get("SLURM_PROCID", 0)))
+        world = int(env.get("WORLD_SIZE", env.get("SLURM_NTASKS", 1)))
+        env.setdefault("MASTER_ADDR", "127.0.0.1")
+        env.setdefault("MASTER_PORT", "29533")
+        if backend == "cuda":
+            # a rank bound to its GPU (srun --gpus-per-task=1, launch/binding.py) sees that one GPU only
+            local = int(env.get("LOCAL_RANK", env.get("SLURM_LOCALID", 0)))
+            torch.cuda.set_device(local if torch.cuda.device_count() > 1 else 0)
+        # NCCL reduces CUDA tensors only; gloo in the same group serves the CPU ones (a flag, a checkpoint's
+        # metadata), so neither side has to move a tensor to suit the other
+        torch.distributed.init_process_group("cpu:gloo,cuda:nccl" if backend == "cuda" else "gloo", rank=rank,
+                                             world_size=world)
+    dims = ParallelDims(world_size=torch.distributed.get_world_size(), tp=tp, pp=pp, vpp=vpp)
+    if parallel_state.model_parallel_is_initialized():
+        have = (parallel_state.get_tensor_model_parallel_world_size(),
+                parallel_state.get_pipeline_model_parallel_world_size(),
+                parallel_state.get_virtual_pipeline_model_parallel_world_size())
+        if have != (tp, pp, vpp):
+            raise RuntimeError(f"model parallel groups already built with (tp, pp, vpp)={have}, asked for "
+                               f"{(tp, pp, vpp)}")
+        return dims
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                             virtual_pipeline_model_parallel_size=vpp)
+    torch.manual_seed(seed)
+    if backend == "cuda":
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return dims
+
+
+def collective_device() -> str:
+    """Where a small tensor for a collective lives: CUDA where the group runs NCCL, else the CPU (gloo)."""
+    if torch.distributed.is_initialized() and "nccl" in str(torch.distributed.get_backend()):
+        return "cuda"
+    return "cpu"
+
+
+def destroy_distributed(keep_world: bool = False) -> None:
+    """Megatron's model-parallel groups, and (unless `keep_world`) the process group itself."""
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if torch.distributed.is_initialized() and not keep_world:
+        torch.distributed.destroy_process_group()
+
+
+
+# --------------------------------------------------------------------------------------------------
+# the policy
 
 
 class Policy(torch.nn.Module):

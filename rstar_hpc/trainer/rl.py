@@ -53,8 +53,7 @@ from rstar_hpc.exchange.quarantine import quarantine_commit
 from rstar_hpc.exchange.reader import Consumer
 from rstar_hpc.exchange.rundir import RunPaths
 from rstar_hpc.exchange.state import silence_s, write_heartbeat
-from rstar_hpc.trainer.model import collective_device
-from rstar_hpc.trainer.parallel import from_last_stage
+from rstar_hpc.trainer.parallel import collective_device, from_last_stage
 from rstar_hpc.trainer.step import MicroBatch, forward_logprobs, pack, train_step
 
 log = logging.getLogger(__name__)

@@ -26,7 +26,7 @@ def main(hf_dir: str, run_dir: str, version: int, wait_s: float = 300.0) -> None
     from trainer_helpers import make_optimizer, make_policy
 
     from rstar_hpc.trainer.hf_convert import export_hf_checkpoint
-    from rstar_hpc.trainer.model import destroy_distributed, init_distributed
+    from rstar_hpc.trainer.parallel import destroy_distributed, init_distributed
     from rstar_hpc.trainer.step import train_step
     from rstar_hpc.trainer.weight_sender import WeightServer, offer_policy
 

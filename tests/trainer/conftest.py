@@ -49,7 +49,7 @@ def dist1():
     """This pytest process as a gloo world of one (tp=1), torn down at the end of the session."""
     import os
 
-    from rstar_hpc.trainer.model import destroy_distributed, init_distributed
+    from rstar_hpc.trainer.parallel import destroy_distributed, init_distributed
 
     saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
     os.environ.update(MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")

@@ -22,7 +22,7 @@ def run(run_root: str, hf_dir: str) -> dict:
     from rstar_hpc.config import load_config
     from rstar_hpc.exchange.rundir import RunPaths
     from rstar_hpc.trainer.hf_convert import gather_hf_state
-    from rstar_hpc.trainer.model import init_distributed
+    from rstar_hpc.trainer.parallel import init_distributed
     from rstar_hpc.trainer.rl import TrajectorySource, rl_step
 
     init_distributed(tp=1, pp=int(os.environ.get("PP", "1")))
@@ -36,7 +36,7 @@ def run(run_root: str, hf_dir: str) -> dict:
 
 
 if __name__ == "__main__":
-    from rstar_hpc.trainer.model import destroy_distributed
+    from rstar_hpc.trainer.parallel import destroy_distributed
 
     result = run(sys.argv[1], sys.argv[2])
     if int(os.environ["RANK"]) == 0:

@@ -47,7 +47,7 @@ def run(hf_dir: str, layout: dict) -> dict:
 
     from rstar_hpc.trainer.checkpoint import TrainState, load_checkpoint, save_checkpoint
     from rstar_hpc.trainer.hf_convert import export_hf_checkpoint, gather_hf_state
-    from rstar_hpc.trainer.model import init_distributed
+    from rstar_hpc.trainer.parallel import init_distributed
     from rstar_hpc.trainer.step import build_scheduler, forward_backward, train_step
 
     init_distributed(tp=layout.get("tp", 1), pp=layout.get("pp", 1), vpp=layout.get("vpp"))
@@ -78,7 +78,7 @@ def run(hf_dir: str, layout: dict) -> dict:
 
 
 if __name__ == "__main__":
-    from rstar_hpc.trainer.model import destroy_distributed
+    from rstar_hpc.trainer.parallel import destroy_distributed
 
     result = run(sys.argv[1], json.loads(Path(sys.argv[3]).read_text()))
     if int(os.environ["RANK"]) == 0:

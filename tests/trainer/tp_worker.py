@@ -31,7 +31,7 @@ def run(hf_dir: str, tp: int) -> dict:
     from trainer_helpers import make_optimizer, make_policy
 
     from rstar_hpc.trainer.hf_convert import gather_hf_state
-    from rstar_hpc.trainer.model import init_distributed
+    from rstar_hpc.trainer.parallel import init_distributed
     from rstar_hpc.trainer.step import forward_backward, train_step
 
     init_distributed(tp=tp)
@@ -47,7 +47,7 @@ def run(hf_dir: str, tp: int) -> dict:
 
 
 if __name__ == "__main__":
-    from rstar_hpc.trainer.model import destroy_distributed
+    from rstar_hpc.trainer.parallel import destroy_distributed
 
     result = run(sys.argv[1], tp=int(os.environ["WORLD_SIZE"]))
     if int(os.environ["RANK"]) == 0:
