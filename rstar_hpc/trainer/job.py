@@ -52,66 +52,23 @@ def run(cfg: RunConfig, stage_name: str, *, on_step: Callable[[int, dict], None]
         raise ValueError(f"stage {stage.name!r} is kind {stage.kind!r}; the trainer runs {pipeline.TRAINER_KINDS}")
     paths, tcfg = RunPaths(cfg.run.dir), cfg.trainer
     backend = tcfg.backend if tcfg.backend != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-
-    # -- setup
     init_distributed(tp=tcfg.tensor_parallel_size, pp=tcfg.pipeline_parallel_size, backend=backend,
                      seed=cfg.run.seed, vpp=tcfg.virtual_pipeline_parallel_size)
     rank0 = torch.distributed.get_rank() == 0
     signal_save = SaveOnSignal()
-    metrics_out = ckpt = server = None   # server: trainer.weight_sync memory, an RL stage's in-memory offers
+    trainer = None
     try:
         if rank0:
             _prepare_run(cfg)
-            metrics_out = metrics_sink(paths, "trainer")  # metrics/trainer.jsonl and tb/<stage>/
         torch.distributed.barrier()  # the run directory and the model exist before anyone reads them
         if read_stage_state(paths, stage.name).status == "DONE":
             log.info("stage %s is DONE already; nothing to train (rerun it under a new stage name)", stage.name)
             return 0
-        model_dir = _model_dir(cfg)
-        state = _build_state(cfg, stage, model_dir, backend)
-        data = _stage_data(cfg, stage, paths, model_dir)
-        log.info("stage %s (%s): %s", stage.name, stage.kind, _restore(state, data, cfg, stage, paths))
-        _set_state(paths, stage, rank0, "RUNNING", step=state.step, message="")
-        server = start_server(tcfg, paths) if stage.kind == "rl" else None
-        ckpt = _checkpointer(tcfg, data, paths, stage, rank0)
-
-        # -- loop
-        while state.step < stage.num_steps:
-            timer = _Timer()
-            with timer("read"):
-                batch = data.next(stop_requested=lambda: signal_save.requested)
-            if batch is None:  # USR2 while waiting for trajectories: the state is at a step boundary
-                return _save_and_requeue(state, ckpt, paths, stage, rank0)
-            with timer("train"):
-                metrics = data.train(state.model, state.optimizer, state.scheduler, batch)
-            state.step += 1
-            state.data_state = data.state_dict()
-            stop = signal_save.should_save()
-            if makes_version(tcfg, stage, state.step):   # in memory and/or as files (trainer/weight_sender.py)
-                with timer("publish"):
-                    metrics["policy_version"] = publish_step(state.model, paths, server, tcfg, stage, state.step,
-                                                             source_dir=model_dir)
-            _finalize_saves(ckpt, timer, metrics)  # an async save whose write has finished: commit, ack
-            if stop or state.step == stage.num_steps or state.step % tcfg.checkpoint.save_every_steps == 0:
-                with timer("checkpoint"):  # what the loop blocks; async: planning, the host copy, the fork
-                    _checkpoint(state, ckpt, paths, stage, wait=stop or state.step == stage.num_steps)
-                _pop_async_seconds(ckpt, metrics)
-            metrics.update(timer.metrics())
-            _log_step(metrics_out, stage, state.step, metrics, backend, state.model)
-            if rank0:
-                write_heartbeat(paths, "trainer", f"stage {stage.name}: trained step {state.step}/{stage.num_steps}",
-                                stage=stage.name, step=state.step)
-            if on_step is not None:
-                on_step(state.step, metrics)
-            if stop and state.step < stage.num_steps:
-                return _save_and_requeue(state, ckpt, paths, stage, rank0)
-        ckpt.close()   # nothing pending: the last step's save waited
-        _set_state(paths, stage, rank0, "DONE", step=state.step)
-        torch.distributed.barrier()   # every rank sees DONE before it picks the next stage (train --follow)
-        return 0
+        trainer = StageTrainer(cfg, stage, backend, signal_save)
+        return trainer.train(on_step)
     except BaseException as e:
-        if ckpt is not None:
-            _drop_or_finish_saves(ckpt)
+        if trainer is not None:
+            trainer.drop_or_finish_saves()
         if not isinstance(e, KeyboardInterrupt):
             try:
                 _set_state(paths, stage, rank0, "FAILED", message=f"{type(e).__name__}: {e}"[:500])
@@ -120,9 +77,121 @@ def run(cfg: RunConfig, stage_name: str, *, on_step: Callable[[int, dict], None]
         raise
     finally:
         signal_save.close()
-        if server is not None:
-            server.close()
+        if trainer is not None:
+            trainer.close()
         destroy_distributed(keep_world=keep_world)
+
+
+class StageTrainer:
+    """One sft or rl stage on this rank, built whole before it trains (as torchtitan's Trainer): the policy with
+    its optimizer and lr schedule (`state`), the stage's data (`data`: SFTStageData or RLStageData, also its loss
+    and step), the saves (`ckpt`), rank 0's metrics sink and in-memory weight offers (`server`). Restored from the
+    stage's own checkpoint, else the previous trainer stage's, else the model. Then `train()`, then `close()`."""
+
+    def __init__(self, cfg: RunConfig, stage: StageConfig, backend: str, signal_save: SaveOnSignal):
+        self.cfg, self.stage, self.tcfg, self.backend = cfg, stage, cfg.trainer, backend
+        self.paths = RunPaths(cfg.run.dir)
+        self.rank0 = torch.distributed.get_rank() == 0
+        self.signal_save = signal_save
+        self.metrics_out = metrics_sink(self.paths, "trainer") if self.rank0 else None   # metrics/, tb/<stage>/
+        self.model_dir: Path = _model_dir(cfg)
+        self.state: TrainState = _build_state(cfg, stage, self.model_dir, backend)
+        self.data = _stage_data(cfg, stage, self.paths, self.model_dir)
+        log.info("stage %s (%s): %s", stage.name, stage.kind, _restore(self.state, self.data, cfg, stage, self.paths))
+        self.set_state("RUNNING", step=self.state.step, message="")
+        self.ckpt = Checkpointer(self.paths.ckpt_root(stage.name), async_save=self.tcfg.checkpoint.async_save,
+                                 keep_last=self.tcfg.checkpoint.keep_last, on_commit=self._committed)
+        self.server = start_server(self.tcfg, self.paths) if stage.kind == "rl" else None   # weight_sync: memory
+
+    def train(self, on_step: Callable[[int, dict], None] | None = None) -> int:
+        """The stage's remaining steps: 0 when it is done, EXIT_REQUEUE after a save on USR2/TERM."""
+        state, stage, tcfg, data = self.state, self.stage, self.tcfg, self.data
+        while state.step < stage.num_steps:
+            timer = _Timer()
+            with timer("read"):
+                batch = data.next(stop_requested=lambda: self.signal_save.requested)
+            if batch is None:  # USR2 while waiting for trajectories: the state is at a step boundary
+                return self.save_and_requeue()
+            with timer("train"):
+                metrics = data.train(state.model, state.optimizer, state.scheduler, batch)
+            state.step += 1
+            state.data_state = data.state_dict()
+            stop = self.signal_save.should_save()
+            if makes_version(tcfg, stage, state.step):   # in memory and/or as files (trainer/weight_sender.py)
+                with timer("publish"):
+                    metrics["policy_version"] = publish_step(state.model, self.paths, self.server, tcfg, stage,
+                                                             state.step, source_dir=self.model_dir)
+            self.finalize_saves(timer, metrics)  # an async save whose write has finished: commit, ack
+            if stop or state.step == stage.num_steps or state.step % tcfg.checkpoint.save_every_steps == 0:
+                with timer("checkpoint"):  # what the loop blocks; async: planning, the host copy, the fork
+                    self.checkpoint(wait=stop or state.step == stage.num_steps)
+                _pop_async_seconds(self.ckpt, metrics)
+            metrics.update(timer.metrics())
+            _log_step(self.metrics_out, stage, state.step, metrics, self.backend, state.model)
+            if self.rank0:
+                write_heartbeat(self.paths, "trainer", f"stage {stage.name}: trained step {state.step}/"
+                                f"{stage.num_steps}", stage=stage.name, step=state.step)
+            if on_step is not None:
+                on_step(state.step, metrics)
+            if stop and state.step < stage.num_steps:
+                return self.save_and_requeue()
+        self.ckpt.close()   # nothing pending: the last step's save waited
+        self.set_state("DONE", step=state.step)
+        torch.distributed.barrier()   # every rank sees DONE before it picks the next stage (train --follow)
+        return 0
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+
+    # -- saves
+    def checkpoint(self, wait: bool = True) -> None:
+        """Save (unless this step is saved or being saved already); `_committed` acks what it holds once it commits
+        (sync saves: before this returns; async ones: at a later `finalize`, or here if `wait`)."""
+        latest = self.paths.checkpoints(self.stage.name).latest()
+        if self.state.step > max(latest[0] if latest else 0, self.ckpt.pending_step or 0):
+            self.ckpt.save(self.state, stage=self.stage.name)
+        if wait:
+            self.ckpt.finalize(blocking=True)
+
+    def _committed(self, saved: Path, data_state: dict) -> None:
+        """A checkpoint committed: ack the trajectory steps it holds (its own data cursor), then record its step."""
+        self.data.commit(saved.name, data_state)
+        self.set_state("RUNNING", step=int(saved.name.split("-")[-1]))
+
+    def finalize_saves(self, timer: _Timer, metrics: dict) -> None:
+        """Non-blocking: commit an async save that every rank has finished writing (its commit's time counts as
+        checkpoint time); a collective poll while one is in flight."""
+        if self.ckpt.pending_step is None:
+            return
+        t0 = time.perf_counter()
+        if self.ckpt.finalize():
+            timer.add("checkpoint", time.perf_counter() - t0)
+            _pop_async_seconds(self.ckpt, metrics)
+
+    def drop_or_finish_saves(self) -> None:
+        """A failure with an async save in flight: a world of one commits it (no peer can be missing from the
+        commit's collectives); with peers, a failure may be this rank's alone, so the save is dropped, never half
+        committed: `latest` stays on the previous checkpoint, whose data cursor the ack never went beyond."""
+        ckpt = self.ckpt
+        if ckpt.pending_step is None:
+            return
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() == 1:
+            try:
+                ckpt.close()
+                return
+            except BaseException as e:  # noqa: BLE001  (the first failure is the one raised)
+                log.error("could not commit the pending checkpoint of step %s: %s", ckpt.pending_step, e)
+        ckpt.close(abort=True)
+
+    def save_and_requeue(self) -> int:
+        self.checkpoint(wait=True)
+        log.info("USR2: saved at step %d; exiting for requeue", self.state.step)
+        self.set_state("RUNNING", message=f"saved at step {self.state.step} on USR2; requeued")
+        return EXIT_REQUEUE
+
+    def set_state(self, status: str, **changes) -> None:
+        _set_state(self.paths, self.stage, self.rank0, status, **changes)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -142,13 +211,6 @@ def _model_dir(cfg: RunConfig) -> Path:
     from rstar_hpc.models.resolve import resolve_model
 
     return resolve_model(cfg, build=False)
-
-
-def _checkpointer(tcfg, data, paths: RunPaths, stage: StageConfig, rank0: bool) -> Checkpointer:
-    """The stage's saves; each commit acks the data the checkpoint holds and records the step."""
-    return Checkpointer(paths.ckpt_root(stage.name), async_save=tcfg.checkpoint.async_save,
-                        keep_last=tcfg.checkpoint.keep_last,
-                        on_commit=lambda saved, data_state: _committed(data, paths, stage, rank0, saved, data_state))
 
 
 def _build_state(cfg: RunConfig, stage: StageConfig, model_dir: Path, backend: str) -> TrainState:
@@ -201,60 +263,11 @@ def _restore(state: TrainState, data, cfg: RunConfig, stage: StageConfig, paths:
             f"(stage {prev.name}){'; optimizer reset' if stage.reset_optimizer else ''}")
 
 
-def _checkpoint(state: TrainState, ckpt: Checkpointer, paths: RunPaths, stage: StageConfig, wait: bool = True) -> None:
-    """Save (unless this step is saved or being saved already); `_committed` acks what it holds once it commits
-    (sync saves: before this returns; async ones: at a later `finalize`, or here if `wait`)."""
-    latest = paths.checkpoints(stage.name).latest()
-    if state.step > max(latest[0] if latest else 0, ckpt.pending_step or 0):
-        ckpt.save(state, stage=stage.name)
-    if wait:
-        ckpt.finalize(blocking=True)
-
-
-def _committed(data, paths: RunPaths, stage: StageConfig, rank0: bool, saved: Path, data_state: dict) -> None:
-    """A checkpoint committed: ack the trajectory steps it holds (its own data cursor), then record its step."""
-    data.commit(saved.name, data_state)
-    _set_state(paths, stage, rank0, "RUNNING", step=int(saved.name.split("-")[-1]))
-
-
-def _finalize_saves(ckpt: Checkpointer, timer: _Timer, metrics: dict) -> None:
-    """Non-blocking: commit an async save that every rank has finished writing (its commit's time counts as
-    checkpoint time); a collective poll while one is in flight."""
-    if ckpt.pending_step is None:
-        return
-    t0 = time.perf_counter()
-    if ckpt.finalize():
-        timer.add("checkpoint", time.perf_counter() - t0)
-        _pop_async_seconds(ckpt, metrics)
-
-
 def _pop_async_seconds(ckpt: Checkpointer, metrics: dict) -> None:
     """`time/checkpoint_async(s)`: the async saves committed in this step, from their save() to their commit."""
     if ckpt.async_save and ckpt.async_seconds:
         metrics["time/checkpoint_async(s)"] = metrics.get("time/checkpoint_async(s)", 0.0) + sum(ckpt.async_seconds)
         ckpt.async_seconds.clear()
-
-
-def _drop_or_finish_saves(ckpt: Checkpointer) -> None:
-    """A failure with an async save in flight: a world of one commits it (no peer can be missing from the
-    commit's collectives); with peers, a failure may be this rank's alone, so the save is dropped, never half
-    committed: `latest` stays on the previous checkpoint, whose data cursor the ack never went beyond."""
-    if ckpt.pending_step is None:
-        return
-    if torch.distributed.is_initialized() and torch.distributed.get_world_size() == 1:
-        try:
-            ckpt.close()
-            return
-        except BaseException as e:  # noqa: BLE001  (the first failure is the one raised)
-            log.error("could not commit the pending checkpoint of step %s: %s", ckpt.pending_step, e)
-    ckpt.close(abort=True)
-
-
-def _save_and_requeue(state: TrainState, ckpt: Checkpointer, paths: RunPaths, stage: StageConfig, rank0: bool) -> int:
-    _checkpoint(state, ckpt, paths, stage, wait=True)
-    log.info("USR2: saved at step %d; exiting for requeue", state.step)
-    _set_state(paths, stage, rank0, "RUNNING", message=f"saved at step {state.step} on USR2; requeued")
-    return EXIT_REQUEUE
 
 
 def _set_state(paths: RunPaths, stage: StageConfig, rank0: bool, status: str, **changes) -> None:
