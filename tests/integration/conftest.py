@@ -6,8 +6,8 @@ import json
 import time
 
 import pytest
-from installing import install
-from launching import _tail, ci_config
+from tests.helpers.installing import install
+from tests.helpers.launching import _tail, ci_config
 
 
 @pytest.fixture(scope="session")

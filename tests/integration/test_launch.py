@@ -10,7 +10,7 @@ import shutil
 import subprocess
 
 import pytest
-from launching import _tail, check_finished, ci_config, rstar, run_facts, status
+from tests.helpers.launching import _tail, check_finished, ci_config, rstar, run_facts, status
 
 pytestmark = [pytest.mark.slurm, pytest.mark.skipif(shutil.which("mpirun") is None or shutil.which("bwrap") is None,
                                                     reason="needs mpirun and bwrap")]

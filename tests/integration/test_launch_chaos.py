@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from launching import KINDS, _tail, check_finished, ci_config, rstar, run_facts, run_processes
+from tests.helpers.launching import KINDS, _tail, check_finished, ci_config, rstar, run_facts, run_processes
 
 from rstar_hpc.launch.status import ACTIVE
 

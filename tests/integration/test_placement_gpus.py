@@ -12,7 +12,7 @@ from collections import defaultdict
 
 import pytest
 import yaml
-from launching import REPO, _tail, rstar, status
+from tests.helpers.launching import REPO, _tail, rstar, status
 
 pytestmark = [pytest.mark.slurm, pytest.mark.skipif(shutil.which("mpirun") is None or shutil.which("bwrap") is None,
                                                     reason="needs mpirun and bwrap")]

@@ -12,14 +12,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-import wandb_offline  # noqa: E402  (tests/unit's reader of W&B offline run files)
-from launching import loop_config, run_roles  # noqa: E402
+from tests.helpers import wandb_offline   # the reader of W&B offline run files
+from tests.helpers.launching import loop_config, run_roles
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 2

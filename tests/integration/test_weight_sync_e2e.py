@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from launching import loop_config, run_roles
+from tests.helpers.launching import loop_config, run_roles
 
 REPO = Path(__file__).resolve().parents[2]
 RL_STEPS = 4

@@ -8,7 +8,7 @@ import pytest
 
 from rstar_hpc.models.chat_format import IM_END, render_tool_call
 from rstar_hpc.rollout.agent import PromptTooLong, parse_tool_calls
-from tests.rollout.scripted import ANSWER, FakeTools, ScriptedEngine, call, loop
+from tests.helpers.scripted import ANSWER, FakeTools, ScriptedEngine, call, loop
 
 
 @pytest.fixture(scope="module")

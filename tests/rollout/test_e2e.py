@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.rollout.rollout_run import TEMPERATURE, publish_policy, rl_config, serve_sandbox, teach_tool_format
+from tests.helpers.rollout_run import TEMPERATURE, publish_policy, rl_config, serve_sandbox
 
 REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable
@@ -83,11 +83,11 @@ def _descendants(pid: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def e2e(tiny_model_dir, tmp_path_factory):
+def e2e(tool_format_model, tmp_path_factory):
     from rstar_hpc.exchange.rundir import RunPaths
 
     work = tmp_path_factory.mktemp("e2e")
-    sft = teach_tool_format(tiny_model_dir, work / "sft")
+    sft = tool_format_model
     run_dir = work / "runs" / "e2e"
     paths = RunPaths(run_dir)
     paths.create()

@@ -16,7 +16,7 @@ from rstar_hpc.rollout.agent import AgentResult, Generation, Pause
 from rstar_hpc.rollout.messages import TrajectoryResult
 from rstar_hpc.rollout.admission import KVAwareAdmission
 from rstar_hpc.rollout.step import WorkItem
-from tests.rollout.scripted import ANSWER, FakeTools, ScriptedEngine, call, loop
+from tests.helpers.scripted import ANSWER, FakeTools, ScriptedEngine, call, loop
 
 
 @pytest.fixture(scope="module")

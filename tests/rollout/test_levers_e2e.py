@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.rollout.rollout_run import TEMPERATURE, publish_policy, rl_config, serve_sandbox, teach_tool_format
+from tests.helpers.rollout_run import TEMPERATURE, publish_policy, rl_config, serve_sandbox
 
 REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable
@@ -35,11 +35,11 @@ pytestmark = [pytest.mark.skipif(shutil.which("mpirun") is None or shutil.which(
 
 
 @pytest.fixture(scope="module")
-def levers(tiny_model_dir, tmp_path_factory):
+def levers(tool_format_model, tmp_path_factory):
     from rstar_hpc.exchange.rundir import RunPaths
 
     work = tmp_path_factory.mktemp("levers")
-    sft = teach_tool_format(tiny_model_dir, work / "sft")
+    sft = tool_format_model
     run_dir = work / "runs" / "levers"
     paths = RunPaths(run_dir)
     paths.create()
@@ -173,7 +173,7 @@ def test_vllm_engine_pauses_a_turn_mid_generation_and_continues_it(tiny_model_di
     from transformers import AutoModelForCausalLM
 
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    res = subprocess.run([PY, str(REPO / "tests/rollout/_pause_engine.py"), str(tiny_model_dir)], env=env,
+    res = subprocess.run([PY, str(REPO / "tests/helpers/pause_engine.py"), str(tiny_model_dir)], env=env,
                          cwd=REPO, capture_output=True, text=True, timeout=300)
     out = [json.loads(x) for x in res.stdout.splitlines() if x.startswith("{")]
     assert res.returncode == 0 and out, res.stderr[-3000:]

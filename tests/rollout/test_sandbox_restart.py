@@ -26,7 +26,7 @@ from rstar_hpc.config.rollout import AgentConfig
 from rstar_hpc.exchange.tool_status import INFRA_TOOL_STATUSES
 from rstar_hpc.rollout.agent import AgentLoop
 from sandbox.client import SandboxClient
-from tests.rollout.scripted import ANSWER, ScriptedEngine, call
+from tests.helpers.scripted import ANSWER, ScriptedEngine, call
 
 pytestmark = [pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bwrap")]
 REPO = Path(__file__).resolve().parents[2]

@@ -13,8 +13,8 @@ from rstar_hpc.rollout.agent import AgentLoop
 from sandbox.client import SandboxClient
 from sandbox.limits import Limits
 from sandbox.server import Service
-from tests.rollout.scripted import ANSWER, ScriptedEngine, call
-from tests.sandbox.pools import TEST_LIMITS
+from tests.helpers.scripted import ANSWER, ScriptedEngine, call
+from tests.helpers.sandbox_pools import TEST_LIMITS
 
 pytestmark = [pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bwrap"), pytest.mark.slow]
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
-HERE = Path(__file__).parent
+HELPERS = Path(__file__).resolve().parents[1] / "helpers"
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 
@@ -41,12 +41,12 @@ def test_engine_logprobs_match_hf_after_in_memory_sync(tiny_model_dir, tmp_path)
     run_dir.mkdir()
     env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
            "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    trainer = [subprocess.Popen([sys.executable, str(HERE / "sync_trainer_worker.py"), str(tiny_model_dir),
+    trainer = [subprocess.Popen([sys.executable, str(HELPERS / "sync_trainer_worker.py"), str(tiny_model_dir),
                                  str(run_dir), "3"], env={**env, "RANK": str(r)}, stdout=subprocess.PIPE,
                                 stderr=open(tmp_path / f"trainer{r}.log", "w"), text=True, cwd=REPO)
                for r in range(2)]
     out = tmp_path / "engine.json"
-    engine = subprocess.run([sys.executable, str(HERE / "sync_engine.py"), str(tiny_model_dir), str(run_dir),
+    engine = subprocess.run([sys.executable, str(HELPERS / "sync_engine.py"), str(tiny_model_dir), str(run_dir),
                              str(out)], env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
                             cwd=REPO, capture_output=True, text=True, timeout=400)
     outs = [p.communicate(timeout=120)[0] for p in trainer]

@@ -1,5 +1,5 @@
 """Fixtures for the sandbox tests: one real pool (real bwrap) shared by the session, driven from sync tests
-through an event loop in a background thread (tests/sandbox/pools.py)."""
+through an event loop in a background thread (tests/helpers/sandbox_pools.py)."""
 from __future__ import annotations
 
 import os
@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tests.sandbox.pools import PER_SANDBOX, host_processes, make_pool
+from tests.helpers.sandbox_pools import PER_SANDBOX, host_processes, make_pool
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,7 @@ import socket
 
 import pytest
 
-from tests.sandbox.pools import SECRET, TEST_LIMITS
+from tests.helpers.sandbox_pools import SECRET, TEST_LIMITS
 
 
 def run(sb, code, kind=None, **kw):

@@ -16,7 +16,7 @@ import pytest
 from sandbox.client import SandboxClient
 from sandbox.limits import Limits
 from sandbox.server import Service
-from tests.sandbox.pools import TEST_LIMITS, LoopThread, host_processes
+from tests.helpers.sandbox_pools import TEST_LIMITS, LoopThread, host_processes
 
 REPO = Path(__file__).resolve().parents[2]
 

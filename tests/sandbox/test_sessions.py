@@ -6,7 +6,7 @@ import uuid
 
 import pytest
 
-from tests.sandbox.pools import make_pool
+from tests.helpers.sandbox_pools import make_pool
 
 
 def sid() -> str:

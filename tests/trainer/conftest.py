@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from trainer_helpers import free_port
+from tests.helpers.trainer import free_port
 
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
 

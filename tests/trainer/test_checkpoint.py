@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from trainer_helpers import BACKENDS, run_trainer, sft_batch, train_state, write_config
+from tests.helpers.trainer import BACKENDS, run_trainer, sft_batch, train_state, write_config
 
 from rstar_hpc.trainer.checkpoint import (
     DIE_IN_SAVE_ENV,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from trainer_helpers import BACKENDS, make_optimizer, make_policy, rl_train, sft_batch, train_state
+from tests.helpers.trainer import BACKENDS, make_optimizer, make_policy, rl_train, sft_batch, train_state
 
 from rstar_hpc.trainer.checkpoint import TrainState, latest_checkpoint, load_checkpoint
 from rstar_hpc.trainer.checkpointer import Checkpointer
@@ -73,7 +73,7 @@ def test_a_crash_before_the_commit_leaves_latest_and_the_cursor_on_the_previous_
     checkpoint holds. Step 1's checkpoint commits while step 2 is already trained (acked: step 0 only); step 2's
     save is scheduled and the job dies before its commit (its writer aborted, as a crash leaves it): the next job
     resumes from step 1's checkpoint with the cursor at trajectory step 1, and trains step 1 again."""
-    from trainer_helpers import rl_step_trajs
+    from tests.helpers.trainer import rl_step_trajs
 
     from rstar_hpc.config import load_config
     from rstar_hpc.exchange.rundir import RunPaths
@@ -128,7 +128,7 @@ def test_trainer_killed_mid_async_write_resumes_and_matches_the_uninterrupted_ru
     was scheduled, its writer still running: `latest` is step 2 (committed when step 4's save waited for it), the
     stage state says step 2, and the resumed run logs the losses of a synchronous, never interrupted run; the
     uninterrupted part of the async run matched them too (the background write never touched training)."""
-    from trainer_helpers import run_trainer, write_config
+    from tests.helpers.trainer import run_trainer, write_config
 
     from rstar_hpc.exchange.rundir import RunPaths
     from rstar_hpc.exchange.state import read_stage_state

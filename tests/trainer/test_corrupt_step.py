@@ -4,7 +4,7 @@ consumed is left alone; with partial rollouts (a step not regenerable alone) it 
 from __future__ import annotations
 
 import pytest
-from trainer_helpers import rl_step_trajs
+from tests.helpers.trainer import rl_step_trajs
 
 from rstar_hpc.config import load_config
 from rstar_hpc.exchange.errors import ExchangeError

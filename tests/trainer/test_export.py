@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from trainer_helpers import make_optimizer, make_policy, run_trainer, write_config
+from tests.helpers.trainer import make_optimizer, make_policy, run_trainer, write_config
 
 from rstar_hpc.cli import main
 from rstar_hpc.config import load_config

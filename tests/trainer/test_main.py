@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from trainer_helpers import free_port, rl_step_trajs, rl_traj
+from tests.helpers.trainer import free_port, rl_step_trajs, rl_traj
 
 from rstar_hpc.exchange.rundir import RunPaths
 from rstar_hpc.exchange.writer import ShardWriter

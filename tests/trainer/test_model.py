@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from trainer_helpers import BACKENDS
+from tests.helpers.trainer import BACKENDS
 from transformers import Qwen3ForCausalLM
 
 from rstar_hpc.trainer.hf_convert import (

@@ -12,18 +12,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from trainer_helpers import free_port
+from tests.helpers.trainer import free_port
 
 from rstar_hpc.trainer.hf_convert import read_hf_weights
 
-WORKER = Path(__file__).with_name("pp_worker.py")
+WORKER = Path(__file__).resolve().parents[1] / "helpers" / "pp_worker.py"
 
 
 def _launch(hf_dir: Path, tmp_path: Path, name: str, world: int, layout: dict) -> dict:
     out, spec = tmp_path / f"{name}.pt", tmp_path / f"{name}.json"
     spec.write_text(json.dumps(layout))
     env = {**os.environ, "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-           "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path.cwd())}
+           "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(hf_dir), str(out), str(spec)],
                               env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               start_new_session=True) for r in range(world)]
@@ -50,8 +50,7 @@ def _reap(procs) -> None:
 @pytest.fixture(scope="module")
 def reference(tiny4_hf_dir, dist1, tmp_path_factory):
     """Tensor, pipeline and data parallel 1; saves after step 2 (the checkpoint the other layouts resume)."""
-    sys.path.insert(0, str(WORKER.parent))
-    import pp_worker
+    from tests.helpers import pp_worker
 
     ckpt = tmp_path_factory.mktemp("ref") / "ckpt"
     return {**pp_worker.run(str(tiny4_hf_dir), {"save": str(ckpt)}), "ckpt": ckpt}
@@ -115,8 +114,7 @@ def test_distributed_optimizer_steps_equal_the_plain_optimizers(tiny4_hf_dir, re
     _same_step(reference, got, grads=False)  # reduce-scattered: each rank holds its shard of the summed gradient
     _same_weights(reference, got)
 
-    sys.path.insert(0, str(WORKER.parent))
-    import pp_worker
+    from tests.helpers import pp_worker
 
     back = pp_worker.run(str(tiny4_hf_dir), {"resume": str(ckpt)})  # dp 2 + distributed -> one rank, plain
     assert back["resumed_step"] == 2 and back["resumed_loss"] == pytest.approx(reference["losses"][2], rel=1e-5)
@@ -144,7 +142,7 @@ def _role(cfg: Path, world: int, log: Path, *overrides: str, env: dict | None = 
 def test_trainer_role_on_two_pipeline_stages_resumes_and_trains_like_one_rank(tiny4_hf_dir, tmp_path):
     """The trainer role (SFT stage) on pp 2: killed after writing step 4's shards and before the commit, resumed
     from step 2; its losses are a single rank's, and its published policy is written stage by stage."""
-    from trainer_helpers import write_config
+    from tests.helpers.trainer import write_config
 
     from rstar_hpc.trainer.checkpoint import DIE_IN_SAVE_ENV
     from rstar_hpc.synthetic.sft_chats import make_samples, write_jsonl

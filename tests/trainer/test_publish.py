@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 
 import torch
-from trainer_helpers import make_optimizer, make_policy
+from tests.helpers.trainer import make_optimizer, make_policy
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rstar_hpc.exchange.rundir import RunPaths

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from trainer_helpers import BACKENDS, free_port, make_optimizer, make_policy, rl_train
-from trainer_helpers import rl_step_trajs as _step_trajs
-from trainer_helpers import rl_traj as _traj
+from tests.helpers.trainer import BACKENDS, free_port, make_optimizer, make_policy, rl_train
+from tests.helpers.trainer import rl_step_trajs as _step_trajs
+from tests.helpers.trainer import rl_traj as _traj
 
 from rstar_hpc.config import load_config
 from rstar_hpc.exchange.errors import ExchangeError, StepNotReadyError
@@ -244,7 +244,7 @@ def test_two_ranks_take_the_same_step_as_one(dist1, tiny_hf_dir, tmp_path, pp):
     from pathlib import Path
 
 
-    worker = Path(__file__).with_name("dp_worker.py")
+    worker = Path(__file__).resolve().parents[1] / "helpers" / "dp_worker.py"
     cfg = _cfg(tmp_path, tiny_hf_dir)
     trajs = _step_trajs(0)
     for t in trajs:  # uneven lengths, so the two ranks hold different token counts
@@ -256,15 +256,14 @@ def test_two_ranks_take_the_same_step_as_one(dist1, tiny_hf_dir, tmp_path, pp):
 
     out = tmp_path / "dp2.pt"
     env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-           "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path.cwd()), "PP": str(pp)}
+           "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "PP": str(pp)}
     procs = [subprocess.Popen([sys.executable, str(worker), str(tmp_path), str(tiny_hf_dir), str(out)],
                               env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
              for r in range(2)]
     logs = [p.communicate(timeout=240)[0].decode()[-3000:] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(logs)
     dp2 = torch.load(out)
-    sys.path.insert(0, str(worker.parent))
-    import dp_worker
+    from tests.helpers import dp_worker
 
     dp1 = dp_worker.run(str(tmp_path), str(tiny_hf_dir))
     assert dp1["num_local"] == 8 and dp2["num_local"] == (4 if pp == 1 else 8)

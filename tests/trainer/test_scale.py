@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from trainer_helpers import make_optimizer, make_policy
+from tests.helpers.trainer import make_optimizer, make_policy
 
 from rstar_hpc.trainer.hf_convert import gather_hf_state
 from rstar_hpc.trainer.packing import pack, pad

@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from trainer_helpers import BACKENDS, run_trainer, write_config
+from tests.helpers.trainer import BACKENDS, run_trainer, write_config
 from transformers import AutoTokenizer
 
 from rstar_hpc.data.sets import load_chat_jsonl

@@ -7,8 +7,8 @@ import os
 
 import pytest
 import torch
-from storage_fault import fill, small_fs
-from trainer_helpers import make_optimizer, make_policy
+from tests.helpers.storage_fault import fill, small_fs
+from tests.helpers.trainer import make_optimizer, make_policy
 
 from rstar_hpc.exchange.errors import StorageError
 from rstar_hpc.exchange.rundir import RunPaths

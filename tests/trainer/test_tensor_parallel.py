@@ -7,14 +7,13 @@ import sys
 from pathlib import Path
 
 import torch
-from trainer_helpers import free_port
+from tests.helpers.trainer import free_port
 
-WORKER = Path(__file__).with_name("tp_worker.py")
+WORKER = Path(__file__).resolve().parents[1] / "helpers" / "tp_worker.py"
 
 
 def _tp1(hf_dir, dist1) -> dict:
-    sys.path.insert(0, str(WORKER.parent))
-    import tp_worker
+    from tests.helpers import tp_worker
 
     return tp_worker.run(str(hf_dir), tp=1)
 
@@ -22,7 +21,7 @@ def _tp1(hf_dir, dist1) -> dict:
 def test_tp2_matches_tp1(tiny_hf_dir, dist1, tmp_path):
     out = tmp_path / "tp2.pt"
     env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-           "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path.cwd())}
+           "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(tiny_hf_dir), str(out)],
                               env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
              for r in range(2)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from datafiles import openai_chat, verl_row, write_jsonl, write_parquet
+from tests.helpers.datafiles import openai_chat, verl_row, write_jsonl, write_parquet
 
 from rstar_hpc.cli import main
 from rstar_hpc.cli.status import EXIT_CONFIG

@@ -7,7 +7,7 @@ import sys
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from datafiles import CALL, openai_chat, verl_row, write_jsonl, write_parquet
+from tests.helpers.datafiles import CALL, openai_chat, verl_row, write_jsonl, write_parquet
 
 from rstar_hpc.config import load_config
 from rstar_hpc.data.answers import ground_truth

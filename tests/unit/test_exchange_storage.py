@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from storage_fault import fill, small_fs
+from tests.helpers.storage_fault import fill, small_fs
 
 from rstar_hpc.exchange.atomic import atomic_write_json
 from rstar_hpc.exchange.checkpoints import CommittedDirs

@@ -256,14 +256,14 @@ def test_no_test_module_imports_another():
              for hit in _test_module_imports(path, path.relative_to(REPO).as_posix())]
     assert not found, ("a test module or conftest.py imported as a module runs twice or shadows another (every "
                        "folder has a conftest); move what is shared into a helper module (not test_*.py, not "
-                       "conftest.py), as tests/integration/launching.py: " + "; ".join(found))
+                       "conftest.py), in tests/helpers/: " + "; ".join(found))
 
 
 def test_the_test_import_check_sees_each_form(tmp_path):
     f = tmp_path / "t.py"
     f.write_text("from tests.rollout.test_e2e import x\nimport test_foo\nfrom test_foo import y\n"
                  "from .test_foo import z\nfrom conftest import w\nfrom tests.rollout import test_agent\n"
-                 "from launching import rstar\nimport tests.sandbox.pools\nfrom tests.sandbox.conftest import s\n")
+                 "from launching import rstar\nimport tests.helpers.sandbox_pools\nfrom tests.sandbox.conftest import s\n")
     assert _test_module_imports(f, "t.py") == [
         "t.py:1 imports tests.rollout.test_e2e", "t.py:2 imports test_foo", "t.py:3 imports test_foo",
         "t.py:4 imports .test_foo", "t.py:5 imports conftest", "t.py:6 imports tests.rollout.test_agent",

@@ -3,6 +3,8 @@ and MLflow's client API over a file store. A second sink for the same role (a re
 W&B id and the same MLflow run; the resolved config is each run's hyperparameters."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import yaml
 
@@ -14,7 +16,7 @@ from rstar_hpc.tracking.identity import run_id
 pytest.importorskip("wandb", reason="the tracking extra: pip install -e '.[tracking]'")
 pytest.importorskip("mlflow", reason="the tracking extra: pip install -e '.[tracking]'")
 
-import wandb_offline  # noqa: E402
+from tests.helpers import wandb_offline  # noqa: E402
 
 
 def _run_dir(tmp_path, **tracking) -> RunPaths:
@@ -41,6 +43,8 @@ def test_wandb_offline_and_mlflow_file_store_hold_every_step_across_a_requeue(tm
     paths = _run_dir(tmp_path, wandb={"enabled": True, "project": "p"}, mlflow={"enabled": True}, gpu=False)
     _job(paths, [{"stage": "rl", "step": 0, "loss": 0.5, "time/step(s)": 2.0},
                  {"stage": "rl", "step": 1, "loss": 0.25, "time/step(s)": 1.0}])
+    # W&B names an offline run's folder by the second it started; a requeued job starts in a later one
+    time.sleep(1.05 - time.time() % 1)
     _job(paths, [{"stage": "rl", "step": 2, "loss": 0.125, "time/step(s)": 1.5}])   # the requeued job
 
     key = run_id(paths, "trainer")

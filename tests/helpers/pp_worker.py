@@ -36,7 +36,7 @@ def fixed_batch(vocab: int, dp: int = 1, dp_rank: int = 0) -> list:
 
 
 def _policy(hf_dir: str, knobs: dict):
-    from trainer_helpers import make_optimizer, make_policy
+    from tests.helpers.trainer import make_optimizer, make_policy
 
     policy = make_policy(hf_dir, **knobs)
     return policy, make_optimizer(policy, lr=LR, grad_clip=0.5, **knobs)

@@ -17,7 +17,7 @@ warnings.filterwarnings("ignore")
 
 
 def run(run_root: str, hf_dir: str) -> dict:
-    from trainer_helpers import make_optimizer, make_policy
+    from tests.helpers.trainer import make_optimizer, make_policy
 
     from rstar_hpc.config import load_config
     from rstar_hpc.exchange.rundir import RunPaths

@@ -28,7 +28,7 @@ def fixed_batch(vocab: int) -> list:
 
 
 def run(hf_dir: str, tp: int) -> dict:
-    from trainer_helpers import make_optimizer, make_policy
+    from tests.helpers.trainer import make_optimizer, make_policy
 
     from rstar_hpc.trainer.hf_convert import gather_hf_state
     from rstar_hpc.trainer.parallel import init_distributed

@@ -18,12 +18,11 @@ from pathlib import Path
 import torch
 
 warnings.filterwarnings("ignore")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "trainer"))
 
 
 def main(hf_dir: str, run_dir: str, version: int, wait_s: float = 300.0) -> None:
-    from tp_worker import fixed_batch
-    from trainer_helpers import make_optimizer, make_policy
+    from tests.helpers.tp_worker import fixed_batch
+    from tests.helpers.trainer import make_optimizer, make_policy
 
     from rstar_hpc.trainer.hf_convert import export_hf_checkpoint
     from rstar_hpc.trainer.parallel import destroy_distributed, init_distributed
