@@ -6,10 +6,15 @@ ChatML with a Hermes "# Tools" system section; reasoning in <reason>, the final 
 in a *user* turn as <tool_response>...</tool_response>; the generation prompt prefills `<reason>`.
 The tool is named `python_code_with_standard_io` as in the public code (the paper says
 `execute_python_code_with_standard_io`).
+
+Both directions live here: rendering (prompts, tool calls, tool responses, the serving template) and parsing a
+model's turn back into its tool calls (`parse_tool_calls`).
 """
 from __future__ import annotations
 
 import json
+import re
+from dataclasses import dataclass
 
 IM_START, IM_END, ENDOFTEXT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
 CHATML_TOKENS = (ENDOFTEXT, IM_START, IM_END)
@@ -158,3 +163,61 @@ def serving_chat_template(default_system: str) -> str:
         "{%- endfor -%}"
         "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n<reason>' -}}{%- endif -%}"
     )
+
+
+# --------------------------------------------------------------------------------------------------- parsing
+_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+
+@dataclass
+class ParsedCall:
+    raw: str
+    name: str = ""
+    code: str = ""
+    stdin: str = ""
+    error: str | None = None
+    """Set when the call cannot run; `error_status` says how it is recorded."""
+    error_status: str = "parse_error"
+
+
+def parse_tool_calls(text: str) -> list[ParsedCall] | None:
+    """The calls of one assistant turn (rStar2-Agent paper §2.1; microsoft/rStar rstar2_agent/tools/tool_parser.py).
+    None: no complete <tool_call> block, the model answered. A call that does not decode comes back with `error`
+    set; it is answered as a tool response, not dropped."""
+    if "<tool_call>" not in text or "</tool_call>" not in text:
+        return None
+    calls = []
+    for raw in _TOOL_CALL.findall(text):
+        call = ParsedCall(raw=raw.strip())
+        try:
+            obj = json.loads(raw)
+        except json.JSONDecodeError as e:
+            call.error = f"Failed to decode tool call: {e}"
+            calls.append(call)
+            continue
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            call.error = 'Failed to decode tool call: expected {"name": ..., "arguments": {...}}'
+            calls.append(call)
+            continue
+        call.name = obj["name"]
+        args = obj.get("arguments", {})
+        if isinstance(args, str):   # some models double-encode the arguments
+            try:
+                args = json.loads(args)
+            except json.JSONDecodeError as e:
+                args = None
+                call.error = f"Failed to decode tool call arguments: {e}"
+        if call.error is None and not isinstance(args, dict):
+            call.error = "Failed to decode tool call: arguments must be a JSON object"
+        if call.error is None:
+            code, stdin = args.get("code"), args.get("input", "")
+            if call.name != TOOL_NAME:
+                call.error, call.error_status = (f"Error when executing tool: unknown tool {call.name!r}; "
+                                                 f"the only tool is {TOOL_NAME!r}"), "invalid_request"
+            elif not isinstance(code, str) or not isinstance(stdin, (str, type(None))):
+                call.error, call.error_status = ("Error when executing tool: arguments need 'code' (string) and "
+                                                 "'input' (string)"), "invalid_request"
+            else:
+                call.code, call.stdin = code, stdin or ""
+        calls.append(call)
+    return calls

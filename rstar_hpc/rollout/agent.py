@@ -34,7 +34,6 @@ import asyncio
 import dataclasses
 import json
 import logging
-import re
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -44,12 +43,11 @@ from typing import Protocol
 from rstar_hpc.config.rollout import AgentConfig
 from rstar_hpc.exchange.schema import Timings, ToolCall, Turn
 from rstar_hpc.exchange.tool_status import FAILED_TOOL_STATUSES, INFRA_TOOL_STATUSES, TOOL_STATUSES
-from rstar_hpc.models.chat_format import (IM_END, SESSION_TOOL_SCHEMA, TOOL_NAME, render_prompt, render_tool_responses,
-                                          system_prompt)
+from rstar_hpc.models.chat_format import (IM_END, SESSION_TOOL_SCHEMA, ParsedCall, parse_tool_calls, render_prompt,
+                                          render_tool_responses, system_prompt)
 from sandbox.results import render_rstar2, truncate_middle
 
 log = logging.getLogger("rstar_hpc.rollout")
-_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
 
 @dataclass
@@ -146,60 +144,6 @@ class AgentResult:
     @property
     def num_assistant_turns(self) -> int:
         return sum(t.role == "assistant" for t in self.turns)
-
-
-@dataclass
-class ParsedCall:
-    raw: str
-    name: str = ""
-    code: str = ""
-    stdin: str = ""
-    error: str | None = None
-    """Set when the call cannot run; `error_status` says how it is recorded."""
-    error_status: str = "parse_error"
-
-
-def parse_tool_calls(text: str) -> list[ParsedCall] | None:
-    """The calls of one assistant turn (rStar2-Agent paper §2.1; microsoft/rStar rstar2_agent/tools/tool_parser.py).
-    None: no complete <tool_call> block, the model answered. A call that does not decode comes back with `error`
-    set; it is answered as a tool response, not dropped."""
-    if "<tool_call>" not in text or "</tool_call>" not in text:
-        return None
-    calls = []
-    for raw in _TOOL_CALL.findall(text):
-        call = ParsedCall(raw=raw.strip())
-        try:
-            obj = json.loads(raw)
-        except json.JSONDecodeError as e:
-            call.error = f"Failed to decode tool call: {e}"
-            calls.append(call)
-            continue
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            call.error = 'Failed to decode tool call: expected {"name": ..., "arguments": {...}}'
-            calls.append(call)
-            continue
-        call.name = obj["name"]
-        args = obj.get("arguments", {})
-        if isinstance(args, str):   # some models double-encode the arguments
-            try:
-                args = json.loads(args)
-            except json.JSONDecodeError as e:
-                args = None
-                call.error = f"Failed to decode tool call arguments: {e}"
-        if call.error is None and not isinstance(args, dict):
-            call.error = "Failed to decode tool call: arguments must be a JSON object"
-        if call.error is None:
-            code, stdin = args.get("code"), args.get("input", "")
-            if call.name != TOOL_NAME:
-                call.error, call.error_status = (f"Error when executing tool: unknown tool {call.name!r}; "
-                                                 f"the only tool is {TOOL_NAME!r}"), "invalid_request"
-            elif not isinstance(code, str) or not isinstance(stdin, (str, type(None))):
-                call.error, call.error_status = ("Error when executing tool: arguments need 'code' (string) and "
-                                                 "'input' (string)"), "invalid_request"
-            else:
-                call.code, call.stdin = code, stdin or ""
-        calls.append(call)
-    return calls
 
 
 def _failure_text(message: str) -> str:

@@ -7,7 +7,8 @@ import json
 import pytest
 
 from rstar_hpc.models.chat_format import IM_END, render_tool_call
-from rstar_hpc.rollout.agent import PromptTooLong, parse_tool_calls
+from rstar_hpc.models.chat_format import parse_tool_calls
+from rstar_hpc.rollout.agent import PromptTooLong
 from tests.helpers.scripted import ANSWER, FakeTools, ScriptedEngine, call, loop
 
 
