@@ -190,8 +190,19 @@ class Supervisor:
         log.warning("%s %s before its stages were done; starting it again in %d s (%d/%d); it resumes from the run "
                     "directory", role, "hung" if hung else f"ended (exit {code})", delay, self.restarts[role],
                     self.cfg.launch.role_restarts)
-        time.sleep(delay)
+        if self.wait_unless_stopped(delay):
+            log.warning("%s during %s's restart back-off: not starting it (it would be killed before it could "
+                        "save)", self.stop_reason, role)
+            return
         self.start(role)
+
+    def wait_unless_stopped(self, seconds: float) -> bool:
+        """Sleep `seconds`, ending early when a stop (USR2, TERM, a failed role) arrives; whether one did. The
+        signal handler runs between the short sleeps."""
+        deadline = time.monotonic() + seconds
+        while self.stop_reason is None and time.monotonic() < deadline:
+            time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+        return self.stop_reason is not None
 
     def node_lost(self, role: str, code: int, lost: dict[str, tuple[str, str]]) -> None:
         for node, (state, reason) in lost.items():

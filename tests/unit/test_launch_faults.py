@@ -142,3 +142,44 @@ def test_a_role_whose_node_is_lost_is_not_started_there_again(tmp_path, monkeypa
         ("node_lost", "sandbox", "cpu1", False)]
     assert [f["text"] for f in faults(paths)] == ["node cpu1 lost (DOWN+NOT_RESPONDING: Not responding): the "
                                                   "sandbox's step ended; the job requeues onto the nodes left"]
+
+
+def test_a_stop_during_the_restart_back_off_ends_it_and_starts_nothing(tmp_path, monkeypatch):
+    """USR2 arrives while the supervisor waits to start a crashed trainer again: the running rollout is told to save
+    (it gets the USR2), the back-off ends at once, and the trainer is not started (it would be killed before it
+    could save)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import threading
+
+    from rstar_hpc.config import load_config
+    from rstar_hpc.launch import supervise
+
+    cfg = load_config("tiny-cpu", [f"run.root={tmp_path}", "run.name=backoff"])
+    paths = RunPaths(tmp_path / "backoff")
+    paths.create()
+    sup = supervise.Supervisor(cfg, paths, {"trainer": 0, "rollout": 1, "sandbox": 2})
+    monkeypatch.setattr(supervise, "lost_nodes", lambda nodelist: {})
+    monkeypatch.setattr(sup, "start", lambda role: pytest.fail(f"{role} started after the stop"))
+    saved = tmp_path / "rollout-saved"
+    rollout = subprocess.Popen([sys.executable, "-c", "import signal, sys, time, pathlib\n"
+                                f"def save(*a): pathlib.Path({str(saved)!r}).write_text('saved'); sys.exit(0)\n"
+                                "signal.signal(signal.SIGUSR2, save)\nprint('ready', flush=True)\ntime.sleep(60)"],
+                               stdout=subprocess.PIPE, text=True)
+    assert rollout.stdout.readline().strip() == "ready"
+    sup.procs["rollout"] = rollout
+    sup.restarts["trainer"] = 3   # the fourth restart waits 40 s
+    before = signal.signal(signal.SIGUSR2, sup.on_signal)
+    try:
+        threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGUSR2)).start()
+        t0 = time.monotonic()
+        sup.restart("trainer", 1)
+        waited = time.monotonic() - t0
+    finally:
+        signal.signal(signal.SIGUSR2, before)
+    assert rollout.wait(30) == 0 and saved.read_text() == "saved"
+    assert sup.stop_reason == "the time limit is near (USR2)" and not sup.failed
+    assert 0.9 < waited < 20, waited   # the back-off was 40 s: it ended at the signal
+    assert [(e["kind"], e["role"]) for e in read_events(paths)] == [("crash", "trainer")]
