@@ -55,7 +55,7 @@ def command(config: str, overrides: tuple[str, ...], launcher, wait: bool, dry_r
             click.echo(info["script"], nl=False)
         else:
             click.echo(json.dumps(info["parameters"], indent=1))
-        tasks = [Task(**{**t, "gpus": tuple(t["gpus"])}) for t in info["placement"]]
+        tasks = [Task(**{**t, "gpus": tuple(t["gpus"]), "devices": tuple(t["devices"])}) for t in info["placement"]]
         click.echo("\n# placement (node numbers within each role's nodes):\n"
                    + "\n".join("# " + line for line in table(tasks).splitlines()))
         return

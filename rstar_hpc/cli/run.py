@@ -98,12 +98,12 @@ def _render(st: dict) -> None:
     console.print(roles)
     seen = [t for t in st.get("placement", []) if t["observed"]]
     if seen:   # one row per node a role's tasks said they ran on
-        place = Table("role", "node", "ranks", "CUDA_VISIBLE_DEVICES per task", "CPUs per task",
+        place = Table("role", "node", "ranks", "GPUs each task computes on", "CPUs per task",
                       title=f"placement (observed by {len(seen)} of {len(st['placement'])} tasks)")
         for key in dict.fromkeys((t["role"], t["observed"]["node"] or t["observed"]["host"]) for t in seen):
             on = [t for t in seen if (t["role"], t["observed"]["node"] or t["observed"]["host"]) == key]
             place.add_row(key[0], key[1], ",".join(str(t["rank"]) for t in on),
-                          " | ".join(t["observed"]["cuda_visible_devices"] or "-" for t in on),
+                          " | ".join(",".join(map(str, t["observed"].get("devices") or [])) or "-" for t in on),
                           ",".join(str(t["observed"]["cpus"]) for t in on))
         console.print(place)
     if (weights := st.get("weights")) and weights.get("text"):

@@ -37,7 +37,9 @@ class RoleResources(Section):
     time_min: int = Field(60, ge=1)
     """Slurm time limit; jobs checkpoint on the pre-timeout signal and are requeued."""
     mem: str | None = None
-    """Slurm --mem of each node ("0": the whole node, "200G"); null: the partition's default."""
+    """Slurm --mem of each node ("0": the whole node, "200G"), asked by the job and by the role's steps. Null: the
+    whole node ("0") for a GPU or exclusive role (an exclusive job otherwise gets only the site's default memory per
+    CPU, often far below a GPU node's), the partition's default for the others."""
     cores_per_node: int | None = Field(None, ge=1)
     """The node's cores, where you know them: `launch` then refuses a layout that asks for more (tasks x
     cpus_per_task). Null: checked against `sinfo` when Slurm is reachable."""

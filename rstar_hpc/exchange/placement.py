@@ -32,20 +32,25 @@ def task_local_rank(env: Mapping[str, str] | None = None) -> int:
     return _first(os.environ if env is None else env, LOCAL_VARS)
 
 
-def observe(role: str, rank: int | None = None, env: Mapping[str, str] | None = None) -> dict:
-    """This process's placement: host, Slurm node and job, CUDA_VISIBLE_DEVICES, and how many CPUs it may run on."""
+def observe(role: str, rank: int | None = None, env: Mapping[str, str] | None = None,
+            devices: list[int] | None = None) -> dict:
+    """This process's placement: host, Slurm node and job, the GPUs it sees (CUDA_VISIBLE_DEVICES, `visible`) and
+    those it computes on (`devices`, as its binding chose them; `device`: the one of a single-GPU rank), and how many
+    CPUs it may run on."""
     env = os.environ if env is None else env
     visible = env.get("CUDA_VISIBLE_DEVICES")
+    ids = [int(g) for g in visible.split(",") if g.strip().isdigit()] if visible else []
+    devices = list(ids if devices is None else devices)
     return {"role": role, "rank": task_rank(env) if rank is None else rank, "local_rank": task_local_rank(env),
             "host": socket.gethostname(), "node": env.get("SLURMD_NODENAME"),
             "job": env.get("SLURM_JOB_ID") or env.get("RSTAR_SLURM_JOB_ID"),
-            "step": env.get("SLURM_STEP_ID"), "cuda_visible_devices": visible,
-            "gpus": [int(g) for g in visible.split(",") if g.strip().isdigit()] if visible else [],
+            "step": env.get("SLURM_STEP_ID"), "cuda_visible_devices": visible, "gpus": ids, "visible": ids,
+            "devices": devices, "device": devices[0] if len(devices) == 1 else None,
             "cpus": len(os.sched_getaffinity(0)), "pid": os.getpid(), "at": time.time()}
 
 
-def record_placement(paths: RunPaths, role: str, rank: int | None = None) -> dict:
-    record = observe(role, rank)
+def record_placement(paths: RunPaths, role: str, rank: int | None = None, devices: list[int] | None = None) -> dict:
+    record = observe(role, rank, devices=devices)
     path = paths.observed_placement(role, record["rank"])
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(path, record)

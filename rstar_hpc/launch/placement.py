@@ -2,11 +2,17 @@
 submitit launcher, `rstar-hpc launch --dry-run` (the placement table and JSON) and `run status` (planned beside
 observed). Nodes are numbered from 0 within their role's het component.
 
-    trainer  tasks_per_node ranks per node, one GPU each                 srun --gpus-per-task=1
+    trainer  tasks_per_node ranks per node, each seeing its node's GPUs   srun --gpus-per-node=G (each rank
+             and computing on its local rank's                                    sets its device: binding.py)
     rollout  rank 0 (the scheduler): an extra task on node 0, no GPU     srun --distribution=arbitrary
              engine ranks 1..: tasks_per_node per node, each holding       --gpus-per-node=G (then each rank
              tensor_parallel_size GPUs, disjoint blocks                     takes its block: launch/binding.py)
     sandbox  one service per node with all of its cpus_per_task cores    srun --ntasks-per-node=1
+
+Why no trainer rank gets a GPU of its own from Slurm (`--gpus-per-task=1`): where the site constrains devices, that
+puts each rank in a device cgroup holding one GPU, and NCCL can then not use P2P/NVLink between the ranks of a node
+(tensor-parallel all-reduces go through host memory). Megatron and NeMo launch the same way: every rank sees its
+node's GPUs and computes on its local rank's.
 
 Why rank 0 is not bound by Slurm itself: a step's --gpus-per-task gives every task the same GPUs, so a GPU-less
 scheduler cannot share a step with TP-sized engines; a het component of its own would cost a node and an MPI world
@@ -39,11 +45,12 @@ class Task:
     rank: int
     het_group: int
     node: int
-    gpus: tuple[int, ...]
+    gpus: tuple[int, ...]      # the node's GPU ids the task sees (a trainer rank: all of its node's)
     cpus: int
+    devices: tuple[int, ...] = ()   # the ones it computes on (a trainer rank: its local rank's; an engine: its block)
 
     def to_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "gpus": list(self.gpus)}
+        return {**dataclasses.asdict(self), "gpus": list(self.gpus), "devices": list(self.devices)}
 
 
 def het_groups(cfg) -> dict[str, int]:
@@ -58,6 +65,15 @@ def engines_per_node(cfg) -> int:
 
 def num_engines(cfg) -> int:
     return cfg.launch.rollout.num_nodes * engines_per_node(cfg)
+
+
+def role_mem(cfg, role: str) -> str | None:
+    """The --mem a role's job and steps ask for: launch.<role>.mem, else the whole node ("0") for a GPU or exclusive
+    role, else none (the partition's default)."""
+    res = getattr(cfg.launch, role)
+    if res.mem is not None:
+        return res.mem
+    return "0" if res.gpus_per_node or res.exclusive else None
 
 
 def rollout_tasks_per_node(cfg) -> int:
@@ -78,17 +94,18 @@ def plan(cfg) -> list[Task]:
     tasks: list[Task] = []
     if "trainer" in groups:
         res = launch.trainer
+        node_gpus = tuple(range(res.gpus_per_node))
         for rank in range(res.num_nodes * res.tasks_per_node):
             local = rank % res.tasks_per_node
-            tasks.append(Task("trainer", rank, groups["trainer"], rank // res.tasks_per_node,
-                              (local,) if res.gpus_per_node else (), res.cpus_per_task))
+            tasks.append(Task("trainer", rank, groups["trainer"], rank // res.tasks_per_node, node_gpus,
+                              res.cpus_per_task, (local,) if res.gpus_per_node else ()))
     if "rollout" in groups:
         res, tp, per = launch.rollout, cfg.rollout.engine.tensor_parallel_size, engines_per_node(cfg)
         tasks.append(Task("rollout", 0, groups["rollout"], 0, (), res.cpus_per_task))
         for e in range(num_engines(cfg)):
             block = e % per
             gpus = tuple(range(block * tp, (block + 1) * tp)) if res.gpus_per_node else ()
-            tasks.append(Task("rollout", e + 1, groups["rollout"], e // per, gpus, res.cpus_per_task))
+            tasks.append(Task("rollout", e + 1, groups["rollout"], e // per, gpus, res.cpus_per_task, gpus))
     if "sandbox" in groups:
         res = launch.sandbox
         for node in range(res.num_nodes):
@@ -158,7 +175,8 @@ def _span(ids: list[int]) -> str:
 
 
 def table(tasks: list[Task]) -> str:
-    """The placement, a line per node: its tasks, each task's GPUs (| between tasks; - for none) and CPUs."""
+    """The placement, a line per node: its tasks, the GPUs each task computes on (| between tasks; - for none) and
+    CPUs."""
     rows = [("node", "tasks", "GPUs per task", "CPUs")]
     for key in dict.fromkeys((t.role, t.node) for t in tasks):
         on = [t for t in tasks if (t.role, t.node) == key]
@@ -166,7 +184,7 @@ def table(tasks: list[Task]) -> str:
         names = (["scheduler"] if len(ranks) < len(on) else []) + ([f"rank{'s' if len(ranks) > 1 else ''} "
                                                                    f"{_span(ranks)}"] if ranks else [])
         cpus = sorted({t.cpus for t in on})
-        rows.append((f"{key[0]}[{key[1]}]", ", ".join(names), "|".join(_span(list(t.gpus)) if t.gpus else "-"
+        rows.append((f"{key[0]}[{key[1]}]", ", ".join(names), "|".join(_span(list(t.devices)) if t.devices else "-"
                                                                         for t in on),
                      f"{len(on)} x {cpus[0]}" if len(cpus) == 1 else "+".join(str(t.cpus) for t in on)))
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
@@ -203,7 +221,7 @@ def step_argv(cfg, role: str, run_dir: str | Path, *, het_group: int | None = No
     if role == "trainer":
         srun += [f"--nodes={res.num_nodes}", f"--ntasks={res.num_nodes * res.tasks_per_node}",
                  f"--ntasks-per-node={res.tasks_per_node}", f"--cpus-per-task={res.cpus_per_task}"]
-        srun += ["--gpus-per-task=1"] if gpus else []
+        srun += [f"--gpus-per-node={gpus}"] if gpus else []   # every rank sees the node's GPUs: NVLink between them
     elif role == "rollout" and launch.mpi == "none":
         # one task holding the node's engines' cores and GPUs; the command's own mpirun starts the ranks
         srun += ["--nodes=1", "--ntasks=1", f"--cpus-per-task={rollout_tasks_per_node(cfg) * res.cpus_per_task}"]
@@ -218,6 +236,8 @@ def step_argv(cfg, role: str, run_dir: str | Path, *, het_group: int | None = No
                  f"--cpus-per-task={res.cpus_per_task}"]
     if launch.cpu_bind and not (role == "rollout" and launch.mpi == "none"):
         srun.append(f"--cpu-bind={launch.cpu_bind}")
+    if res.gpus_per_node and role_mem(cfg, role) is not None:   # a step asks for its memory, as its job did
+        srun.append(f"--mem={role_mem(cfg, role)}")
     return [*srun, *container.srun_options(cfg, role), *container.command_prefix(cfg, role), *argv]
 
 

@@ -296,7 +296,7 @@ def placement_status(cfg, paths: RunPaths) -> list[dict]:
     from rstar_hpc.exchange.placement import read_placements
 
     seen = read_placements(paths)
-    keep = ("host", "node", "job", "cuda_visible_devices", "gpus", "cpus", "at")
+    keep = ("host", "node", "job", "cuda_visible_devices", "gpus", "visible", "devices", "device", "cpus", "at")
     return [{**t.to_dict(), "observed": {k: seen[(t.role, t.rank)].get(k) for k in keep}
              if (t.role, t.rank) in seen else None} for t in plan(cfg)]
 

@@ -71,8 +71,8 @@ def role_parameters(cfg: RunConfig, role: str | None = None, *, tasks_per_node: 
                   slurm_signal_delay_s=launch.signal_lead_s, slurm_additional_parameters=extra)
     if res.gpus_per_node and launch.gpu_gres:
         params["gpus_per_node"] = res.gpus_per_node
-    if res.mem:
-        params["slurm_mem"] = res.mem
+    if placement.role_mem(cfg, role) is not None:
+        params["slurm_mem"] = placement.role_mem(cfg, role)
     if launch.account:
         params["slurm_account"] = launch.account
     if launch.qos:

@@ -53,7 +53,7 @@ def run(cfg: RunConfig, stage_name: str, *, on_step: Callable[[int, dict], None]
     paths, tcfg = RunPaths(cfg.run.dir), cfg.trainer
     backend = tcfg.backend if tcfg.backend != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     init_distributed(tp=tcfg.tensor_parallel_size, pp=tcfg.pipeline_parallel_size, backend=backend,
-                     seed=cfg.run.seed, vpp=tcfg.virtual_pipeline_parallel_size)
+                     seed=cfg.run.seed, vpp=tcfg.virtual_pipeline_parallel_size, timeout_s=tcfg.collective_timeout_s)
     rank0 = torch.distributed.get_rank() == 0
     signal_save = SaveOnSignal()
     trainer = None

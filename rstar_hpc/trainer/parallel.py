@@ -18,6 +18,7 @@ On the `cpu` backend all of this runs on gloo inside `host_device.on_host()`.
 """
 from __future__ import annotations
 
+import datetime
 import torch
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
@@ -32,10 +33,11 @@ from rstar_hpc.trainer.model import Backend, ParallelDims, Qwen3Arch, Recompute,
 
 
 def init_distributed(tp: int = 1, pp: int = 1, backend: Backend = "cpu", seed: int = 0,
-                     vpp: int | None = None) -> ParallelDims:
+                     vpp: int | None = None, timeout_s: float | None = None) -> ParallelDims:
     """Join the process group (env:// from torchrun, or SLURM_* under srun) and build Megatron's groups.
 
-    Idempotent within a process: a second call checks the degrees and returns.
+    Idempotent within a process: a second call checks the degrees and returns. `timeout_s`: a collective that waits
+    longer fails (trainer.collective_timeout_s); None: torch's default.
     """
     import os
 
@@ -46,13 +48,15 @@ def init_distributed(tp: int = 1, pp: int = 1, backend: Backend = "cpu", seed: i
         env.setdefault("MASTER_ADDR", "127.0.0.1")
         env.setdefault("MASTER_PORT", "29533")
         if backend == "cuda":
-            # a rank bound to its GPU (srun --gpus-per-task=1, launch/binding.py) sees that one GPU only
+            # every rank sees its node's GPUs (NCCL's P2P/NVLink between them) and computes on its local rank's
+            # (launch/binding.py records the same choice); one visible GPU: that one
             local = int(env.get("LOCAL_RANK", env.get("SLURM_LOCALID", 0)))
-            torch.cuda.set_device(local if torch.cuda.device_count() > 1 else 0)
+            torch.cuda.set_device(local % torch.cuda.device_count())
         # NCCL reduces CUDA tensors only; gloo in the same group serves the CPU ones (a flag, a checkpoint's
         # metadata), so neither side has to move a tensor to suit the other
+        timeout = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s else {}
         torch.distributed.init_process_group("cpu:gloo,cuda:nccl" if backend == "cuda" else "gloo", rank=rank,
-                                             world_size=world)
+                                             world_size=world, **timeout)
     dims = ParallelDims(world_size=torch.distributed.get_world_size(), tp=tp, pp=pp, vpp=vpp)
     if parallel_state.model_parallel_is_initialized():
         have = (parallel_state.get_tensor_model_parallel_world_size(),

@@ -50,7 +50,8 @@ def test_launch_through_submitit_runs_the_same_stages(gpu_cluster, tiny_model_di
     info = json.loads(proc.stdout.splitlines()[-1])
     assert sorted(info["jobs"]) == ["rollout", "sandbox", "trainer"]
     seen = {(t["role"], t["rank"]): t["observed"] for t in status(run, env)["placement"]}
-    assert seen[("trainer", 0)]["cuda_visible_devices"] == "0" and seen[("trainer", 0)]["node"] == "gpu1", seen
+    assert seen[("trainer", 0)]["visible"] == [0, 1] and seen[("trainer", 0)]["device"] == 0, seen
+    assert seen[("trainer", 0)]["node"] == "gpu1", seen
     assert seen[("rollout", 0)]["cuda_visible_devices"] == "" and seen[("rollout", 1)]["cuda_visible_devices"] == "0"
     assert seen[("sandbox", 0)]["cuda_visible_devices"] is None
     facts = check_finished(run, env)

@@ -1,7 +1,8 @@
 """Placement on a GPU partition, on the emulated cluster with fake GPUs (GRES) and CPU binding (task/affinity):
 a launched run's every task records what Slurm and its own binding gave it, and `run status --json` lists that
-beside the plan. Trainer ranks each hold one GPU, the rollout's scheduler none and its engine its own, no GPU is
-given twice on a node, and every task is pinned to the cores it asked for."""
+beside the plan. Trainer ranks see both GPUs of their node (NCCL's P2P/NVLink between them) and each computes on its
+local rank's, the rollout's scheduler has none and its engine its own, no GPU is computed on twice on a node, and
+every task is pinned to the cores it asked for."""
 from __future__ import annotations
 
 import json
@@ -66,14 +67,16 @@ def test_every_task_runs_on_its_own_gpus_and_cores(gpu_cluster, tiny_model_dir, 
     for t in tasks:
         seen = t["observed"]
         assert seen is not None, f"{t['role']} rank {t['rank']} recorded no placement"
-        assert seen["gpus"] == t["gpus"], t          # Slurm's ids are 0,1 on each node: plan == observed
+        assert seen["gpus"] == seen["visible"] == t["gpus"], t   # Slurm's ids are 0,1 on each node: plan == observed
+        assert seen["devices"] == t["devices"], t
         assert seen["cpus"] == t["cpus"] == 1, t     # --cpus-per-task=1 --cpu-bind=cores, not the whole host
     by_node = defaultdict(list)
     for t in tasks:
-        by_node[(t["role"], t["observed"]["node"])] += t["observed"]["gpus"]
+        by_node[(t["role"], t["observed"]["node"])] += t["observed"]["devices"]
     assert all(len(g) == len(set(g)) for g in by_node.values()), by_node
     trainer = [t["observed"] for t in tasks if t["role"] == "trainer"]
-    assert [o["cuda_visible_devices"] for o in trainer] == ["0", "1"] and trainer[0]["node"] == trainer[1]["node"]
+    assert [o["visible"] for o in trainer] == [[0, 1], [0, 1]] and trainer[0]["node"] == trainer[1]["node"]
+    assert [o["device"] for o in trainer] == [0, 1]   # each from its local rank: distinct
     scheduler, engine = (t["observed"] for t in tasks if t["role"] == "rollout")
     assert scheduler["cuda_visible_devices"] == "" and engine["cuda_visible_devices"] == "0"
     assert scheduler["node"] == engine["node"] != trainer[0]["node"]

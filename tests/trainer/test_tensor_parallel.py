@@ -41,3 +41,20 @@ def test_tp2_matches_tp1(tiny_hf_dir, dist1, tmp_path):
     for a, b in zip(tp1["losses"], tp2["losses"]):
         assert abs(a - b) < 1e-4
     assert tp1["losses"][-1] < tp1["losses"][0]  # the steps really trained
+
+
+def test_the_collective_timeout_reaches_the_process_group(tmp_path):
+    """trainer.collective_timeout_s is the world's collective timeout (a dead peer fails a collective in bounded time
+    instead of holding it for torch's default); a world of one in its own process, as a trainer rank starts it."""
+    from rstar_hpc.config import load_config
+
+    cfg = load_config("tiny-cpu", [f"run.root={tmp_path}", "trainer.collective_timeout_s=45"])
+    code = ("import torch\nfrom rstar_hpc.trainer.parallel import init_distributed\n"
+            f"init_distributed(backend='cpu', timeout_s={cfg.trainer.collective_timeout_s})\n"
+            "pg = torch.distributed.distributed_c10d._get_default_group()\n"
+            "print(pg._get_backend(torch.device('cpu')).options._timeout.total_seconds())\n")
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert float(out.stdout.split()[-1]) == 45.0

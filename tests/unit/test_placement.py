@@ -11,7 +11,7 @@ import pytest
 
 from rstar_hpc.config import load_config
 from rstar_hpc.launch import placement
-from rstar_hpc.launch.binding import task_gpus
+from rstar_hpc.launch.binding import task_devices, task_gpus
 
 BASE = ["model.path=/lustre/models/Qwen3-14B-Base"]
 
@@ -26,22 +26,26 @@ def check_layout(info: dict, tp: int) -> None:
     cfg_ranks = {"trainer": 32, "rollout": 1 + 4 * 8 // tp, "sandbox": 4}
     for role, n in cfg_ranks.items():
         assert sorted(t["rank"] for t in tasks if t["role"] == role) == list(range(n)), role
-    used = defaultdict(list)
+    used = defaultdict(list)   # the GPUs computed on, per node of a role: no GPU twice
     for t in tasks:
-        used[(t["role"], t["node"])] += t["gpus"]
-        if t["role"] == "trainer":
-            assert len(t["gpus"]) == 1
-        elif t["role"] == "rollout":
-            assert len(t["gpus"]) == (0 if t["rank"] == 0 else tp), t
+        used[(t["role"], t["node"])] += t["devices"]
+        if t["role"] == "trainer":   # sees its node's 8 GPUs (NVLink to its peers), computes on its local rank's
+            assert t["gpus"] == list(range(8)) and t["devices"] == [t["rank"] % 8], t
+        elif t["role"] == "rollout":   # sees and computes on its TP block
+            assert len(t["gpus"]) == (0 if t["rank"] == 0 else tp) and t["devices"] == t["gpus"], t
         else:
-            assert t["gpus"] == []
+            assert t["gpus"] == [] == t["devices"]
     for key, gpus in used.items():
         assert len(gpus) == len(set(gpus)) and all(0 <= g < 8 for g in gpus), (key, gpus)
     scheduler = next(t for t in tasks if t["role"] == "rollout" and t["rank"] == 0)
     assert scheduler["gpus"] == [] and scheduler["node"] == 0
     for role in ("trainer", "rollout"):
         assert "--cpus-per-task=" in info["steps"][role], info["steps"][role]
-    assert "--gpus-per-task=1" in info["steps"]["trainer"]
+        assert "--mem=0" in info["steps"][role], info["steps"][role]   # an exclusive GPU step asks for its memory
+    # no trainer rank in a GPU cgroup of its own: NCCL could not use P2P/NVLink between the ranks of a node
+    assert "--gpus-per-task" not in info["steps"]["trainer"] and "--gpus-per-node=8" in info["steps"]["trainer"]
+    assert "--mem" not in info["steps"]["sandbox"]
+    assert info["script"].count("#SBATCH --mem=0") == 2   # the trainer's and the rollout's components
     assert f"--ntasks={1 + 32 // tp}" in info["steps"]["rollout"] and "--mpi=pmix" in info["steps"]["rollout"]
     assert "--ntasks-per-node=1" in info["steps"]["sandbox"]
 
@@ -161,9 +165,13 @@ def test_each_task_takes_its_block_of_the_gpus_slurm_gave_it():
     under_mpirun = {"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "OMPI_COMM_WORLD_RANK": "2",
                     "OMPI_COMM_WORLD_LOCAL_RANK": "2"}
     assert task_gpus(cfg, "rollout", under_mpirun) == ["4", "5", "6", "7"]
-    # trainer: Slurm's --gpus-per-task=1 left one GPU visible (kept); without GRES, SLURM_LOCALID picks it
-    assert task_gpus(cfg, "trainer", {"CUDA_VISIBLE_DEVICES": "5", "SLURM_LOCALID": "5"}) is None
-    assert task_gpus(cfg, "trainer", {"SLURM_LOCALID": "3"}) == ["3"]
+    # trainer: every rank keeps its node's GPUs visible and computes on its local rank's (GRES or not)
+    assert task_gpus(cfg, "trainer", {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7", "SLURM_LOCALID": "5"}) is None
+    assert task_gpus(cfg, "trainer", {"SLURM_LOCALID": "3"}) is None
+    assert task_devices(cfg, "trainer", {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7", "SLURM_LOCALID": "5"}) == [5]
+    assert task_devices(cfg, "trainer", {"SLURM_LOCALID": "3"}) == [3]
+    assert task_devices(cfg, "rollout", {**step, "SLURM_PROCID": "2", "SLURM_LOCALID": "2",
+                                         "CUDA_VISIBLE_DEVICES": "4,5,6,7"}) == [4, 5, 6, 7]
     assert task_gpus(cfg, "sandbox", {"SLURM_LOCALID": "0"}) is None
     with pytest.raises(RuntimeError, match="needs 4 GPUs, but the step sees 2"):
         task_gpus(cfg, "rollout", {"SLURM_NODEID": "0", "SLURM_PROCID": "1", "SLURM_LOCALID": "1",
