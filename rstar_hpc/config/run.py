@@ -145,6 +145,10 @@ class RunConfig(Section):
             raise ValueError(f"sandbox.stats_interval_s={every:g} is how often a sandbox service refreshes its "
                              f"announcement, the heartbeat launch.hang_timeout_s={hang:g} checks: keep it under half "
                              f"of that (or launch.hang_timeout_s=0), else a healthy service is taken for hung")
+        if hang and self.trainer.heartbeat_s * 2 > hang:
+            raise ValueError(f"trainer.heartbeat_s={self.trainer.heartbeat_s:g} is how often the trainer beats while a "
+                             f"step makes progress, the heartbeat launch.hang_timeout_s={hang:g} checks: keep it under "
+                             f"half of that, else a long step that moves is taken for hung")
         return self
 
     @model_validator(mode="after")

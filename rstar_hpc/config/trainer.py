@@ -60,6 +60,10 @@ class TrainerConfig(Section):
     """Pipeline stages: consecutive layer blocks on different ranks, run by megatron-core's 1F1B schedule over a
     step's micro-batches (the loss and its token masks on the last stage). Must divide the layers. The data-
     parallel size is what is left: trainer ranks / (tensor_parallel_size x pipeline_parallel_size)."""
+    heartbeat_s: float = Field(30.0, gt=0)
+    """While a step trains, rank 0 writes the role's heartbeat this often if micro-batches moved since the last one
+    (trainer/heartbeat.py): a step longer than launch.hang_timeout_s that makes progress is not taken for hung, one
+    that stops moving falls silent. Under half of launch.hang_timeout_s (checked)."""
     collective_timeout_s: float = Field(600.0, ge=30)
     """How long one collective (an all-reduce, a barrier) may wait for the other ranks before this rank fails it
     instead of waiting on: a dead or hung peer then ends the step in bounded time, and the launcher restarts the role

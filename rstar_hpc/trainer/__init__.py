@@ -11,6 +11,7 @@
     rl.py          the RL step (RoC, group advantages, pi_old recompute, GRPO-RoC loss) and TrajectorySource
     checkpoint.py  distributed checkpoints with an atomic commit, resume (also under another layout), SaveOnSignal
     publish.py     policy versions for the rollout engines (HF safetensors under policy/, `latest`)
+    heartbeat.py   rank 0 beats while a step makes progress (a long step is no hang)
     weight_sender.py  rank 0's in-memory offer of each policy to the engines (trainer.weight_sync: memory)
     checkpointer.py   the loop's sync and async saves
     plan.py        per-GPU memory and micro-batch plan of a layout (`rstar-hpc trainer plan`), no torch

@@ -33,6 +33,7 @@ from rstar_hpc.exchange.state import read_stage_state, write_heartbeat, write_st
 from rstar_hpc.metrics_log import metrics_sink
 from rstar_hpc.trainer.checkpoint import SaveOnSignal, TrainState, latest_checkpoint, load_checkpoint
 from rstar_hpc.trainer.checkpointer import Checkpointer
+from rstar_hpc.trainer.heartbeat import ProgressBeat
 from rstar_hpc.trainer.hf_convert import load_hf_checkpoint
 from rstar_hpc.trainer.model import Qwen3Arch
 from rstar_hpc.trainer.parallel import build_optimizer, build_policy, destroy_distributed, init_distributed
@@ -102,6 +103,9 @@ class StageTrainer:
         self.ckpt = Checkpointer(self.paths.ckpt_root(stage.name), async_save=self.tcfg.checkpoint.async_save,
                                  keep_last=self.tcfg.checkpoint.keep_last, on_commit=self._committed)
         self.server = start_server(self.tcfg, self.paths) if stage.kind == "rl" else None   # weight_sync: memory
+        # rank 0 beats while a step makes progress: a long step is not taken for a hang (trainer/heartbeat.py)
+        self.beat = ProgressBeat(self.paths, lambda: f"stage {stage.name}: training step {self.state.step + 1}",
+                                 stage.name, every_s=self.tcfg.heartbeat_s) if self.rank0 else None
 
     def train(self, on_step: Callable[[int, dict], None] | None = None) -> int:
         """The stage's remaining steps: 0 when it is done, EXIT_REQUEUE after a save on USR2/TERM."""
@@ -141,6 +145,8 @@ class StageTrainer:
         return 0
 
     def close(self) -> None:
+        if self.beat is not None:
+            self.beat.close()
         if self.server is not None:
             self.server.close()
 

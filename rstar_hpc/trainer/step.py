@@ -12,6 +12,7 @@ samples were packed or spread over ranks. Metrics are made the same on every ran
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Callable
 from functools import partial
@@ -91,6 +92,18 @@ def _loss(mb: MicroBatch, loss_fn: LossFn | None, vocab_size: int, output: torch
     return loss, torch.tensor(mb.num_trained, dtype=torch.int), {"loss_sum": loss.detach(), **metrics}
 
 
+class Progress:
+    """Micro-batches this process has run forward (training and the pi_old recompute alike): what the trainer's
+    heartbeat watches (trainer/heartbeat.py), so a long step that moves is told from a hung one."""
+
+    def __init__(self):
+        self.micro_batches = 0
+
+
+PROGRESS = Progress()
+SLOW_ENV = "RSTAR_HPC_TEST_SLOW_MICRO_BATCH_S"   # test hook: seconds each micro-batch takes at least (a long step)
+
+
 def _schedule(policy: Policy, micro_batches: list[MicroBatch], loss_fn: LossFn | None, forward_only: bool) -> list:
     """Run megatron's schedule over the micro-batches (moved to the model's device); what the last stage's loss
     function returned, per micro-batch (empty elsewhere)."""
@@ -102,10 +115,15 @@ def _schedule(policy: Policy, micro_batches: list[MicroBatch], loss_fn: LossFn |
                              parallel_state.get_pipeline_model_parallel_world_size(), longest)
     vocab = policy.arch.vocab_size
 
+    slow = float(os.environ.get(SLOW_ENV, "0") or 0)
+
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
         with host_device.paused():
             output = _run(model, mb)
+        if slow:
+            time.sleep(slow)
+        PROGRESS.micro_batches += 1
         return output, partial(_loss, mb, loss_fn, vocab)
 
     chunks = list(policy.chunks)

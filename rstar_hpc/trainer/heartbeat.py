@@ -1,0 +1,48 @@
+"""The trainer's heartbeat while a step trains: beat while it makes progress, fall silent when it does not.
+
+The launcher takes a role for hung when its heartbeat (RUN/heartbeat/trainer.json) is older than
+`launch.hang_timeout_s`. The loop beats between phases, but one RL step of a large model (generation's long tail
+aside, thousands of micro-batches at a low MFU) can train for longer than that. So rank 0 runs a `ProgressBeat`: a
+thread that, every `every_s` (trainer.heartbeat_s), beats if micro-batches were run forward since its last look (step.PROGRESS, counted
+in the schedule's forward step, the pi_old recompute included) and says nothing otherwise. A step that moves is
+never killed as hung; one that stops moving (a stuck collective, a dead peer, a stopped process) falls silent and
+is, after the hang timeout, as before.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from rstar_hpc.exchange.rundir import RunPaths
+from rstar_hpc.exchange.state import write_heartbeat
+from rstar_hpc.trainer.step import PROGRESS
+
+log = logging.getLogger("rstar_hpc.trainer")
+
+
+class ProgressBeat:
+    """`doing()` says what the step is (e.g. "stage rl: training step 12"); the beat adds how far it got."""
+
+    def __init__(self, paths: RunPaths, doing: Callable[[], str], stage: str, every_s: float = 30.0):
+        self.paths, self.doing, self.stage, self.every_s = paths, doing, stage, every_s
+        self._stop = threading.Event()
+        self._seen = PROGRESS.micro_batches
+        self._thread = threading.Thread(target=self._run, name="trainer-progress-beat", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            now = PROGRESS.micro_batches
+            if now == self._seen:
+                continue   # no progress: stay silent, so a stuck step goes stale
+            self._seen = now
+            try:
+                write_heartbeat(self.paths, "trainer", f"{self.doing()}: {now} micro-batches run so far",
+                                stage=self.stage, phase="train", micro_batches=now)
+            except OSError as e:   # a full disk or a storage hiccup: the loop's own writes will say it
+                log.warning("trainer heartbeat not written: %s", e)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
