@@ -7,6 +7,7 @@ import json
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,11 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.vllm,
 
 @pytest.mark.timeout(1800)
 def test_demo_trains_through_launch_and_reports(slurm_cluster, tmp_path):
-    env = {**slurm_cluster.env, "OMP_NUM_THREADS": "1", "RSTAR_HPC_CLUSTER_DIR": str(slurm_cluster.dir)}
+    # scratch goes under TMPDIR (the jobs inherit it) and is gone when the demo ends: vLLM's sockets and caches,
+    # torch's kernel cache. A short path: vLLM's IPC socket paths must fit 107 bytes
+    scratch = Path(tempfile.mkdtemp(prefix="demo-tmp-", dir="/tmp"))
+    env = {**slurm_cluster.env, "OMP_NUM_THREADS": "1", "RSTAR_HPC_CLUSTER_DIR": str(slurm_cluster.dir),
+           "TMPDIR": str(scratch)}
     proc = subprocess.run([sys.executable, "-m", "rstar_hpc", "demo", "demo", f"run.root={tmp_path}", *SHORT,
                            "--modes", "RoC,GRPO", "--timeout-s", "900"], capture_output=True, text=True, env=env,
                           timeout=1800, cwd=REPO)
@@ -45,3 +50,6 @@ def test_demo_trains_through_launch_and_reports(slurm_cluster, tmp_path):
                                        capture_output=True, text=True, env=env, timeout=120).stdout)
         assert st["done"], (label, st["stages"])
     assert "local cluster stopped" not in proc.stderr   # it was up already: the demo leaves it up
+    left = sorted(str(p.relative_to(scratch)) for p in scratch.rglob("*"))
+    shutil.rmtree(scratch, ignore_errors=True)
+    assert not left, f"the demo left scratch in $TMPDIR: {left[:20]}"
