@@ -113,6 +113,15 @@ def compiled_worker() -> str:
     return d
 
 
+def remove_compiled_worker() -> None:
+    """Remove the directory of compiled_worker() now, if this process built one: the service calls it as it stops,
+    while its signal handlers still stand (the atexit hook does not run when the step's termination SIGKILLs the
+    process). Sandboxes started after this would find no worker code: call it only on the way out."""
+    if compiled_worker.cache_info().currsize:
+        shutil.rmtree(compiled_worker(), ignore_errors=True)
+        compiled_worker.cache_clear()
+
+
 def compile_worker(into: str) -> str:
     """Compile sandbox/worker/*.py into `into`/_rstar_sandbox/*.pyc, readable by any uid; returns the package."""
     pkg = os.path.join(into, WORKER_PACKAGE)

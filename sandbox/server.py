@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 from rstar_hpc.exchange.atomic import atomic_write_text
 from rstar_hpc.exchange.rendezvous import announce
+from sandbox.bwrap import remove_compiled_worker
 from sandbox.limits import Limits
 from sandbox.pool import Pool
 from sandbox.protocol import MAX_BATCH, FrameTooLarge, encode, read_frame, validate_call
@@ -97,6 +98,9 @@ class Service:
         try:
             await stop.wait()
         finally:
+            # first what a step's termination must not leave behind (srun's SIGKILL follows its SIGTERM after
+            # KillWait): this process's copy of the worker code under $TMPDIR; the sandboxes are being stopped
+            remove_compiled_worker()
             self._log_summary()
             await self.close()
 

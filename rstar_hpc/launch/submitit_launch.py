@@ -157,8 +157,11 @@ class RoleJob:
         timeout = cfg.launch.hang_timeout_s if self.hang_timeout_s is None else self.hang_timeout_s
         while self._child.poll() is None:
             if self.role == "sandbox" and run_done(cfg, paths):
-                self._child.terminate()
-                self._child.wait(30)
+                if argv and Path(argv[0]).name == "srun":   # its graceful end (supervise.Supervisor.finish)
+                    kill_step(self._child, argv, grace_s=30)
+                else:   # the service itself: SIGTERM is its graceful end
+                    self._child.terminate()
+                    self._child.wait(30)
                 return None, None
             hung = None if self._stop else stale(paths, self.role, since, timeout)
             if hung is not None:

@@ -218,11 +218,10 @@ class Supervisor:
     def finish(self) -> int:
         proc = self.procs.get("sandbox")
         if proc is not None and proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            # srun's way to end a step gracefully: two SIGINTs reach the services as SIGINT, then SIGTERM, and
+            # SIGKILL only after KillWait, so each closes its pool and removes its scratch (a SIGTERM to srun
+            # "forces job termination": the tasks are killed at once)
+            kill_step(proc, self.argv.get("sandbox", []), grace_s=30)
         for p in self.procs.values():
             if p.poll() is None:
                 p.kill()
