@@ -32,8 +32,9 @@ def role_options(cfg, role: str) -> list[str]:
             f"--cpus-per-task={res.cpus_per_task}", f"--time={_hours(res.time_min)}"]
     if res.gpus_per_node and cfg.launch.gpu_gres:
         opts.append(f"--gpus-per-node={res.gpus_per_node}")
-    if placement.role_mem(cfg, role) is not None:
-        opts.append(f"--mem={placement.role_mem(cfg, role)}")
+    mem = placement.role_mem(cfg, role)
+    if mem is not None:
+        opts.append(f"--mem={mem}")
     for key in ("gres", "constraint"):
         if getattr(res, key):
             opts.append(f"--{key}={getattr(res, key)}")

@@ -236,8 +236,9 @@ def step_argv(cfg, role: str, run_dir: str | Path, *, het_group: int | None = No
                  f"--cpus-per-task={res.cpus_per_task}"]
     if launch.cpu_bind and not (role == "rollout" and launch.mpi == "none"):
         srun.append(f"--cpu-bind={launch.cpu_bind}")
-    if res.gpus_per_node and role_mem(cfg, role) is not None:   # a step asks for its memory, as its job did
-        srun.append(f"--mem={role_mem(cfg, role)}")
+    mem = role_mem(cfg, role)
+    if res.gpus_per_node and mem is not None:   # a step asks for its memory, as its job did
+        srun.append(f"--mem={mem}")
     return [*srun, *container.srun_options(cfg, role), *container.command_prefix(cfg, role), *argv]
 
 

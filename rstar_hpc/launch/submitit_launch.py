@@ -34,7 +34,7 @@ from rstar_hpc.exchange.rundir import RunPaths
 from rstar_hpc.launch import container, placement
 from rstar_hpc.launch.roles import (ROLES, hostnames, own_mpirun_env, role_argv, role_done, role_env, roles_needed,
                                     run_done)
-from rstar_hpc.launch.watch import kill_step, stale
+from rstar_hpc.launch.watch import end_step, kill_step, stale
 
 log = logging.getLogger("rstar_hpc.launch")
 
@@ -71,8 +71,9 @@ def role_parameters(cfg: RunConfig, role: str | None = None, *, tasks_per_node: 
                   slurm_signal_delay_s=launch.signal_lead_s, slurm_additional_parameters=extra)
     if res.gpus_per_node and launch.gpu_gres:
         params["gpus_per_node"] = res.gpus_per_node
-    if placement.role_mem(cfg, role) is not None:
-        params["slurm_mem"] = placement.role_mem(cfg, role)
+    mem = placement.role_mem(cfg, role)
+    if mem is not None:
+        params["slurm_mem"] = mem
     if launch.account:
         params["slurm_account"] = launch.account
     if launch.qos:
@@ -157,11 +158,7 @@ class RoleJob:
         timeout = cfg.launch.hang_timeout_s if self.hang_timeout_s is None else self.hang_timeout_s
         while self._child.poll() is None:
             if self.role == "sandbox" and run_done(cfg, paths):
-                if argv and Path(argv[0]).name == "srun":   # its graceful end (supervise.Supervisor.finish)
-                    kill_step(self._child, argv, grace_s=30)
-                else:   # the service itself: SIGTERM is its graceful end
-                    self._child.terminate()
-                    self._child.wait(30)
+                end_step(self._child, argv)
                 return None, None
             hung = None if self._stop else stale(paths, self.role, since, timeout)
             if hung is not None:

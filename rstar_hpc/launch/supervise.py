@@ -39,7 +39,7 @@ from rstar_hpc.launch.nodes import lost_nodes, note_requeue_after_node_loss
 from rstar_hpc.launch.record import cancelled
 from rstar_hpc.launch.roles import hostnames, role_done, role_env, roles_needed, run_done
 from rstar_hpc.launch.slurm import job_state
-from rstar_hpc.launch.watch import kill_step, stale
+from rstar_hpc.launch.watch import end_step, kill_step, stale
 
 log = logging.getLogger("rstar_hpc.launch")
 STABLE_S = 600.0   # a role that ran this long before failing starts its restart count afresh
@@ -218,10 +218,7 @@ class Supervisor:
     def finish(self) -> int:
         proc = self.procs.get("sandbox")
         if proc is not None and proc.poll() is None:
-            # srun's way to end a step gracefully: two SIGINTs reach the services as SIGINT, then SIGTERM, and
-            # SIGKILL only after KillWait, so each closes its pool and removes its scratch (a SIGTERM to srun
-            # "forces job termination": the tasks are killed at once)
-            kill_step(proc, self.argv.get("sandbox", []), grace_s=30)
+            end_step(proc, self.argv.get("sandbox", []))   # each service closes its pool and removes its scratch
         for p in self.procs.values():
             if p.poll() is None:
                 p.kill()

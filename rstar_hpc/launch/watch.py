@@ -7,7 +7,8 @@ Both launchers (the sbatch supervisor, a submitit RoleJob) use these, so they ag
   announcements (RUN/rendezvous/sandbox/<name>.json), which each service refreshes every
   `sandbox.stats_interval_s` from its event loop: a service that stops answering (stopped, its loop stuck) stops
   refreshing, and the oldest announcement of this attempt's services is the role's;
-- `kill_step(proc)`: ends a role's step even when its tasks are SIGSTOPped or stuck in the kernel.
+- `kill_step(proc)`: ends a role's step even when its tasks are SIGSTOPped or stuck in the kernel;
+- `end_step(proc)`: ends a healthy role's step gracefully (the sandbox's, once the run is done), so its tasks clean up.
 """
 from __future__ import annotations
 
@@ -53,6 +54,22 @@ def _sandbox_beat(paths: RunPaths, since: float) -> dict | None:
     return {"time": a["updated_at"], "host": a.get("host"), "phase": "serve",
             "doing": f"sandbox service {a['name']} serving ({a.get('in_flight', '?')} calls in flight, "
                      f"{a.get('queue_depth', '?')} queued)"}
+
+
+def end_step(proc: subprocess.Popen, argv: list[str], grace_s: float = 30.0) -> None:
+    """End a healthy role's step so that its tasks can clean up: an srun through kill_step's two SIGINTs (its tasks
+    get SIGINT, then SIGTERM, and SIGKILL only after KillWait; a SIGTERM to srun instead "forces job termination",
+    killing them at once), a role run without srun with SIGTERM; SIGKILL to its process group after `grace_s`."""
+    if argv and Path(argv[0]).name == "srun":
+        kill_step(proc, argv, grace_s)
+        return
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        kill_step(proc, argv, grace_s)
 
 
 def kill_step(proc: subprocess.Popen, argv: list[str], grace_s: float = 60.0) -> None:

@@ -23,7 +23,7 @@ def sbatch_run(slurm_cluster, tiny_model_dir, installed, tmp_path_factory):
     rstar_hpc (test_installed.py checks their logs). The uninterrupted reference of the chaos test."""
     tmp = tmp_path_factory.mktemp("launch-sbatch")
     config = ci_config(tmp, "all-stages", tiny_model_dir)
-    env = {k: v for k, v in slurm_cluster.env.items() if k != "PYTHONPATH"} | {"OMP_NUM_THREADS": "1"}
+    env = {**slurm_cluster.env, "OMP_NUM_THREADS": "1"}   # installed.rstar drops PYTHONPATH
     t0 = time.monotonic()
     proc = installed.rstar("launch", str(config), "--wait", "--json", "--timeout-s", "1200", env=env, timeout=1300,
                            check=False)

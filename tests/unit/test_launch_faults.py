@@ -183,3 +183,28 @@ def test_a_stop_during_the_restart_back_off_ends_it_and_starts_nothing(tmp_path,
     assert sup.stop_reason == "the time limit is near (USR2)" and not sup.failed
     assert 0.9 < waited < 20, waited   # the back-off was 40 s: it ended at the signal
     assert [(e["kind"], e["role"]) for e in read_events(paths)] == [("crash", "trainer")]
+
+
+def test_end_step_lets_a_role_run_without_srun_clean_up(tmp_path):
+    """The graceful end of a healthy step (the sandbox's once the run is done): a role run without srun gets SIGTERM
+    and its handler runs; one that ignores it is SIGKILLed after the grace time."""
+    import subprocess
+    import sys
+
+    from rstar_hpc.launch.watch import end_step
+
+    cleaned = tmp_path / "cleaned"
+    polite = subprocess.Popen([sys.executable, "-c", "import signal, sys, time, pathlib\n"
+                               f"def bye(*a): pathlib.Path({str(cleaned)!r}).write_text('ok'); sys.exit(0)\n"
+                               "signal.signal(signal.SIGTERM, bye)\nprint('ready', flush=True)\ntime.sleep(60)"],
+                              stdout=subprocess.PIPE, text=True, start_new_session=True)
+    assert polite.stdout.readline().strip() == "ready"
+    end_step(polite, [sys.executable], grace_s=30)
+    assert polite.returncode == 0 and cleaned.read_text() == "ok"
+    stubborn = subprocess.Popen([sys.executable, "-c", "import signal, time\n"
+                                 "signal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('ready', flush=True)\n"
+                                 "time.sleep(60)"], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    assert stubborn.stdout.readline().strip() == "ready"
+    t0 = time.monotonic()
+    end_step(stubborn, [sys.executable], grace_s=1)
+    assert stubborn.returncode == -9 and time.monotonic() - t0 < 20
