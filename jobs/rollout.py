@@ -1,4 +1,4 @@
-"""Job entry: one MPI rank of the rollout role (see sbatch/rollout.sbatch): `rstar-hpc rollout ARGS`; rank 0
+"""Job entry: the rollout role (see sbatch/rollout.sbatch): `rstar-hpc rollout ARGS`, the keeper of its ranks; rank 0
 schedules, ranks 1.. run vLLM engines."""
 import sys
 

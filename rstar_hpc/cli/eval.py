@@ -2,7 +2,7 @@
 benchmark files, with the rollout role's machinery (engine ranks, KV-aware scheduler, sandbox pools).
 
 It writes a run directory OUT (OUT/config.yaml: the given config with the policy as the model and one `eval` stage)
-and runs it: here (`--launcher local`: a sandbox service and `mpirun` of the rollout) or as Slurm jobs. A rerun of
+and runs it: here (`--launcher local`: a sandbox service and the rollout's ranks) or as Slurm jobs. A rerun of
 the same command goes on where the last one stopped: committed steps and the step journal are kept.
 """
 from __future__ import annotations
@@ -40,10 +40,9 @@ from rstar_hpc.config.loader import DEFAULT_CONFIG
               help="local: engine ranks [launch.rollout's: num_nodes x tasks_per_node].")
 @click.option("--prompts-per-step", type=click.IntRange(min=1), default=64, show_default=True,
               help="Problems per rollout step (the unit that is committed; the step journal keeps the rest).")
-@click.option("--mpirun", default="mpirun", show_default=True, help="local: the MPI launcher.")
 @click.argument("overrides", nargs=-1)
 def command(policy, data, keep_system, k, temperature, top_p, max_turns, max_tokens, launcher, out, config, engines,
-            prompts_per_step, mpirun, overrides) -> None:
+            prompts_per_step, overrides) -> None:
     """Evaluate POLICY on benchmark files; print the results table and the path of results.json.
 
     OVERRIDES are dotted key=value settings of CONFIG (e.g. rollout.engine.tensor_parallel_size=4).
@@ -70,7 +69,7 @@ def command(policy, data, keep_system, k, temperature, top_p, max_turns, max_tok
     if pipeline.stage_done(paths, c.STAGE):
         rc = 0   # finished by an earlier run of this command: nothing to sample
     elif launcher == "local":
-        rc = _local(cfg, paths, engines, mpirun)
+        rc = _local(cfg, paths, engines)
     else:
         from rstar_hpc.launch.launcher import LaunchError, launch_run   # imported only when used
         try:
@@ -84,17 +83,13 @@ def command(policy, data, keep_system, k, temperature, top_p, max_turns, max_tok
     _report(paths, rc)
 
 
-def _local(cfg, paths, engines, mpirun) -> int:
-    import shutil
-
+def _local(cfg, paths, engines) -> int:
     from rstar_hpc.eval import compose as c
     from rstar_hpc.eval.local import LocalRunFailed, run_local
-    if shutil.which(mpirun) is None:
-        raise click.ClickException(f"{mpirun!r} not found: install Open MPI, or use --launcher sbatch|submitit")
     from rstar_hpc.launch.placement import num_engines
     n = engines or num_engines(cfg)
     try:
-        return run_local(paths, paths.config, c.STAGE, engines=n, mpirun=mpirun)
+        return run_local(paths, paths.config, c.STAGE, engines=n)
     except LocalRunFailed as e:
         raise click.ClickException(str(e)) from None
 

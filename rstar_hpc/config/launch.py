@@ -56,18 +56,26 @@ class RoleResources(Section):
     runs on the host though the others run in launch.container."""
 
 
+class RolloutResources(RoleResources):
+    engine_restarts: int = Field(3, ge=0)
+    """How often one engine rank's process is started again after it dies (rollout/keeper.py), over the job. An
+    engine that dies more often is given up on: the job goes on with the engines left. The count starts again with
+    each start of the rollout role."""
+
+
 class LaunchConfig(Section):
     launcher: Literal["sbatch", "submitit"] = "sbatch"
     """sbatch: one heterogeneous job (trainer / rollout / sandbox groups) runs every stage; submitit: one job per
     role (submitit cannot express a heterogeneous job), meeting in the run directory. `rstar-hpc launch
     --launcher` overrides it."""
     trainer: RoleResources = RoleResources(partition="gpu")
-    rollout: RoleResources = RoleResources(partition="gpu")
+    rollout: RolloutResources = RolloutResources(partition="gpu")
     sandbox: RoleResources = RoleResources(partition="cpu")
-    mpi: Literal["pmix", "pmi2", "none"] = "pmix"
-    """How the rollout's MPI ranks are wired up: `srun --mpi=pmix` (Open MPI >= 5, most sites), `--mpi=pmi2`
-    (sites whose Slurm lacks PMIx; MPICH, Open MPI built with Slurm's PMI-2), or none: the rollout command starts
-    its own `mpirun` on its first node (one rollout node; the pattern for an MPI inside a container)."""
+    mpi: Literal["tasks", "none", "pmix", "pmi2"] = "tasks"
+    """How the rollout's ranks are started. Every rank is an MPI process of its own, joined to rank 0 through Open
+    MPI's ompi-server (rollout/links.py), so an engine fails alone. tasks: one srun task per rank (`srun --mpi=none`),
+    across nodes; none: one task on the first rollout node starts every rank itself (one rollout node). pmix and
+    pmi2 are read as tasks (they named the srun MPI plugin of the one MPI world the ranks used to share)."""
     gpu_gres: bool = True
     """The site schedules GPUs as GRES (most do): jobs ask for --gpus-per-node and steps bind each task to its
     GPUs. false: nothing asks Slurm for GPUs, and each task takes its GPUs from SLURM_LOCALID instead."""
@@ -109,3 +117,8 @@ class LaunchConfig(Section):
             raise ValueError(f"launch.hang_timeout_s={v:g}: use 0 (off) or at least 60 s; shorter would kill roles "
                              f"in ordinary phases (a heartbeat comes every few seconds to minutes)")
         return v
+
+    @field_validator("mpi")
+    @classmethod
+    def _mpi(cls, v: str) -> str:
+        return "tasks" if v in ("pmix", "pmi2") else v

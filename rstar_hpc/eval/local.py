@@ -1,5 +1,5 @@
 """`rstar-hpc eval --launcher local`: the sandbox service and the rollout role on this machine, as the tests start
-them: `rstar-hpc sandbox serve` (one pool), then `rstar-hpc rollout --stage eval` (mpirun: rank 0 and the engine
+them: `rstar-hpc sandbox serve` (one pool), then `rstar-hpc rollout --stage eval` (rank 0 and the engine
 ranks). Both read OUT/config.yaml; logs go to OUT/logs/."""
 from __future__ import annotations
 
@@ -70,14 +70,14 @@ def stop(proc: subprocess.Popen, grace_s: float = 20.0, *, group: bool = False) 
         send(signal.SIGKILL)
 
 
-def run_local(paths: RunPaths, config: Path, stage: str, *, engines: int, mpirun: str = "mpirun") -> int:
+def run_local(paths: RunPaths, config: Path, stage: str, *, engines: int) -> int:
     """The eval stage run to its end (or interruption) on this machine; the rollout's exit status."""
     sandbox, address = start_sandbox(paths, config)
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         cmd = [sys.executable, "-m", "rstar_hpc", "rollout", "--config", str(config), "--stage", stage,
-               "--engines", str(engines), "--sandbox", address, "--mpirun", mpirun]
-        # its own session: Ctrl-C here becomes USR2 there, which mpirun forwards and rank 0 answers by committing
+               "--engines", str(engines), "--sandbox", address]
+        # its own session: Ctrl-C here becomes USR2 there, which the keeper forwards and rank 0 answers by committing
         # the step's finished trajectories to its journal (a rerun keeps them) before it ends the job
         # stdout (vLLM's logs, a JSON line per step) to a log, so ours is the results; stderr keeps the progress bar
         with open(paths.dir / "logs" / "eval-rollout.log", "ab") as log:
@@ -91,7 +91,7 @@ def run_local(paths: RunPaths, config: Path, stage: str, *, engines: int, mpirun
             try:
                 return rollout.wait(120)
             except (subprocess.TimeoutExpired, KeyboardInterrupt):
-                stop(rollout, 10, group=True)   # mpirun and its ranks too: none may outlive the eval
+                stop(rollout, 10, group=True)   # the keeper and its ranks too: none may outlive the eval
                 return 130
     finally:
         signal.signal(signal.SIGTERM, previous)

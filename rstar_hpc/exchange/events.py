@@ -1,5 +1,5 @@
-"""The run's fault events, `launch/events.jsonl`: what a launcher (the sbatch supervisor, a submitit RoleJob) did
-about a fault: a role that crashed or hung and was started again, a sandbox service that died and was restarted, a
+"""The run's fault events, `launch/events.jsonl`: what a launcher (the sbatch supervisor, a submitit RoleJob) or the
+rollout's keeper did about a fault: a role that crashed or hung and was started again, a sandbox service that died and was restarted, a
 job that gave up, a node lost. `rstar-hpc run status` reads them into its `faults` and `problems`. Stdlib only.
 
 Each event is one JSON line appended with a single write(2) on an O_APPEND descriptor, so the launchers of one run
@@ -17,10 +17,13 @@ import time
 
 from rstar_hpc.exchange.rundir import RunPaths
 
-KINDS = ("crash", "hang", "gave_up", "node_lost")
+KINDS = ("crash", "hang", "gave_up", "node_lost", "engine_lost", "engine_back", "engine_gave_up")
 """crash: a role's step ended before its stages were done; hang: its heartbeat went stale and its step was killed;
 gave_up: it failed more often than launch.role_restarts allows; node_lost: a node of the job went DOWN or stopped
-answering (launch/nodes.py), so the job was requeued onto the nodes that are left."""
+answering (launch/nodes.py), so the job was requeued onto the nodes that are left. The rollout's own: engine_lost:
+an engine rank died or went silent, its unfinished trajectories requeued (`requeued`); engine_back: it joined
+again (rollout/keeper.py started it again); engine_gave_up: it died more often than launch.rollout.engine_restarts
+allows, and the job goes on without it."""
 
 
 def record_event(paths: RunPaths, kind: str, *, role: str, **fields: object) -> dict:

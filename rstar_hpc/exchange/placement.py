@@ -12,8 +12,9 @@ from collections.abc import Mapping
 from rstar_hpc.exchange.atomic import atomic_write_json
 from rstar_hpc.exchange.rundir import RunPaths
 
-RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID")
-LOCAL_VARS = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID")
+# a rollout rank's keeper names it (rollout/keeper.py); then an MPI launcher's, then srun's
+RANK_VARS = ("RSTAR_ROLLOUT_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID")
+LOCAL_VARS = ("RSTAR_ROLLOUT_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID")
 
 
 def _first(env: Mapping[str, str], names: tuple[str, ...]) -> int:

@@ -135,8 +135,8 @@ def problems(cfg, node_cores: dict[str, int] | None = None) -> list[str]:
                        f"{res.gpus_per_node} (launch.rollout.gpus_per_node); at most {fit} TP-{tp} engine"
                        f"{'s' if fit != 1 else ''} fit a node")
         if launch.mpi == "none" and res.num_nodes > 1:
-            out.append(f"launch.mpi=none starts the rollout's own mpirun on one node, but launch.rollout.num_nodes="
-                       f"{res.num_nodes}; use launch.mpi=pmix (or pmi2) for a rollout across nodes")
+            out.append(f"launch.mpi=none starts every rollout rank from one task on one node, but launch.rollout."
+                       f"num_nodes={res.num_nodes}; use launch.mpi=tasks for a rollout across nodes")
     for role in groups:
         res = getattr(launch, role)
         per_node = tasks_per_node(cfg, role)
@@ -212,9 +212,10 @@ def step_argv(cfg, role: str, run_dir: str | Path, *, het_group: int | None = No
     unless launch.mpi is none."""
     launch, res = cfg.launch, getattr(cfg.launch, role)
     srun = ["srun", *([f"--het-group={het_group}"] if het_group is not None else []), *(["--overlap"] if overlap else [])]
-    # a trainer or rollout rank that dies takes its step down (the others would wait on it until a timeout); the
-    # supervisor starts the role again. One sandbox service dying leaves the others serving.
-    srun.append("--kill-on-bad-exit=" + ("0" if role == "sandbox" else "1"))
+    # a trainer rank that dies takes its step down (the others would wait on it until a timeout); the supervisor
+    # starts the role again. One sandbox service or one rollout engine dying leaves the others working (an engine's
+    # keeper starts it again; rank 0's end ends the other tasks: rollout/keeper.py).
+    srun.append("--kill-on-bad-exit=" + ("1" if role == "trainer" else "0"))
     gpus = res.gpus_per_node if launch.gpu_gres else 0
     argv = role_argv(cfg, role, run_dir)
     # --ntasks always: inside another step (submitit's) srun would take that step's SLURM_NTASKS as its own
@@ -223,12 +224,13 @@ def step_argv(cfg, role: str, run_dir: str | Path, *, het_group: int | None = No
                  f"--ntasks-per-node={res.tasks_per_node}", f"--cpus-per-task={res.cpus_per_task}"]
         srun += [f"--gpus-per-node={gpus}"] if gpus else []   # every rank sees the node's GPUs: NVLink between them
     elif role == "rollout" and launch.mpi == "none":
-        # one task holding the node's engines' cores and GPUs; the command's own mpirun starts the ranks
+        # one task holding the node's engines' cores and GPUs; the command (the ranks' keeper) starts every rank
         srun += ["--nodes=1", "--ntasks=1", f"--cpus-per-task={rollout_tasks_per_node(cfg) * res.cpus_per_task}"]
         srun += [f"--gpus-per-node={gpus}"] if gpus else []
         argv = [*argv, "--engines", str(num_engines(cfg))]
     elif role == "rollout":
-        srun += [f"--mpi={launch.mpi}", f"--nodes={res.num_nodes}", f"--ntasks={1 + num_engines(cfg)}",
+        # one task per rank, each its own MPI process: no PMI wire-up (rollout/links.py)
+        srun += ["--mpi=none", f"--nodes={res.num_nodes}", f"--ntasks={1 + num_engines(cfg)}",
                  "--distribution=arbitrary", f"--cpus-per-task={res.cpus_per_task}"]
         srun += [f"--gpus-per-node={gpus}"] if gpus else []
     else:

@@ -101,11 +101,11 @@ def role_env(cfg, role: str, nodelist: str | None, attempt: int, env=None) -> di
 _SLURM_MPI_VARS = ("SLURM_", "PMIX_", "PMI_", "OMPI_")
 
 
-def own_mpirun_env(env) -> dict[str, str]:
-    """The environment of this command's own mpirun inside a Slurm task (launch.mpi=none, or submitit's one-node
-    rollout): without Slurm's task and MPI variables, else mpirun takes the ranks for a Slurm step of its own and
-    tries to launch them through srun on the node names Slurm knows. The job id stays, renamed, for the ranks'
-    placement records."""
+def local_ranks_env(env) -> dict[str, str]:
+    """The environment of a rollout that starts every rank itself inside a Slurm task (launch.mpi=none, or
+    submitit's one-node rollout): without Slurm's task and MPI variables, else its keeper would take them for one
+    task per rank (rollout/keeper.py), and a rank's MPI for a launch by srun. The job id stays, renamed, for the
+    ranks' placement records."""
     out = {k: v for k, v in env.items() if not k.startswith(_SLURM_MPI_VARS)}
     if "SLURM_JOB_ID" in env:
         out["RSTAR_SLURM_JOB_ID"] = env["SLURM_JOB_ID"]

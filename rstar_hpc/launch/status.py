@@ -250,6 +250,14 @@ def _minutes(seconds) -> str:
     return f"{seconds:.0f} s" if seconds < 60 else f"{seconds / 60:.0f} min"
 
 
+ENGINE_EVENTS = {
+    "engine_lost": lambda e: (f"rollout engine rank {e.get('rank')} lost in step {e.get('step')} of stage "
+                              f"{e.get('stage')} ({e.get('reason')}): {e.get('requeued', 0)} trajectories requeued"),
+    "engine_back": lambda e: (f"rollout engine rank {e.get('rank')} back (pid {e.get('pid')}): it takes part from "
+                              f"step {e.get('step')} of stage {e.get('stage')}"),
+    "engine_gave_up": lambda e: (f"rollout engine rank {e.get('rank')} died {e.get('restarts', 0) + 1}x, more than "
+                                 f"launch.rollout.engine_restarts={e.get('limit')}: the rollout goes on without it"),
+}
 FAULT_WINDOW_S = 3600.0   # `run status` names the faults of the last hour; the events file keeps them all
 
 
@@ -284,6 +292,9 @@ def faults(paths: RunPaths, now: float | None = None, window_s: float = FAULT_WI
                    if e.get("requeued") else f"the {e.get('role')}'s step ended; the job requeues onto the nodes left")
             out.append({"kind": "node_lost", "role": e.get("role"), "host": e.get("host"), "last": e["time"],
                         "text": f"node {e.get('host')} lost ({e.get('state')}: {e.get('reason') or '?'}): {how}"})
+        elif e.get("kind") in ENGINE_EVENTS:
+            out.append({"kind": e["kind"], "role": "rollout", "host": e.get("host"), "rank": e.get("rank"),
+                        "last": e["time"], "text": ENGINE_EVENTS[e["kind"]](e)})
         elif e.get("kind") == "gave_up":
             out.append({"kind": "gave_up", "role": e.get("role"), "host": e.get("host"), "last": e["time"],
                         "text": f"role {e.get('role')} failed {e.get('restarts', 0) + 1}x, more than "

@@ -13,7 +13,7 @@ announcement and for each policy it needs, the trainer for each step's trajector
 - the sandbox job serves until the run is done, then ends.
 Each job runs one submitit task per node, holding the cores of every task its role places there; it starts the
 role's tasks with the same srun line as the sbatch supervisor (rstar_hpc.launch.placement), with --overlap. The
-rollout on one node (or with launch.mpi=none) runs the command's own `mpirun` instead.
+rollout on one node (or with launch.mpi=none) runs the command itself, which starts every rank.
 
     job = submit_command(cfg, "sandbox", ["make-tiny-model", "/tmp/m"])   # any `rstar-hpc` command as a job
 """
@@ -32,7 +32,7 @@ from rstar_hpc.config import RunConfig
 from rstar_hpc.exchange.events import record_event
 from rstar_hpc.exchange.rundir import RunPaths
 from rstar_hpc.launch import container, placement
-from rstar_hpc.launch.roles import (ROLES, hostnames, own_mpirun_env, role_argv, role_done, role_env, roles_needed,
+from rstar_hpc.launch.roles import (ROLES, hostnames, local_ranks_env, role_argv, role_done, role_env, roles_needed,
                                     run_done)
 from rstar_hpc.launch.watch import end_step, kill_step, stale
 
@@ -106,13 +106,13 @@ class RoleJob:
     def argv(self, cfg, attempt: int) -> tuple[list[str], dict[str, str]]:
         """The child's command and environment: the role's tasks started with srun --overlap inside this job
         (placement.step_argv, as the sbatch supervisor starts them), or the role's command itself where it is one
-        task; a one-node rollout (or launch.mpi=none) runs the command's own mpirun."""
+        task; a one-node rollout (or launch.mpi=none) runs the command itself, which starts every rank."""
         res = getattr(cfg.launch, self.role)
         nodes = os.environ.get("SLURM_JOB_NODELIST")
         env = role_env(cfg, self.role, nodes, attempt)
         if self.role == "rollout" and (res.num_nodes == 1 or cfg.launch.mpi == "none"):
             argv = [*role_argv(cfg, self.role, self.run_dir), "--engines", str(placement.num_engines(cfg))]
-            return container.in_image(cfg, self.role, argv), own_mpirun_env(env)
+            return container.in_image(cfg, self.role, argv), local_ranks_env(env)
         tasks = [t for t in placement.plan(cfg) if t.role == self.role]
         if len(tasks) == 1:
             return container.in_image(cfg, self.role, role_argv(cfg, self.role, self.run_dir)), env

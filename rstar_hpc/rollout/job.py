@@ -15,7 +15,8 @@ import time
 from collections.abc import Sequence
 from typing import NoReturn
 
-from rstar_hpc.rollout.mpi import TAG_ABORT, TAG_BYE, TAG_EXIT, env_rank, init_mpi, recv_from_rank0, wait_sent
+from rstar_hpc.rollout.links import RANK_ENV
+from rstar_hpc.rollout.mpi import TAG_ABORT, TAG_EXIT, init_mpi, recv_from_rank0, wait_sent
 
 log = logging.getLogger("rstar_hpc.rollout")
 
@@ -31,7 +32,7 @@ def run(cfg, stage: str | None = None, steps: Sequence[int] | None = None, *, sa
     from rstar_hpc.models.resolve import resolve_model
 
     paths = RunPaths(cfg.run.dir)
-    rank = env_rank()
+    rank = int(os.environ.get(RANK_ENV, 0))
     _catch_stop_signals(rank)
     if rank == 0:
         prepare_run_dir(cfg)
@@ -39,24 +40,14 @@ def run(cfg, stage: str | None = None, steps: Sequence[int] | None = None, *, sa
     else:
         model_dir = _wait_for_model(cfg)
     if rank == 0:
-        code, end = _scheduler(cfg, paths, stage, steps, progress, model_dir)
+        code = _scheduler(cfg, paths, stage, steps, progress, model_dir)
     else:
-        code, end = _engine(cfg, paths, stage, sandbox, model_dir, rank)
+        code = _engine(cfg, paths, stage, sandbox, model_dir, rank)
     from rstar_hpc.metrics_log import close_all
     close_all()   # os._exit below skips atexit
     sys.stdout.flush()
     sys.stderr.flush()
-    if end != "exit":
-        from mpi4py import MPI
-        if end == "finalize":
-            MPI.Finalize()
-        else:
-            # MPI_Finalize waits on every rank, a dead one too, and ranks that all leave without it can leave
-            # the launcher waiting (mpirun's remote orted, a PMIx step) until the time limit. Everything is
-            # committed and the survivors have shut their engines down: let the launcher end the job now.
-            log.warning("a rank died during the job; its trajectories were re-run and every step is committed. "
-                        "Ending the MPI job with MPI_Abort(0) (exit status 0 under mpirun)")
-            MPI.COMM_WORLD.Abort(0)
+    # no MPI_Finalize: it is collective over every process ever connected, a dead engine too; nothing is pending
     os._exit(code)
 
 
@@ -91,25 +82,27 @@ def _wait_for_model(cfg, timeout_s: float = 600.0):
             time.sleep(1.0)
 
 
-def _scheduler(cfg, paths, stage, steps, progress, model_dir) -> tuple[int, str]:
+def _scheduler(cfg, paths, stage, steps, progress, model_dir) -> int:
     from transformers import AutoTokenizer
+
+    from rstar_hpc.rollout.links import RankZeroLinks, Session
+    from rstar_hpc.rollout.scheduler import StopRequested
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     MPI = init_mpi()
-    comm = MPI.COMM_WORLD
-    from rstar_hpc.rollout.scheduler import StopRequested
+    comm = RankZeroLinks(MPI, Session.from_env(paths))
     try:
         return RolloutJob(cfg, paths, comm, MPI, tok, explicit_steps=steps).run(stage, progress)
     except StopRequested as e:
         log.warning("%s; ending the job, run again to continue", e)
         wait_sent([comm.isend(str(e), dest=r, tag=TAG_ABORT) for r in range(1, comm.Get_size())], 5.0)
-        return EXIT_REQUEUE, "exit"
+        return EXIT_REQUEUE
     except BaseException as e:
         # engine ranks would otherwise wait for work until their timeout: tell them, then fail
         log.exception("rank 0 failed")
         wait_sent([comm.isend(f"{type(e).__name__}: {e}", dest=r, tag=TAG_ABORT) for r in range(1, comm.Get_size())],
                   5.0)
-        return 1, "exit"
+        return 1
 
 
 class RolloutJob:
@@ -126,17 +119,54 @@ class RolloutJob:
         self.dead: set[int] = set()                    # engine ranks lost, for the rest of the job
         self.versions: dict[int, int | None] = {}      # the policy each engine rank runs (its HELLOs)
 
-    def run(self, stage: str | None, progress: bool) -> tuple[int, str]:
+    def run(self, stage: str | None, progress: bool) -> int:
         """Every rollout stage asked for (all of the run's with no `stage`), then the job's end."""
         from rstar_hpc import pipeline
         from rstar_hpc.exchange.state import write_heartbeat
 
+        self.wait_for_engines()
         for name in [s.name for s in pipeline.rollout_stages(self.cfg, stage)]:
             if stage is None and pipeline.rollout_done(self.cfg, self.paths, name):
                 continue
             self.run_stage(name, progress)
         write_heartbeat(self.paths, "rollout", "done: every rollout stage asked for is committed")
-        return _end_job(self.comm, self.MPI, self.cfg.rollout.scheduler, self.dead)
+        return _end_job(self.comm, self.cfg.rollout.scheduler)
+
+    def wait_for_engines(self) -> None:
+        """The engine ranks build their engines, then join; one that does not join in time is left out until it
+        does (refresh_engines)."""
+        from rstar_hpc.exchange.state import write_heartbeat
+
+        sc, size = self.cfg.rollout.scheduler, self.comm.Get_size()
+        deadline = time.monotonic() + sc.policy_load_timeout_s + sc.engine_timeout_s
+        missing = list(range(1, size))
+        while missing and time.monotonic() < deadline and not _STOP:
+            write_heartbeat(self.paths, "rollout", f"starting: {size - 1 - len(missing)} of {size - 1} engine ranks "
+                            f"joined", phase="start_engines")
+            missing = self.comm.wait_joined(min(10.0, max(0.0, deadline - time.monotonic())))
+        self.comm.take_joined()
+        if missing:
+            log.error("engine ranks %s did not join in %.0fs; the job starts without them", missing,
+                      sc.policy_load_timeout_s + sc.engine_timeout_s)
+            self.dead.update(missing)
+
+    def refresh_engines(self, stage: str, step: int) -> None:
+        """Before a step: an engine lost earlier that joined again takes part; one whose process died since the
+        last step does not."""
+        from rstar_hpc.exchange.events import record_event
+
+        for e in self.comm.take_joined():
+            self.versions.pop(e, None)   # a new process: it holds no policy yet
+            if e in self.dead:
+                self.dead.discard(e)
+                log.info("engine rank %d is back (pid %d): it takes part from step %d", e, self.comm.pids[e], step)
+                record_event(self.paths, "engine_back", role="rollout", rank=e, pid=self.comm.pids[e], stage=stage,
+                             step=step)
+        for e in sorted(self.comm.down() - self.dead):
+            log.error("engine rank %d died between steps; step %d runs without it", e, step)
+            record_event(self.paths, "engine_lost", role="rollout", rank=e, stage=stage, step=step, requeued=0,
+                         reason="its process ended between steps")
+            self.dead.add(e)
 
     def run_stage(self, name: str, progress: bool) -> None:
         from rstar_hpc import pipeline
@@ -188,6 +218,7 @@ class RolloutJob:
 
         cfg, paths = self.cfg, self.paths
         sc = cfg.rollout.scheduler
+        self.refresh_engines(spec.stage, spec.step)
         if spec.stage != stage_name or cfg.stage(stage_name).kind != "rl":
             sc = sc.model_copy(update={"partial_rollouts": False})
         hooks = StepHooks(
@@ -199,24 +230,13 @@ class RolloutJob:
                              engine_versions=self.versions).run()
 
 
-def _end_job(comm, MPI, sc, dead: set[int]) -> tuple[int, str]:
-    """The job is over: every rank finalizes MPI together; after a death the survivors shut their engines down
-    and say bye, then rank 0 ends the MPI job (run)."""
-    survivors = [e for e in range(1, comm.Get_size()) if e not in dead]
-    wait_sent([comm.isend({"finalize": not dead}, dest=e, tag=TAG_EXIT) for e in survivors], sc.engine_timeout_s)
-    if not dead:
-        return 0, "finalize"
-    waiting, st = set(survivors), MPI.Status()
-    deadline = time.monotonic() + sc.engine_timeout_s
-    while waiting and time.monotonic() < deadline:
-        if comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_BYE, status=st):
-            comm.recv(source=st.Get_source(), tag=TAG_BYE)
-            waiting.discard(st.Get_source())
-        else:
-            time.sleep(0.01)
-    if waiting:
-        log.error("engine ranks %s did not confirm their shutdown; ending the job without them", sorted(waiting))
-    return 0, "abort"
+def _end_job(comm, sc) -> int:
+    """The job is over: EXIT to every engine rank (each shuts its engine down and leaves; the keepers see to the
+    rest)."""
+    engines = [e for e in range(1, comm.Get_size()) if e not in comm.down()]
+    if not wait_sent([comm.isend({}, dest=e, tag=TAG_EXIT) for e in engines], sc.engine_timeout_s):
+        log.warning("not every engine rank took the job's end; their keepers stop them")
+    return 0
 
 
 def engine_context(cfg, stage: str | None) -> int:
@@ -228,7 +248,7 @@ def engine_context(cfg, stage: str | None) -> int:
                default=cfg.rollout.engine.max_model_len)
 
 
-def _engine(cfg, paths, stage, sandbox, model_dir, rank) -> tuple[int, str]:
+def _engine(cfg, paths, stage, sandbox, model_dir, rank) -> int:
     from rstar_hpc.rollout.engine import VLLMEngine
 
     context = engine_context(cfg, stage)
@@ -237,11 +257,13 @@ def _engine(cfg, paths, stage, sandbox, model_dir, rank) -> tuple[int, str]:
     from rstar_hpc.rollout.engine_rank import run_engine_rank
     from sandbox.client import SandboxClient
 
-    MPI = init_mpi()
-    comm = MPI.COMM_WORLD
-    sc, agent_cfg = cfg.rollout.scheduler, cfg.rollout.agent
+    from rstar_hpc.rollout.links import EngineLink, Session
 
-    async def run_steps() -> bool:
+    MPI = init_mpi()
+    sc, agent_cfg = cfg.rollout.scheduler, cfg.rollout.agent
+    comm = EngineLink(MPI, Session.from_env(paths), timeout_s=sc.policy_load_timeout_s + sc.engine_timeout_s)
+
+    async def run_steps() -> None:
         client = SandboxClient(addresses=list(sandbox) or None, run_dir=None if sandbox else str(paths.dir))
         try:
             # rank 0 names the stage, step, limits and policy of each step; the engine loads the policy in place
@@ -249,18 +271,13 @@ def _engine(cfg, paths, stage, sandbox, model_dir, rank) -> tuple[int, str]:
                 pass
         finally:
             await client.close()
-        tag, msg = await recv_from_rank0(comm, MPI, sc.engine_timeout_s, "the end of the job")
-        return tag == TAG_EXIT and bool(msg["finalize"])
+        await recv_from_rank0(comm, MPI, sc.engine_timeout_s, "the end of the job")
 
     try:
-        finalize = asyncio.run(run_steps())
+        asyncio.run(run_steps())
     except RuntimeError:
         log.exception("engine rank %d failed", rank)
-        return 1, "exit"
+        return 1
     finally:
         engine.shutdown()
-    if finalize:
-        return 0, "finalize"
-    wait_sent([comm.isend(None, dest=0, tag=TAG_BYE)], 10.0)   # rank 0 ends the job (MPI_Abort) once all are down
-    time.sleep(sc.engine_timeout_s)   # the abort ends this process; exit on our own if not
-    return 0, "exit"
+    return 0

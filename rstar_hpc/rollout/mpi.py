@@ -1,4 +1,5 @@
-"""The MPI conversation of a rollout job: rank 0 (scheduler.py) and the engine ranks 1..N (engine_rank.py).
+"""The MPI conversation of a rollout job: rank 0 (scheduler.py) and the engine ranks 1..N (engine_rank.py), each
+engine over an intercommunicator of its own with rank 0 (links.py).
 
 Every message has its own tag, listed here and nowhere else; both sides import the tags from this module. Payloads
 are pickled Python objects; sends are never blocking where the peer may be dead. One step, in order:
@@ -21,6 +22,7 @@ are pickled Python objects; sends are never blocking where the peer may be dead.
     EXIT     0 -> e   {finalize}                                         after the job's last step: leave
     BYE      e -> 0   None                                               after a rank's death: this rank has shut down
     ABORT    0 -> e   "reason"                                           at any point: rank 0 failed, engine ranks leave
+    JOIN     e -> 0   {rank, pid}                                        first, on connecting (links.py): this rank is here
 
 A step already committed gets SKIP instead of START. PAUSE: partial rollouts; every live trajectory comes back
 as a paused (or finished) RESULT. EXIT and BYE end the job; ABORT may come at any point.
@@ -32,7 +34,7 @@ import os
 import time
 
 (TAG_START, TAG_SKIP, TAG_ACK, TAG_HELLO, TAG_WORK, TAG_KV, TAG_RESULT, TAG_MIGRATE, TAG_MOVED, TAG_PAUSE,
- TAG_ALIVE, TAG_DEAD, TAG_DONE, TAG_STATS, TAG_EXIT, TAG_BYE, TAG_ABORT) = range(1, 18)
+ TAG_ALIVE, TAG_DEAD, TAG_DONE, TAG_STATS, TAG_EXIT, TAG_BYE, TAG_ABORT, TAG_JOIN) = range(1, 19)
 
 
 def init_mpi():

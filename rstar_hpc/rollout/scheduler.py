@@ -1,6 +1,6 @@
 """Rank 0 of a rollout step: admit each trajectory to an engine rank, collect results, commit, publish metrics.
 
-    mpirun -n 3 python jobs/rollout.py --config tiny-cpu --step 0        # or srun --mpi=pmix under Slurm
+    rstar-hpc rollout --config tiny-cpu --engines 2 --step 0       # or one srun task per rank under Slurm
 
 `StepScheduler.run` reads top-down as the step's stages:
 
@@ -30,13 +30,11 @@ docs/architecture.md draws the loop as a state diagram.
 Tool calls are not dispatched here: each engine rank runs its trajectories as agent-loop coroutines (agent.py)
 that call the sandbox service themselves, so a trajectory waiting for its tool never holds up generation.
 
-Engine death: an engine rank that reports its engine dead, or is silent for `engine_timeout_s`, is dropped
-for the rest of the job; its unfinished trajectories go back to the front of the queue and run on the others
-from scratch. A late result for a trajectory already re-run is ignored (results carry their step and are keyed
-by (prompt_uid, sample_index)). Under mpirun this needs `--mca orte_enable_recovery 1` (Open MPI 4) so one
-rank's death does not end the job. Rank 0 death: rank 0 heartbeats too, and sends ABORT when it fails; an
-engine rank that hears nothing from it for `engine_timeout_s` leaves instead of waiting forever.
-The messages are mpi.py's; the engine ranks' side is engine_rank.py.
+Engine death (it reports its engine dead, its keeper reports its process dead: links.py, or it is silent for
+`engine_timeout_s`): it is dropped until it joins again, its unfinished trajectories go back to the front of the
+queue (from the state of their last pause, else from the start); a late result of one re-run is ignored (results
+carry their step and key). Rank 0 heartbeats too and sends ABORT when it fails; an engine rank that hears nothing
+from it for `engine_timeout_s` leaves. The messages are mpi.py's; the engine ranks' side is engine_rank.py.
 """
 from __future__ import annotations
 
@@ -47,6 +45,7 @@ from collections import deque
 
 from rstar_hpc import pipeline
 from rstar_hpc.config.rollout import SchedulerConfig
+from rstar_hpc.exchange.events import record_event
 from rstar_hpc.exchange.rundir import RunPaths
 from rstar_hpc.exchange.schema import Trajectory
 from rstar_hpc.exchange.writer import ShardWriter
@@ -148,12 +147,10 @@ class StepScheduler:
 
     # ----------------------------------------------------------------------------------------------- start
     def live_engines(self) -> list[int]:
-        if self.comm.Get_size() < 2:
-            raise RuntimeError("the rollout step needs at least 2 MPI ranks: rank 0 schedules, ranks 1.. run engines")
         engines = [e for e in range(1, self.comm.Get_size()) if e not in self.dead_ranks]
         if not engines:
-            raise RuntimeError(f"all engine ranks died in earlier steps ({sorted(self.dead_ranks)}); step "
-                               f"{self.step} cannot run")
+            raise RuntimeError(f"no engine rank can run step {self.step}: of {self.comm.Get_size() - 1}, these died "
+                               f"or never joined: {sorted(self.dead_ranks)}")
         return engines
 
     def drain_sends(self) -> None:
@@ -383,6 +380,8 @@ class StepScheduler:
         self.reruns += len(back)
         for k in reversed(back):
             self.pending.appendleft(self.by_key[k])
+        record_event(self.paths, "engine_lost", role="rollout", rank=e, stage=self.stage, step=self.step,
+                     requeued=len(back), reason=why)
         if self.levers.closing:   # the step is closed: they are carried as they were
             self.carry_queue()
         if not self.alive:

