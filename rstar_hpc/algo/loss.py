@@ -3,7 +3,7 @@
     rho   = exp(clamp(logp - logp_old, -log_ratio_clamp, log_ratio_clamp))
     l_t   = max(-A_i * rho, -A_i * clip(rho, 1 - clip_ratio_low, 1 + clip_ratio_high))      Clip-Higher
     l_t   = min(l_t, -A_i * clip_ratio_c)   where A_i < 0, if clip_ratio_c is set             dual-clip (verl)
-    l_t  *= w_t                             if is_weight is given (off-policy: truncated IS, tis_cap)
+    l_t  *= w_t                             if is_weight is given (another policy's tokens: truncated IS, tis_cap)
     l_t  += kl_coef * (exp(ref - logp) - (ref - logp) - 1)                                    k3 KL, off by default
     l_t  -= entropy_coef * H_t                                                                off by default
     L     = dp_world_size * sum_{masked t} l_t / global_num_tokens
@@ -61,7 +61,7 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
                 entropy: torch.Tensor | None = None, is_weight: torch.Tensor | None = None,
                 **kwargs) -> tuple[torch.Tensor, LossStats]:
     """Clipped-surrogate loss of one micro-batch; see the module docstring. `is_weight`: per-token importance
-    weights (no gradient) of an off-policy step, pi_old / pi_behaviour truncated (trainer/rl.py). Returns
+    weights (no gradient), pi_old / pi_behaviour truncated on tokens another policy version made (trainer/rl.py). Returns
     (loss, LossStats)."""
     cfg = resolve(LossConfig, cfg, kwargs)
     shape = logprobs.shape

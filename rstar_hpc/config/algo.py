@@ -107,13 +107,14 @@ class LossConfig(Section):
     log_ratio_clamp: float = Field(20.0, gt=0)
     """Clamp on log(pi/pi_old) before exp, as verl does, against overflow."""
     tis_cap: float | None = Field(2.0, ge=1)
-    """Truncated importance sampling, on only where the rollout generates with older weights than the trainer's
-    (rollout.scheduler.mode overlap, or max_policy_lag > 0): each trained token's loss is weighted by
-    w = min(pi_old / pi_behaviour, tis_cap), pi_old the trainer's recomputed logprob under its current weights
-    (trainer.recompute_old_logprobs) and pi_behaviour the engine's. The clipped ratio pi / pi_old then bounds the
-    update as on-policy PPO does, and w corrects the sampling distribution (AReaL's decoupled objective; verl's and
-    Yao et al.'s TIS, whose cap of 2 this follows: it bounds the variance a token whose probability rose a lot since
-    it was sampled can add, at the cost of a small bias). null: no weight (the ratio alone, against pi_old)."""
+    """Truncated importance sampling, on every trained token that a policy version other than the trainer's
+    generated (each token records its version; overlap mode, max_policy_lag, partial rollouts, an engine that fell
+    back to older files: whatever the mode): its loss is weighted by w = min(pi_old / pi_behaviour, tis_cap),
+    pi_old the trainer's recomputed logprob under its current weights (trainer.recompute_old_logprobs) and
+    pi_behaviour the engine's. The clipped ratio pi / pi_old then bounds the update as on-policy PPO does, and w
+    corrects the sampling distribution (AReaL's decoupled objective; verl's and Yao et al.'s TIS, whose cap of 2
+    this follows: it bounds the variance a token whose probability rose a lot since it was sampled can add, at the
+    cost of a small bias). null: no weight (the ratio alone, against pi_old)."""
 
 
 class AlgoConfig(Section):

@@ -84,8 +84,9 @@ class SchedulerConfig(Section):
     while the rollout generates and the rollout waits while the trainer trains. `overlap` (one-step off-policy, as
     slime's, AReaL's and verl's async modes): step N generates with the weights trained on step N - 2, so the
     rollout generates step N + 1 while the trainer trains step N and neither side waits for the other when the two
-    take about as long (`rstar-hpc plan` sizes them). The trainer then corrects for the lag with truncated
-    importance sampling on the engines' behaviour logprobs (algo.loss.tis_cap); `train/is_ratio_*` log it."""
+    take about as long (`rstar-hpc plan` sizes them). The trainer corrects for the lag with truncated
+    importance sampling on the engines' behaviour logprobs (algo.loss.tis_cap): on every token another policy
+    version generated, in any mode; `train/is_*` log it."""
     max_policy_lag: int = Field(0, ge=0)
     """Step N generates with the policy the trainer published after its step N - max_policy_lag (0: strictly
     on-policy, the weights trained on step N-1); rank 0 waits for it. `mode: overlap` makes it at least 1."""
@@ -119,7 +120,7 @@ class SchedulerConfig(Section):
     into the next step, persisted in <run>/stages/<stage>/carry/, with the finished siblings of its group. CHANGES
     WHAT IS TRAINED: a carried trajectory resumes on the next policy, so its tokens come from several versions
     (exchange column token_policy_versions) and a group trains a step or more after it started; the trainer masks
-    tokens older than trainer.max_token_staleness and importance-weights the rest. In steady state the carry holds
+    tokens older than trainer.max_token_staleness and importance-weights the other older ones. In steady state the carry holds
     prompts_per_step x (1 - f) / f groups and a step trains prompts_per_step groups; the first steps train fewer (f
     x their pool). Groups still carried when the stage ends are not trained. Needs tool_state stateless."""
     partial_close_fraction: float = Field(0.5, gt=0, le=1)

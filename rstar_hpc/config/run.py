@@ -138,6 +138,20 @@ class RunConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _rl_sampling_is_reproducible(self) -> RunConfig:
+        # vLLM returns the sampled distribution's logprobs (processed_logprobs); the trainer reproduces temperature
+        # (logits / T) but not a nucleus or top-k cut, so the ratio to the engine's logprobs would be biased
+        a, rl = self.rollout.agent, [s.name for s in self.stages if s.kind == "rl"]
+        bad = [f"{k}={v:g}" for k, v, ok in (("top_p", a.top_p, a.top_p == 1.0), ("top_k", a.top_k, a.top_k <= 0),
+                                           ("temperature", a.temperature, a.temperature > 0)) if not ok]
+        if rl and bad:
+            raise ValueError(f"rollout.agent {', '.join(bad)} in rl stages ({', '.join(rl)}): the trainer compares its "
+                             f"logprobs with the engines' sampled-distribution logprobs and can reproduce only a "
+                             f"temperature > 0, not a top-p or top-k cut. Set rollout.agent.top_p 1, top_k -1 and a "
+                             f"temperature > 0 (validation and eval stages sample with their own eval settings)")
+        return self
+
+    @model_validator(mode="after")
     def _sandbox_beats_within_the_hang_timeout(self) -> RunConfig:
         # a sandbox service's announcements are its heartbeat (launch/watch.py): refreshed every stats_interval_s
         hang, every = self.launch.hang_timeout_s, self.sandbox.stats_interval_s

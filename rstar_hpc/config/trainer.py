@@ -100,15 +100,14 @@ class TrainerConfig(Section):
     recompute_num_layers: int = Field(1, ge=1)
     """`full` recompute: layers per recomputed block (uniform method)."""
     recompute_old_logprobs: bool = True
-    """Recompute pi_old with the trainer instead of trusting the engine's logprobs (not on tokens an older policy
-    generated, see max_token_staleness)."""
+    """Recompute pi_old with the trainer (at rollout.agent.temperature, as the engines' logprobs are) instead of
+    trusting the engine's logprobs; the importance weight of another policy's tokens needs it (algo.loss.tis_cap)."""
     max_token_staleness: int = Field(1, ge=0)
     """Partial rollouts (rollout.scheduler.partial_rollouts) carry unfinished trajectories into later steps, so a
     trajectory's tokens may come from several policy versions (exchange column token_policy_versions). A token
-    generated more than this many versions before the step's newest is MASKED out of the loss; one within the
-    bound but older than the newest is importance-weighted: its pi_old stays the engine's logprob under the
-    version that generated it (never recomputed), so the loss's clipped ratio pi_theta / pi_behaviour corrects
-    the drift and Clip-Higher bounds it. Why mask rather than weight everything: the ratio is clipped, so a token
+    generated more than this many versions before the policy the trainer holds is MASKED out of the loss; one of
+    another version within the bound is importance-weighted (algo.loss.tis_cap; with tis_cap null its pi_old stays
+    the engine's logprob, so the loss's clipped ratio pi_theta / pi_behaviour corrects the drift). Why mask rather than weight everything: the ratio is clipped, so a token
     many versions old gets no gradient where it disagrees with the policy and a full one where it happens to agree;
     past a version or two the clipped surrogate no longer bounds the policy step it was built for. Tokens of one
     version (no partial rollouts) are unaffected."""

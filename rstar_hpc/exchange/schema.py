@@ -22,7 +22,7 @@ tokens (all lists over response positions have len(response_ids) entries)
     token_policy_versions list<int32>? the version that generated each response token (v2); null: every token is
                                   `policy_version`'s. Set only on trajectories that partial rollouts paused and
                                   resumed in a later step (rollout.scheduler.partial_rollouts): the trainer masks the
-                                  tokens more than trainer.max_token_staleness versions older than the step's newest
+                                  tokens more than trainer.max_token_staleness versions older than its own policy
     turns           list<struct>  contiguous spans covering response_ids, in order:
         role        str           "assistant" (model) or "tool" (injected tool response + template)
         start, end  int32         [start, end) in response positions

@@ -7,7 +7,8 @@
 - a role whose step ends before the role is done (a crash, a kill -9 of one of its processes) is started again,
   up to `launch.role_restarts` times, while the others keep running: it resumes from the run directory;
 - a trainer or rollout whose heartbeat is older than `launch.hang_timeout_s` (hung: SIGSTOPped, deadlocked, stuck
-  on a file system) has its step killed and is started again the same way, counted against the same bound;
+  on a file system) has its step killed and is started again the same way, counted against the same bound; if its
+  srun hangs too, the step is cancelled through Slurm first (watch.kill_step), so the new srun is not left pending;
 - a role whose step ends because one of its nodes is lost (Slurm holds it DOWN or not responding) is not started
   again on it: the supervisor records a `node_lost` event and stops the job for a requeue (Slurm requeues a job on a
   node it marks DOWN by itself), so the job starts again on the nodes that are left; the requeued job's supervisor
@@ -39,7 +40,7 @@ from rstar_hpc.launch.nodes import lost_nodes, note_requeue_after_node_loss
 from rstar_hpc.launch.record import cancelled
 from rstar_hpc.launch.roles import hostnames, role_done, role_env, roles_needed, run_done
 from rstar_hpc.launch.slurm import job_state
-from rstar_hpc.launch.watch import end_step, kill_step, stale
+from rstar_hpc.launch.watch import end_step, kill_step, named_step, stale
 
 log = logging.getLogger("rstar_hpc.launch")
 STABLE_S = 600.0   # a role that ran this long before failing starts its restart count afresh
@@ -64,7 +65,8 @@ class Supervisor:
     def step_argv(self, role: str) -> list[str]:
         # a job of one component (a run of sft stages only) is no hetjob: srun refuses --het-group there
         group = self.groups[role] if len(self.groups) > 1 else None
-        return placement.step_argv(self.cfg, role, self.paths.dir, het_group=group)
+        # named: a step whose srun hangs is then cancelled through Slurm (watch.kill_step)
+        return named_step(placement.step_argv(self.cfg, role, self.paths.dir, het_group=group), role)
 
     def step_env(self, role: str) -> dict[str, str]:
         nodes = self._nodes(role)

@@ -7,7 +7,8 @@ Both launchers (the sbatch supervisor, a submitit RoleJob) use these, so they ag
   announcements (RUN/rendezvous/sandbox/<name>.json), which each service refreshes every
   `sandbox.stats_interval_s` from its event loop: a service that stops answering (stopped, its loop stuck) stops
   refreshing, and the oldest announcement of this attempt's services is the role's;
-- `kill_step(proc)`: ends a role's step even when its tasks are SIGSTOPped or stuck in the kernel;
+- `kill_step(proc)`: ends a role's step even when its tasks are SIGSTOPped or stuck in the kernel, and when its srun
+  client stopped answering too: the step is then cancelled through Slurm (`named_step` names it for this);
 - `end_step(proc)`: ends a healthy role's step gracefully (the sandbox's, once the run is done), so its tasks clean up.
 """
 from __future__ import annotations
@@ -76,10 +77,13 @@ def kill_step(proc: subprocess.Popen, argv: list[str], grace_s: float = 60.0) ->
     """End a role's step and wait for it. An srun gets two SIGINTs within a second, its documented way to end the
     step: Slurm signals every task of it, on every node, then SIGKILLs them after KillWait (a stopped task dies of
     SIGKILL too). If it has not ended after `grace_s` (or the role runs without srun: submitit's one-task roles,
-    an own mpirun), its process group gets SIGKILL (the launchers start roles in a session of their own)."""
+    an own mpirun), its process group gets SIGKILL (the launchers start roles in a session of their own). An srun
+    that did not answer leaves its step in Slurm, holding the step's resources (a new srun of the role would stay
+    pending): a step `named_step` named is then cancelled through Slurm, and waited for."""
     if proc.poll() is not None:
         return
-    if argv and Path(argv[0]).name == "srun":
+    srun = bool(argv) and Path(argv[0]).name == "srun"
+    if srun:
         try:
             proc.send_signal(signal.SIGINT)
             time.sleep(0.3)
@@ -95,3 +99,60 @@ def kill_step(proc: subprocess.Popen, argv: list[str], grace_s: float = 60.0) ->
     except (ProcessLookupError, PermissionError):
         proc.kill()
     proc.wait()
+    name = next((a.split("=", 1)[1] for a in argv if a.startswith("--job-name=")), None) if srun else None
+    if name:
+        cancel_step(name, grace_s)
+
+
+STEP_PREFIX = "rstar-"
+
+
+def named_step(argv: list[str], role: str) -> list[str]:
+    """An srun line whose step is named after the role (rstar-<role>), so that it can be found among the job's steps
+    in Slurm (`squeue -s`); another command line as it is."""
+    if not argv or Path(argv[0]).name != "srun":
+        return argv
+    return [argv[0], f"--job-name={STEP_PREFIX}{role}", *argv[1:]]
+
+
+def _job_ids() -> list[str]:
+    """This job's ids: the job's and each het component's (a component has a job id of its own)."""
+    ids = {v for k, v in os.environ.items() if k == "SLURM_JOB_ID" or
+           (k.startswith(("SLURM_JOB_ID_HET_GROUP_", "SLURM_JOB_ID_PACK_GROUP_")) and v)}
+    return sorted(ids)
+
+
+def _steps_named(jobs: list[str], name: str) -> list[str]:
+    """Ids (JOB.STEP) of the steps of `jobs` named `name` that Slurm still holds."""
+    out = subprocess.run(["squeue", "-h", "-s", "-j", ",".join(jobs), "-o", "%i %j"], capture_output=True,
+                         text=True, timeout=30)
+    if out.returncode != 0:
+        raise OSError(f"squeue -s failed: {out.stderr.strip()}")
+    return [f[0] for f in (line.split() for line in out.stdout.splitlines()) if len(f) == 2 and f[1] == name]
+
+
+def cancel_step(name: str, wait_s: float = 60.0) -> None:
+    """Cancel this job's step named `name` through Slurm (`scancel JOB.STEP`: its tasks get SIGKILL after
+    KillWait, stopped or not) and wait up to `wait_s` until Slurm lets it go, logging what happened."""
+    jobs = _job_ids()
+    if not jobs:
+        return
+    t0 = time.monotonic()
+    try:
+        steps = _steps_named(jobs, name)
+        if not steps:
+            return
+        log.warning("step %s (%s) is still in Slurm after its srun was killed: cancelling it (scancel)",
+                    ",".join(steps), name)
+        subprocess.run(["scancel", *steps], capture_output=True, timeout=30)
+        while _steps_named(jobs, name):
+            if time.monotonic() - t0 > wait_s:
+                log.error("step %s (%s) still in Slurm %.0f s after scancel; starting the role anyway (its new srun "
+                          "may wait for the step's resources)", ",".join(steps), name, wait_s)
+                return
+            time.sleep(0.5)
+    except (OSError, subprocess.SubprocessError) as e:
+        log.error("could not cancel step %s through Slurm (%s); its new srun may wait for the step's resources",
+                  name, e)
+        return
+    log.warning("step %s (%s) is gone from Slurm after %.1f s", ",".join(steps), name, time.monotonic() - t0)

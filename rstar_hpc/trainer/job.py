@@ -119,12 +119,14 @@ class StageTrainer:
             with timer("train"):
                 metrics = data.train(state.model, state.optimizer, state.scheduler, batch)
             state.step += 1
-            state.data_state = data.state_dict()
             stop = self.signal_save.should_save()
             if makes_version(tcfg, stage, state.step):   # in memory and/or as files (trainer/weight_sender.py)
                 with timer("publish"):
                     metrics["policy_version"] = publish_step(state.model, self.paths, self.server, tcfg, stage,
                                                              state.step, source_dir=self.model_dir)
+                if stage.kind == "rl":   # the version of its weights decides which tokens need a correction
+                    data.now_holds(metrics["policy_version"])
+            state.data_state = data.state_dict()
             self.finalize_saves(timer, metrics)  # an async save whose write has finished: commit, ack
             if stop or state.step == stage.num_steps or state.step % tcfg.checkpoint.save_every_steps == 0:
                 with timer("checkpoint"):  # what the loop blocks; async: planning, the host copy, the fork

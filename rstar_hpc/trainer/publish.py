@@ -82,3 +82,14 @@ def publish_policy(model: torch.nn.Module, paths: RunPaths, *, source_dir: str |
     raise_on_every_rank(failed, f"the commit of policy version {version}")
     _barrier()
     return version, final
+
+
+def published_version(paths: RunPaths, need) -> int | None:
+    """The policy version made of exactly the weights `need` (pipeline.PolicyNeed) names (0: the base model), the newest if a retrained
+    step made two; None if none is on disk (the trainer then treats every token as another policy's)."""
+    if need.stage is None:
+        return 0
+    dirs = paths.policies()
+    return next((v for v in sorted(dirs.complete_steps(), reverse=True)
+                 if dirs.marker(v).get("stage") == need.stage
+                 and int(dirs.marker(v).get("trainer_step", -1)) == need.trainer_step), None)

@@ -10,8 +10,9 @@ Per step: read every committed shard of the step (all ranks read it, the files a
 Resample-on-Correct (algo.roc.select_step: the one place it runs, seeded by the run and the step), give each
 kept trajectory its group-normalised advantage over the kept rollouts of its prompt, spread the kept ones over
 data-parallel ranks (token-balanced, deterministic), pack them into micro-batches of `trainer.micro_batch_tokens`,
-optionally recompute pi_old with the trainer (logging its gap to the engine's logprobs), then the GRPO-RoC loss,
-normalised by the step's trained tokens over all micro-batches and ranks (`step.train_step`).
+optionally recompute pi_old with the trainer (logging its gap to the engine's logprobs; importance weights on the
+tokens a policy version other than the trainer's generated), then the GRPO-RoC loss, normalised by the step's
+trained tokens over all micro-batches and ranks (`step.train_step`).
 
 Exactly once, the rule: **the trainer checkpoint is the record of what was trained; the consumer cursor only
 follows it.** Steps are read ahead of the cursor and acked after the checkpoint that contains their update has
@@ -40,6 +41,7 @@ import pyarrow as pa
 import torch
 from megatron.core import parallel_state
 
+from rstar_hpc import pipeline
 from rstar_hpc.algo.advantage import group_advantages
 from rstar_hpc.algo.loss import LossStats, policy_loss
 from rstar_hpc.algo.metrics import loss_metrics, response_length_metrics, roc_metrics
@@ -54,6 +56,7 @@ from rstar_hpc.exchange.reader import Consumer
 from rstar_hpc.exchange.rundir import RunPaths
 from rstar_hpc.exchange.state import silence_s, write_heartbeat
 from rstar_hpc.trainer.parallel import collective_device, from_last_stage
+from rstar_hpc.trainer.publish import published_version
 from rstar_hpc.trainer.step import MicroBatch, forward_logprobs, pack, train_step
 
 log = logging.getLogger(__name__)
@@ -68,7 +71,7 @@ class RLBatch:
     samples: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (prompt+response ids, mask)
     advantages: list[torch.Tensor] = field(default_factory=list)                    # per token, A_i everywhere
     old_logprobs: list[torch.Tensor] = field(default_factory=list)                  # engine's, 0 on the prompt
-    stale: list[torch.Tensor] = field(default_factory=list)      # per token: an older policy made it (keep pi_old)
+    stale: list[torch.Tensor] = field(default_factory=list)      # per token: not the trainer's policy made it
     num_kept: int = 0                                                               # over all ranks
     metrics: dict[str, float] = field(default_factory=dict)
 
@@ -94,7 +97,7 @@ def _dp_share(lengths: np.ndarray, dp: int, dp_rank: int) -> list[int]:
 
 
 def staleness_mask(mask: np.ndarray, behind: np.ndarray, bound: int) -> tuple[np.ndarray, int]:
-    """The loss mask without the model tokens generated more than `bound` policy versions before the step's newest
+    """The loss mask without the model tokens generated more than `bound` policy versions before the trainer's
     (trainer.max_token_staleness: masked, not weighted), and how many it removed."""
     drop = (behind > bound) & (mask != 0)
     if not drop.any():
@@ -102,8 +105,12 @@ def staleness_mask(mask: np.ndarray, behind: np.ndarray, bound: int) -> tuple[np
     return np.where(drop, 0, mask).astype(mask.dtype), int(drop.sum())
 
 
-def build_batch(table: pa.Table, step: int, algo: AlgoConfig, trainer: TrainerConfig, *, run_seed: int) -> RLBatch:
-    """RoC, advantages and this rank's samples of one step's rows (see the module docstring)."""
+def build_batch(table: pa.Table, step: int, algo: AlgoConfig, trainer: TrainerConfig, *, run_seed: int,
+                held_version: int | None = 0) -> RLBatch:
+    """RoC, advantages and this rank's samples of one step's rows (see the module docstring). `held_version`: the
+    policy version of the trainer's weights (0: the base model; None: weights no version was made of). A token
+    another version generated is stale: importance-weighted, or masked if more than trainer.max_token_staleness
+    versions older."""
     n = table.num_rows
     if n == 0:
         raise ValueError(f"step {step}: the committed shards hold no trajectories; the producer committed an "
@@ -116,8 +123,11 @@ def build_batch(table: pa.Table, step: int, algo: AlgoConfig, trainer: TrainerCo
     resp, r_off = cols.response_ids
     mask, _ = cols.loss_mask
     engine_lp, _ = cols.logprobs
-    behind = cols.policy_version.max() - cols.token_versions().values   # per response token, versions behind
+    made_by = cols.token_versions().values
+    behind = (cols.policy_version.max() if held_version is None else held_version) - made_by
     mask, stale_masked = staleness_mask(mask, behind, trainer.max_token_staleness)
+    # by fact: a token the trainer's own policy made needs no correction, whatever the mode
+    stale = np.ones(len(made_by), bool) if held_version is None else made_by != held_version
     resp_len = np.diff(r_off)
     finish = cols.finish_reason
     versions = cols.policy_version
@@ -125,7 +135,7 @@ def build_batch(table: pa.Table, step: int, algo: AlgoConfig, trainer: TrainerCo
                # the weights that generated this step; vs the trainer's newest version, its off-policy lag
                "rollout/policy_version_min": float(versions.min()),
                "rollout/policy_version_max": float(versions.max()),
-               "rollout/stale_token_fraction": float((behind[mask.astype(bool)] > 0).mean()) if mask.any() else 0.0,
+               "rollout/stale_token_fraction": float(stale[mask.astype(bool)].mean()) if mask.any() else 0.0,
                "rollout/stale_tokens_masked": float(stale_masked),
                **roc_metrics(selection, rewards, cols.p_err, cols.p_format),
                **response_length_metrics(resp_len, finish == "length")}
@@ -157,7 +167,7 @@ def build_batch(table: pa.Table, step: int, algo: AlgoConfig, trainer: TrainerCo
         zeros = torch.zeros(p.numel())
         batch.samples.append((torch.cat([p, r]), torch.cat([torch.zeros(p.numel(), dtype=torch.bool), m])))
         batch.old_logprobs.append(torch.cat([zeros, lp]))
-        old = (behind[r_off[i]:r_off[i + 1]] > 0).astype(np.float32)
+        old = stale[r_off[i]:r_off[i + 1]].astype(np.float32)
         batch.stale.append(torch.cat([zeros, torch.from_numpy(old)]))
         batch.advantages.append(torch.full((p.numel() + r.numel(),), float(adv[j])))
     batch.metrics["train/advantage_abs_mean"] = float(np.abs(adv).mean())
@@ -177,49 +187,57 @@ def _any_rank(*flags: bool) -> list[bool]:
 
 
 @torch.no_grad()
-def recompute_old_logprobs(model, micro_batches: list[MicroBatch], tis_cap: float | None = None
-                           ) -> dict[str, float]:
-    """Replace each micro-batch's old_logprobs (the engine's) with the trainer's, before the update, on the last
-    pipeline stage (where the loss runs); returns the gap between the two over trained tokens (engine minus
-    trainer: numerics, stale weights, sampling), the same on every rank.
+def recompute_old_logprobs(model, micro_batches: list[MicroBatch], tis_cap: float | None = None,
+                           temperature: float = 1.0) -> dict[str, float]:
+    """Replace each micro-batch's old_logprobs (the engine's) with the trainer's at the rollout's sampling
+    `temperature`, before the update, on the last pipeline stage (where the loss runs); returns the gap between
+    the two over trained tokens (engine minus trainer: numerics, stale weights), the same on every rank.
 
-    `tis_cap` (an off-policy step, algo.loss.tis_cap): also give each micro-batch the truncated importance weights
-    min(pi_old / pi_behaviour, tis_cap) in extras["is_weight"] (1 on tokens that keep the engine's logprob), and
-    return the ratio's statistics before truncation."""
+    Tokens another policy version generated (extras["stale"]) need a correction. With `tis_cap`
+    (algo.loss.tis_cap) they get the truncated importance weight min(pi_old / pi_behaviour, tis_cap) in
+    extras["is_weight"] (the trainer's own tokens get 1), and the ratio's statistics before truncation are
+    returned; without it they keep the engine's logprob as pi_old, so the clipped ratio is taken against it."""
     abs_sum, signed_sum, max_abs, count = 0.0, 0.0, 0.0, 0.0
-    r_sum, r_max, r_min, truncated = 0.0, 0.0, float("inf"), 0.0
-    for mb, mine in zip(micro_batches, forward_logprobs(model, micro_batches) or []):
+    r_sum, r_max, r_min, truncated, weighted = 0.0, 0.0, float("inf"), 0.0, 0.0
+    for mb, mine in zip(micro_batches, forward_logprobs(model, micro_batches, temperature) or []):
         mine = mine.float().cpu()
         d = (mb.old_logprobs - mine)[mb.loss_mask]
         abs_sum, signed_sum, count = abs_sum + float(d.abs().sum()), signed_sum + float(d.sum()), count + d.numel()
         max_abs = max(max_abs, float(d.abs().max()) if d.numel() else 0.0)
-        stale = mb.extras.get("stale")   # an older policy's tokens keep its logprobs: the ratio corrects for it
+        stale = mb.extras.get("stale", torch.zeros(mb.num_tokens)).bool()
         behaviour = mb.old_logprobs
-        mb.old_logprobs = mine if stale is None else torch.where(stale.bool(), mb.old_logprobs, mine)
-        if tis_cap is not None:
-            ratio = torch.where(mb.loss_mask, mb.old_logprobs - behaviour, torch.zeros(())).clamp(max=20.0).exp()
-            mb.extras["is_weight"] = ratio.clamp(max=tis_cap)
-            r = ratio[mb.loss_mask]
-            if r.numel():
-                r_sum, truncated = r_sum + float(r.sum()), truncated + float((r > tis_cap).sum())
-                r_max, r_min = max(r_max, float(r.max())), min(r_min, float(r.min()))
+        if tis_cap is None:
+            mb.old_logprobs = torch.where(stale, behaviour, mine)
+            continue
+        mb.old_logprobs = mine
+        corrected = mb.loss_mask & stale
+        ratio = torch.where(corrected, mine - behaviour, torch.zeros(())).clamp(max=20.0).exp()
+        mb.extras["is_weight"] = ratio.clamp(max=tis_cap)
+        r = ratio[corrected]
+        if r.numel():
+            r_sum, truncated, weighted = r_sum + float(r.sum()), truncated + float((r > tis_cap).sum()), \
+                weighted + r.numel()
+            r_max, r_min = max(r_max, float(r.max())), min(r_min, float(r.min()))
     sums = from_last_stage({"abs": abs_sum, "signed": signed_sum, "count": count, "ratio": r_sum,
-                            "truncated": truncated})
+                            "truncated": truncated, "weighted": weighted})
     c = max(sums["count"], 1.0)
     out = {"train/old_logprob_gap_abs_mean": sums["abs"] / c, "train/old_logprob_gap_mean": sums["signed"] / c,
            "train/old_logprob_gap_abs_max": from_last_stage({"max": max_abs}, op="max")["max"]}
-    if tis_cap is not None:
-        out.update({"train/is_ratio_mean": sums["ratio"] / c, "train/is_truncated_fraction": sums["truncated"] / c,
+    if sums["weighted"]:   # over the weighted tokens; a step of the trainer's own tokens logs none
+        w = sums["weighted"]
+        out.update({"train/is_weighted_fraction": w / c, "train/is_ratio_mean": sums["ratio"] / w,
+                    "train/is_truncated_fraction": sums["truncated"] / w,
                     "train/is_ratio_max": from_last_stage({"max": r_max}, op="max")["max"],
-                    "train/is_ratio_min": -from_last_stage({"max": -r_min if count else -1.0}, op="max")["max"]})
+                    "train/is_ratio_min": -from_last_stage({"max": -r_min}, op="max")["max"]})
     return out
 
 
 def rl_step(model, optimizer, scheduler, batch: RLBatch, loss_cfg: LossConfig, trainer: TrainerConfig, *,
-            off_policy: bool = False) -> dict[str, float]:
+            temperature: float = 1.0) -> dict[str, float]:
     """One GRPO-RoC update of the `parallel.Policy` `model` on `batch` (collective over all trainer ranks);
-    returns the step's metrics. `off_policy`: the rollout generates with older weights than the trainer's
-    (rollout.scheduler.policy_lag > 0): the loss is importance-weighted (algo.loss.tis_cap)."""
+    returns the step's metrics. Tokens another policy version generated (batch.stale) are importance-weighted
+    (algo.loss.tis_cap). `temperature`: the rollout's sampling temperature, at which the trainer takes its
+    logprobs so that they compare with the engines' (which vLLM returns after temperature)."""
     metrics = dict(batch.metrics)
     if batch.empty:
         log.warning("step %d: RoC kept no trajectory (every group had equal rewards); no update this step",
@@ -229,8 +247,7 @@ def rl_step(model, optimizer, scheduler, batch: RLBatch, loss_cfg: LossConfig, t
                          old_logprobs=batch.old_logprobs, stale=batch.stale)
     if trainer.recompute_old_logprobs:
         t0 = time.perf_counter()
-        tis_cap = loss_cfg.tis_cap if off_policy else None
-        metrics.update(recompute_old_logprobs(model, micro_batches, tis_cap))
+        metrics.update(recompute_old_logprobs(model, micro_batches, loss_cfg.tis_cap, temperature))
         metrics["time/recompute_old_logprobs(s)"] = time.perf_counter() - t0
     stats: list[LossStats] = []
 
@@ -241,7 +258,7 @@ def rl_step(model, optimizer, scheduler, batch: RLBatch, loss_cfg: LossConfig, t
         stats.append(s)
         return loss, {}
 
-    out = train_step(model, optimizer, scheduler, micro_batches, loss_fn)
+    out = train_step(model, optimizer, scheduler, micro_batches, loss_fn, temperature)
     # the loss ran on the last pipeline stage: its sums, over data-parallel ranks, on every rank
     summed = from_last_stage({k: sum(s[k] for s in stats) for k in LossStats.__annotations__})
     metrics.update(loss_metrics(LossStats(**summed), num_tokens=out["num_tokens"]))
@@ -260,8 +277,9 @@ class TrajectorySource:
     """
 
     def __init__(self, paths: RunPaths, stage: str, algo: AlgoConfig, trainer: TrainerConfig, *, run_seed: int,
-                 name: str = CONSUMER, regenerate_corrupt: bool = True):
+                 name: str = CONSUMER, regenerate_corrupt: bool = True, held_version: int | None = 0):
         self.algo, self.trainer, self.run_seed, self.stage = algo, trainer, run_seed, stage
+        self.held_version = held_version   # the policy version of the trainer's weights (build_batch)
         self.consumer = Consumer(paths, stage, name, trainer.producers)
         self.next_step = self.consumer.next_step
         self.regenerate_corrupt = regenerate_corrupt
@@ -287,7 +305,8 @@ class TrajectorySource:
             if not any_corrupt:
                 break
             self._take_back(step, records, corrupt)
-        batch = build_batch(table, step, self.algo, self.trainer, run_seed=self.run_seed)
+        batch = build_batch(table, step, self.algo, self.trainer, run_seed=self.run_seed,
+                            held_version=self.held_version)
         self.next_step += 1
         return batch
 
@@ -371,19 +390,26 @@ class TrajectorySource:
 
 
 class RLStageData:
-    """An RL stage for the trainer role (`rstar_hpc.trainer.job`): trajectory steps in, GRPO-RoC updates."""
+    """An RL stage for the trainer role (`rstar_hpc.trainer.job`): trajectory steps in, GRPO-RoC updates. Its state
+    holds the data cursor and the policy version of the trainer's weights, which decides per token whether the
+    trainer's own policy generated it (build_batch)."""
 
     def __init__(self, cfg: RunConfig, stage, paths: RunPaths):
-        self.loss_cfg, self.trainer = cfg.algo.loss, cfg.trainer
-        self.off_policy = cfg.rollout.scheduler.policy_lag > 0
-        if self.off_policy and not cfg.trainer.recompute_old_logprobs and cfg.algo.loss.tis_cap is not None:
-            log.warning("rollout.scheduler policy lag %d with trainer.recompute_old_logprobs false: the loss's ratio "
-                        "is taken against the engine's logprobs and no importance weight applies (algo.loss.tis_cap "
-                        "needs the recomputed pi_old)", cfg.rollout.scheduler.policy_lag)
+        self.loss_cfg, self.trainer, self.paths = cfg.algo.loss, cfg.trainer, paths
+        self.temperature = cfg.rollout.agent.temperature   # the engines' logprobs are taken after it
+        sc = cfg.rollout.scheduler
+        if (sc.policy_lag or sc.partial_rollouts) and not cfg.trainer.recompute_old_logprobs and \
+                cfg.algo.loss.tis_cap is not None:
+            log.warning("rollout.scheduler (policy lag %d, partial_rollouts %s) trains tokens of older policies, and "
+                        "with trainer.recompute_old_logprobs false no importance weight applies (algo.loss.tis_cap "
+                        "needs the recomputed pi_old): their ratio is taken against the engine's logprobs",
+                        sc.policy_lag, sc.partial_rollouts)
         # partial rollouts carry groups from a step into the next: such a step cannot be regenerated alone
         self.source = TrajectorySource(paths, stage.name, cfg.algo, cfg.trainer, run_seed=cfg.run.seed,
-                                       regenerate_corrupt=not cfg.rollout.scheduler.partial_rollouts)
-        self.initial_state = {"next_traj_step": 0}  # a fresh stage: no trajectory step trained yet
+                                       regenerate_corrupt=not sc.partial_rollouts)
+        self.start = pipeline.starting_policy(cfg, stage.name)
+        # a fresh stage: no trajectory step trained yet, the weights are the stage's starting policy's
+        self.initial_state = {"next_traj_step": 0, "policy_version": published_version(paths, self.start)}
 
     def next(self, stop_requested: Callable[[], bool] = lambda: False) -> RLBatch | None:
         return self.source.next(stop_requested)
@@ -394,13 +420,27 @@ class RLStageData:
             write_heartbeat(self.source.consumer.reader.paths, "trainer", f"stage {self.source.stage}: training on "
                             f"the trajectories of step {batch.step}", stage=self.source.stage, step=batch.step,
                             phase="train")
-        return rl_step(model, optimizer, scheduler, batch, self.loss_cfg, self.trainer, off_policy=self.off_policy)
+        metrics = rl_step(model, optimizer, scheduler, batch, self.loss_cfg, self.trainer,
+                          temperature=self.temperature)
+        self.source.held_version = None   # new weights: no version until one is made of them (now_holds)
+        return metrics
+
+    def now_holds(self, version: int | None) -> None:
+        """The trainer's weights were published (or offered in memory) as `version`."""
+        self.source.held_version = version
 
     def state_dict(self) -> dict:
-        return self.source.state_dict()
+        return {**self.source.state_dict(), "policy_version": self.source.held_version}
 
     def load_state_dict(self, state: dict) -> None:
         self.source.load_state_dict(state)
+        if "policy_version" in state:
+            self.source.held_version = state["policy_version"]
+        else:   # a checkpoint written before the version was kept in it: the published one of its weights
+            n = int(state["next_traj_step"])
+            self.source.held_version = published_version(
+                self.paths, pipeline.PolicyNeed(self.source.stage, n) if n else self.start)
 
     def commit(self, checkpoint: str, state: dict | None = None) -> None:
         self.source.commit(checkpoint, state)
+

@@ -83,9 +83,10 @@ def sequence_logprobs(model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
 # the schedule
 
 
-def _loss(mb: MicroBatch, loss_fn: LossFn | None, vocab_size: int, output: torch.Tensor, non_loss_data=False):
+def _loss(mb: MicroBatch, loss_fn: LossFn | None, vocab_size: int, temperature: float, output: torch.Tensor,
+          non_loss_data=False):
     with host_device.paused():
-        lp = aligned_logprobs(output, mb, vocab_size)
+        lp = aligned_logprobs(output if temperature == 1.0 else output / temperature, mb, vocab_size)
         if non_loss_data or loss_fn is None:
             return lp.detach()
         loss, metrics = loss_fn(lp, mb)
@@ -104,9 +105,10 @@ PROGRESS = Progress()
 SLOW_ENV = "RSTAR_HPC_TEST_SLOW_MICRO_BATCH_S"   # test hook: seconds each micro-batch takes at least (a long step)
 
 
-def _schedule(policy: Policy, micro_batches: list[MicroBatch], loss_fn: LossFn | None, forward_only: bool) -> list:
+def _schedule(policy: Policy, micro_batches: list[MicroBatch], loss_fn: LossFn | None, forward_only: bool,
+              temperature: float = 1.0) -> list:
     """Run megatron's schedule over the micro-batches (moved to the model's device); what the last stage's loss
-    function returned, per micro-batch (empty elsewhere)."""
+    function returned, per micro-batch (empty elsewhere). Log-probabilities are taken at `temperature`."""
     device = next(policy.parameters()).device
     mbs = [mb.to(device) for mb in micro_batches]
     if policy.config.virtual_pipeline_model_parallel_size is not None:  # interleaved: fixed shape (model.py),
@@ -124,7 +126,7 @@ def _schedule(policy: Policy, micro_batches: list[MicroBatch], loss_fn: LossFn |
         if slow:
             time.sleep(slow)
         PROGRESS.micro_batches += 1
-        return output, partial(_loss, mb, loss_fn, vocab)
+        return output, partial(_loss, mb, loss_fn, vocab, temperature)
 
     chunks = list(policy.chunks)
     return get_forward_backward_func()(
@@ -134,13 +136,14 @@ def _schedule(policy: Policy, micro_batches: list[MicroBatch], loss_fn: LossFn |
         collect_non_loss_data=forward_only)
 
 
-def forward_backward(policy: Policy, micro_batches: list[MicroBatch], loss_fn: LossFn = sft_loss) -> dict[str, float]:
+def forward_backward(policy: Policy, micro_batches: list[MicroBatch], loss_fn: LossFn = sft_loss,
+                     temperature: float = 1.0) -> dict[str, float]:
     """Accumulate gradients of the step's token-mean loss (data-parallel reduction included); no optimizer.
     Gradients are in each parameter's `main_grad` (megatron's grad buffer)."""
     denom = dp_sum([float(sum(mb.num_trained for mb in micro_batches))])[0]
     with host_device.on_host():
         policy.zero_grad_buffers()
-        out = _schedule(policy, micro_batches, loss_fn, forward_only=False)
+        out = _schedule(policy, micro_batches, loss_fn, forward_only=False, temperature=temperature)
     sums: dict[str, float] = {}
     for reduced in out:
         for k, v in reduced.items():
@@ -151,11 +154,13 @@ def forward_backward(policy: Policy, micro_batches: list[MicroBatch], loss_fn: L
 
 
 @torch.no_grad()
-def forward_logprobs(policy: Policy, micro_batches: list[MicroBatch]) -> list[torch.Tensor] | None:
-    """Token-aligned log-probabilities of each micro-batch on the last pipeline stage (None elsewhere)."""
+def forward_logprobs(policy: Policy, micro_batches: list[MicroBatch], temperature: float = 1.0
+                     ) -> list[torch.Tensor] | None:
+    """Token-aligned log-probabilities of each micro-batch on the last pipeline stage (None elsewhere), of the
+    distribution at `temperature` (logits / temperature)."""
     policy.eval()
     with host_device.on_host():
-        out = _schedule(policy, micro_batches, None, forward_only=True)
+        out = _schedule(policy, micro_batches, None, forward_only=True, temperature=temperature)
     policy.train()
     if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         return None
@@ -233,16 +238,16 @@ def build_scheduler(optimizer, warmup_steps: int, total_steps: int, schedule: st
 
 
 def train_step(policy: Policy, optimizer, scheduler: LRSchedule | None, micro_batches: list[MicroBatch],
-               loss_fn: LossFn = sft_loss) -> dict[str, float]:
+               loss_fn: LossFn = sft_loss, temperature: float = 1.0) -> dict[str, float]:
     """Forward/backward every micro-batch, clip, step the optimizer and schedule. Returns the step's metrics,
     the same on every rank.
 
     `loss` is the token-mean of `loss_fn` over the step (all micro-batches, all data-parallel ranks), as is
-    every metric the loss function returns.
-    """
+    every metric the loss function returns; `loss_fn` sees log-probabilities at `temperature` (an RL step: the
+    rollout's sampling temperature, so they compare with the engines')."""
     t0 = time.perf_counter()
     policy.train()
-    metrics = forward_backward(policy, micro_batches, loss_fn)
+    metrics = forward_backward(policy, micro_batches, loss_fn, temperature)
     t1 = time.perf_counter()
     lr = optimizer.param_groups[0]["lr"]
     grad_norm, applied = optimizer_step(optimizer)

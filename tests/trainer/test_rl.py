@@ -80,27 +80,35 @@ def test_rl_step_moves_positive_tokens_up_and_negative_down(dist1, tiny_hf_dir, 
         assert (b1 - b0) * a > 0, (a, b0, b1)  # every positive sample up, every negative one down
 
 
-def test_an_off_policy_step_weights_tokens_by_truncated_importance_ratios(dist1, tiny_hf_dir, tmp_path):
-    """Overlap mode: the engines' behaviour logprobs vs the trainer's recomputed pi_old give each token a weight
-    min(pi_old / pi_behaviour, tis_cap), logged; on-policy steps neither weight nor log it."""
-    cfg = _cfg(tmp_path, tiny_hf_dir, "rollout.scheduler.mode=overlap")
-    assert cfg.rollout.scheduler.policy_lag == 1 and cfg.algo.loss.tis_cap == 2.0
-    paths = RunPaths(cfg.run.dir)
-    model = _model(tiny_hf_dir)
-    trajs = _step_trajs(0)
-    for i, t in enumerate(trajs):   # behaviour: the trainer's logprob minus 1 (ratio e > cap) or plus 0.1 (e^-0.1)
+def _behaviour(model, trajs, shift) -> None:
+    """Engine logprobs of `trajs`: the trainer's own at T = 1 plus `shift(trajectory index, token version)`."""
+    for i, t in enumerate(trajs):
         ids = torch.tensor(list(t.prompt_ids) + list(t.response_ids))
         with torch.no_grad():
             lp = sequence_logprobs(model, MicroBatch(ids, [ids.numel()], torch.zeros(ids.numel(), dtype=torch.bool)))
-        shift = -1.0 if i % 2 else 0.1
-        t.logprobs = [(float(x) + shift) if m else 0.0 for x, m in zip(lp[len(t.prompt_ids):], t.loss_mask)]
+        versions = t.token_policy_versions or [t.policy_version] * len(t.response_ids)
+        t.logprobs = [(float(x) + shift(i, v)) if m else 0.0
+                      for x, m, v in zip(lp[len(t.prompt_ids):], t.loss_mask, versions)]
+
+
+def test_tokens_of_an_older_policy_are_weighted_by_truncated_importance_ratios(dist1, tiny_hf_dir, tmp_path):
+    """Tokens another policy version made (the trainer holds v1, they are v0's): the engines' behaviour logprobs
+    vs the trainer's recomputed pi_old give each a weight min(pi_old / pi_behaviour, tis_cap), logged, in any
+    mode; a step of the trainer's own tokens neither weights nor logs it."""
+    cfg = _cfg(tmp_path, tiny_hf_dir)
+    assert cfg.rollout.scheduler.policy_lag == 0 and cfg.algo.loss.tis_cap == 2.0
+    paths = RunPaths(cfg.run.dir)
+    model = _model(tiny_hf_dir)
+    trajs = _step_trajs(0)
+    _behaviour(model, trajs, lambda i, v: -1.0 if i % 2 else 0.1)   # ratio e > cap, or e^-0.1
     _write(paths, 0, trajs)
-    source = TrajectorySource(paths, STAGE, cfg.algo, cfg.trainer, run_seed=cfg.run.seed)
-    batch = source.next()
+    own = TrajectorySource(paths, STAGE, cfg.algo, cfg.trainer, run_seed=cfg.run.seed).next()
     other = _model(tiny_hf_dir)
-    on = rl_step(other, make_optimizer(other, lr=1e-3), None, batch, cfg.algo.loss, cfg.trainer)
-    assert not any(k.startswith("train/is_") for k in on)
-    m = rl_step(model, make_optimizer(model, lr=1e-3), None, batch, cfg.algo.loss, cfg.trainer, off_policy=True)
+    on = rl_step(other, make_optimizer(other, lr=1e-3), None, own, cfg.algo.loss, cfg.trainer)
+    assert not any(k.startswith("train/is_") for k in on) and on["rollout/stale_token_fraction"] == 0.0
+    batch = TrajectorySource(paths, STAGE, cfg.algo, cfg.trainer, run_seed=cfg.run.seed, held_version=1).next()
+    m = rl_step(model, make_optimizer(model, lr=1e-3), None, batch, cfg.algo.loss, cfg.trainer)
+    assert m["rollout/stale_token_fraction"] == 1.0 and m["train/is_weighted_fraction"] == 1.0
     assert m["train/is_ratio_max"] == pytest.approx(2.718, abs=1e-2)
     assert m["train/is_ratio_min"] == pytest.approx(0.905, abs=1e-2)
     assert 0.0 < m["train/is_truncated_fraction"] < 1.0
@@ -108,6 +116,93 @@ def test_an_off_policy_step_weights_tokens_by_truncated_importance_ratios(dist1,
     assert m["train/is_truncated_fraction"] == pytest.approx((0.1 - gap) / 1.1, abs=1e-3)
     assert m["train/is_ratio_mean"] == pytest.approx(m["train/is_truncated_fraction"] * 2.718
                                                      + (1 - m["train/is_truncated_fraction"]) * 0.905, abs=1e-2)
+
+
+def test_an_on_policy_step_mixing_versions_corrects_exactly_the_older_ones(dist1, tiny_hf_dir, tmp_path):
+    """On-policy mode, the trainer holding v2: a step whose trajectories come from v2 and v1 (an engine that fell
+    back to older files), one of them resumed from v1 to v2 mid-response. Exactly the v1 tokens get an importance
+    weight; v2's get none though their engine logprobs differ from the trainer's too."""
+    from rstar_hpc.trainer.rl import recompute_old_logprobs
+    from rstar_hpc.trainer.step import pack
+
+    cfg = _cfg(tmp_path, tiny_hf_dir)
+    assert cfg.rollout.scheduler.mode == "on_policy" and cfg.rollout.scheduler.max_policy_lag == 0
+    paths = RunPaths(cfg.run.dir)
+    model = _model(tiny_hf_dir)
+    trajs = _step_trajs(0)
+    for i, t in enumerate(trajs):
+        t.policy_version = 1 if i % 4 == 0 else 2
+    trajs[1].token_policy_versions = [1] * 7 + [2] * (len(trajs[1].response_ids) - 7)   # resumed on v2
+    old, new = -1.0, -0.5   # engine minus trainer: a weight would be min(e, 2) = 2 on v1, e^0.5 = 1.65 on v2
+    _behaviour(model, trajs, lambda i, v: old if v == 1 else new)
+    _write(paths, 0, trajs)
+    batch = TrajectorySource(paths, STAGE, cfg.algo, cfg.trainer, run_seed=cfg.run.seed, held_version=2).next()
+    mbs = pack(batch.samples, cfg.trainer.micro_batch_tokens, advantages=batch.advantages,
+               old_logprobs=batch.old_logprobs, stale=batch.stale)
+    behaviour = [mb.old_logprobs.clone() for mb in mbs]
+    m = recompute_old_logprobs(model, mbs, cfg.algo.loss.tis_cap)
+    n_old = n_new = 0
+    for mb, b in zip(mbs, behaviour):
+        gap, w = (b - mb.old_logprobs)[mb.loss_mask], mb.extras["is_weight"][mb.loss_mask]
+        made_by_v1 = (gap - old).abs() < 1e-3
+        assert made_by_v1.sum() + ((gap - new).abs() < 1e-3).sum() == gap.numel()   # every token is one or other
+        assert torch.equal(w[made_by_v1], torch.full_like(w[made_by_v1], 2.0))      # truncated at tis_cap
+        assert torch.equal(w[~made_by_v1], torch.ones_like(w[~made_by_v1]))         # no weight
+        n_old, n_new = n_old + int(made_by_v1.sum()), n_new + int((~made_by_v1).sum())
+    assert n_old and n_new
+    assert m["train/is_weighted_fraction"] == pytest.approx(n_old / (n_old + n_new))
+    assert m["train/is_ratio_min"] == pytest.approx(2.718, abs=1e-2)   # no v2 token's ratio among them
+    # over the whole step before RoC: 4 v1 trajectories of 9 trained tokens, and 5 of the resumed one's
+    assert batch.metrics["rollout/stale_token_fraction"] == pytest.approx((4 * 9 + 5) / (16 * 9))
+    # staleness counts from the trainer's version, not the step's newest: v0 tokens are 2 behind v2 and masked
+    for t in trajs:
+        t.policy_version, t.token_policy_versions = 0 if t.policy_version == 1 else 1, None
+    held = build_batch(_table(trajs), 0, cfg.algo, cfg.trainer, run_seed=0, held_version=2)
+    assert held.metrics["rollout/stale_tokens_masked"] == 4 * 9   # the 4 v0 trajectories' 9 trained tokens each
+
+
+def test_the_trainer_knows_which_policy_version_it_holds(dist1, tiny_hf_dir, tmp_path):
+    """A fresh rl stage holds its starting policy's version (the previous trainer stage's final one); a trained
+    step holds none until a version is made of it; the data state keeps it. A checkpoint written before the
+    version was kept in it finds it among the published versions (the newest, if a retrained step made two)."""
+    from rstar_hpc.pipeline import PolicyNeed
+    from rstar_hpc.trainer.publish import published_version
+    from rstar_hpc.trainer.rl import RLStageData
+
+    cfg = _cfg(tmp_path, tiny_hf_dir)
+    paths = RunPaths(cfg.run.dir)
+    dirs = paths.policies()
+    for v, stage, step in ((1, "sft", 20), (2, "rl-short", 1), (3, "rl-short", 1)):
+        dirs.commit(v, dirs.begin(v), stage=stage, trainer_step=step)
+    assert [published_version(paths, PolicyNeed(*n)) for n in ((None,), ("rl-short", 1), ("rl-short", 2))] == \
+        [0, 3, None]
+    data = RLStageData(cfg, cfg.stage("rl-short"), paths)
+    assert data.initial_state == {"next_traj_step": 0, "policy_version": 1}
+    data.load_state_dict({"next_traj_step": 0})   # no version kept: the starting policy's, found on disk
+    assert data.source.held_version == 1
+    data.now_holds(4)
+    assert data.state_dict() == {"next_traj_step": 0, "policy_version": 4}
+    data.load_state_dict({"next_traj_step": 0, "policy_version": 2})
+    assert data.source.held_version == 2
+    assert RLStageData(cfg, cfg.stage("rl-long"), paths).initial_state["policy_version"] is None
+
+
+def test_the_trainer_takes_its_logprobs_at_the_sampling_temperature(dist1, tiny_hf_dir):
+    """vLLM returns logprobs after temperature: the trainer's are log_softmax(logits / T), as its loss's are."""
+    from rstar_hpc.trainer.model import forward_logits
+    from rstar_hpc.trainer.step import forward_logprobs
+
+    model = _model(tiny_hf_dir)
+    ids = torch.randint(10, 390, (12,), generator=torch.Generator().manual_seed(0))
+    mb = MicroBatch(ids, [12], torch.arange(12) > 0)
+    with torch.no_grad():
+        logits = forward_logits(model.single_module(), ids[None])[0, :-1].float()
+        vocab = model.arch.vocab_size
+        want = torch.log_softmax(logits[:, :vocab] / 0.7, -1).gather(1, ids[1:, None])[:, 0]
+    (got,) = forward_logprobs(model, [mb], temperature=0.7)
+    torch.testing.assert_close(got[1:].float(), want, rtol=1e-4, atol=1e-4)
+    (plain,) = forward_logprobs(model, [mb])
+    assert (got[1:] - plain[1:]).abs().max() > 1e-2
 
 
 def test_engine_logprobs_are_pi_old_without_recompute(dist1, tiny_hf_dir, tmp_path):

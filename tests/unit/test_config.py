@@ -268,3 +268,13 @@ def test_a_run_directory_saved_with_the_flat_stage_spec_still_loads(tmp_path):
     tree["stages"][5]["lr"] = 0.1
     with pytest.raises(ConfigError, match=r"stages\.5\.lr: not a field of an eval stage"):
         build_config(tree)
+
+
+def test_rl_sampling_the_trainer_cannot_reproduce_is_refused():
+    """The trainer takes its logprobs at the rollout's temperature; a top-p or top-k cut it cannot reproduce."""
+    assert load_config("tiny-cpu", ["rollout.agent.temperature=0.7"]).rollout.agent.temperature == 0.7
+    for bad in ("rollout.agent.top_p=0.9", "rollout.agent.top_k=20", "rollout.agent.temperature=0"):
+        with pytest.raises(ConfigError, match=rf"rollout.agent {bad.split('agent.')[1]} in rl stages.*top_p 1, top_k -1"):
+            load_config("tiny-cpu", [bad])
+    no_rl = ["stages=[{name: e, kind: eval, benchmarks: {demo: demo}, max_response_length: 512}]"]
+    assert load_config("tiny-cpu", [*no_rl, "rollout.agent.top_p=0.9"]).rollout.agent.top_p == 0.9
