@@ -73,8 +73,8 @@ def test_a_rollout_whose_srun_hangs_with_its_tasks_is_restarted_in_the_same_job(
     from rstar_hpc.exchange.rundir import RunPaths
 
     env = {**slurm_cluster.env, "OMP_NUM_THREADS": "1"}
-    # 60 s is the shortest the config allows; a loaded machine can take that long to start vLLM
-    config = ci_config(tmp_path, "hung-srun", tiny_model_dir, hang_timeout_s=120)
+    # the shortest the config allows (rank 0 beats while its engines start, however long vLLM takes)
+    config = ci_config(tmp_path, "hung-srun", tiny_model_dir, hang_timeout_s=60)
     cfg = yaml.safe_load(config.read_text())
     cfg["stages"] = [{"name": "rl", "kind": "rl", "num_steps": STEPS, "prompts_per_step": PROMPTS,
                       "max_response_length": 256, "data": "demo"}]
@@ -106,7 +106,7 @@ def test_a_rollout_whose_srun_hangs_with_its_tasks_is_restarted_in_the_same_job(
                               timeout=30).stdout
     assert "Restarts=0" in restarts, restarts   # restarted in the same job, not requeued
     (hang,) = [e for e in read_events(RunPaths(run)) if e["kind"] == "hang"]
-    assert hang["role"] == "rollout" and hang["silent_s"] >= 120 and "step 1 of stage rl" in hang["doing"], hang
+    assert hang["role"] == "rollout" and hang["silent_s"] >= 60 and "step 1 of stage rl" in hang["doing"], hang
     assert not [e for e in read_events(RunPaths(run)) if e["kind"] in ("crash", "gave_up")], read_events(RunPaths(run))
     log = "".join(p.read_text() for p in (run / "logs").glob("run-*.out"))
     assert "srun of the step did not end" in log and "(rstar-rollout) is still in Slurm" in log, log[-3000:]
