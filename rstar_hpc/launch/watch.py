@@ -88,12 +88,12 @@ def kill_step(proc: subprocess.Popen, argv: list[str], grace_s: float = 60.0) ->
             proc.send_signal(signal.SIGINT)
             time.sleep(0.3)
             proc.send_signal(signal.SIGINT)
-            proc.wait(grace_s)
-            return
+            if _wait_unless_stopped(proc, grace_s):
+                return
+            log.error("srun of the step did not end after two SIGINTs (%s); killing its process group",
+                      "it is stopped" if _stopped(proc.pid) else f"{grace_s:.0f} s")
         except ProcessLookupError:
             return
-        except subprocess.TimeoutExpired:
-            log.error("srun of the step did not end %.0f s after two SIGINTs; killing its process group", grace_s)
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
@@ -102,6 +102,26 @@ def kill_step(proc: subprocess.Popen, argv: list[str], grace_s: float = 60.0) ->
     name = next((a.split("=", 1)[1] for a in argv if a.startswith("--job-name=")), None) if srun else None
     if name:
         cancel_step(name, grace_s)
+
+
+def _stopped(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
+def _wait_unless_stopped(proc: subprocess.Popen, grace_s: float) -> bool:
+    """Wait up to `grace_s` for `proc` to end; True if it did. A stopped srun cannot answer: no use waiting."""
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        try:
+            proc.wait(0.5)
+            return True
+        except subprocess.TimeoutExpired:
+            if _stopped(proc.pid):
+                return False
+    return proc.poll() is not None
 
 
 STEP_PREFIX = "rstar-"
