@@ -25,6 +25,7 @@ from rstar_hpc.exchange.events import record_event
 from rstar_hpc.exchange.rundir import RunPaths
 from rstar_hpc.rollout.links import (LOCAL_RANK_ENV, RANK_ENV, SESSION_ENV, SIZE_ENV, Session, mpi_env,
                                      report_engine_end, session_dir, wait_for)
+from rstar_hpc.scratch import scratch_dir
 
 POLL_S = 0.2
 STOP_GRACE_S = 10.0   # engines leave on their own once rank 0 has (ABORT, EXIT); then TERM, then KILL
@@ -73,6 +74,12 @@ class Keeper:
 
     def run(self) -> int:
         """Until every rank kept here is done; rank 0's exit code where it is kept here, else 0."""
+        # Open MPI's session files of this keeper's processes (ranks that never finalize leave them): its own folder
+        with scratch_dir("rstar-ompi-") as tmp:
+            self.env["OMPI_MCA_orte_tmpdir_base"] = str(tmp)
+            return self._run()
+
+    def _run(self) -> int:
         old = {sig: signal.signal(sig, self._forward) for sig in (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)}
         try:
             self.session.dir.mkdir(parents=True, exist_ok=True)
