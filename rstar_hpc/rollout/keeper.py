@@ -100,7 +100,13 @@ class Keeper:
             if self.server is not None:
                 self.server.terminate()
                 self.server.wait(timeout=10)
-                shutil.rmtree(self.session.dir, ignore_errors=True)
+                self._clear_session()
+
+    def _clear_session(self) -> None:
+        """The session's files but `over`, which the keepers of other tasks may still have to read."""
+        for path in self.session.dir.iterdir() if self.session.dir.is_dir() else ():
+            if path != self.session.over:
+                path.unlink(missing_ok=True)
 
     def _keeps_rank0(self) -> bool:
         return any(r.rank == 0 for r in self.ranks)
@@ -149,7 +155,10 @@ class Keeper:
             r.done, r.code = True, code
             return
         pid = r.proc.pid
-        report_engine_end(self.session, r.rank, pid, _describe(code), r.restarts)
+        try:
+            report_engine_end(self.session, r.rank, pid, _describe(code), r.restarts)
+        except OSError as e:   # rank 0 hears of it after engine_timeout_s instead
+            log.error("could not report engine rank %d's death to rank 0: %s", r.rank, e)
         host = self.env.get("SLURMD_NODENAME")
         if r.restarts >= self.engine_restarts:
             log.error("engine rank %d died (%s) after %d restarts: giving it up; the job goes on without it",

@@ -60,8 +60,8 @@ def _mid_step(run, steps: range) -> int | None:
 
 def _joined(run, rank: int) -> int:
     """How often rank 0 saw engine `rank` join (its log)."""
-    log = (run / "logs" / "rollout-1.log").read_text(errors="replace")
-    return log.count(f"engine rank {rank} joined (pid")
+    logs = "".join(p.read_text(errors="replace") for p in (run / "logs").glob("rollout-*.log"))
+    return logs.count(f"engine rank {rank} joined (pid")
 
 
 def _expected_uids(run) -> dict[int, list[str]]:

@@ -84,7 +84,8 @@ def test_a_dying_engine_is_started_again_then_given_up_and_the_others_are_untouc
     assert [r for r, _ in starts].count(2) == 1    # the other engine: one process throughout
     events = [e for e in read_events(paths) if e["kind"] == "engine_gave_up"]
     assert [(e["rank"], e["restarts"], e["limit"], e["exit"]) for e in events] == [(1, 2, 2, "exit 3")]
-    assert not (paths.rendezvous_dir("rollout") / "t").exists()   # the session's files go with the job
+    left = [p.name for p in (paths.rendezvous_dir("rollout") / "t").iterdir()]
+    assert left == ["over"], left   # the session's files go with the job, but the word that rank 0 has left
     # rank 0's end stopped engine 2 and what it had started, after the grace time, not the engine's 300 s
     assert _children(tmp_path) and not any(_alive(pid) for pid in [p for _, p in starts] + _children(tmp_path))
     assert time.monotonic() - t0 < 60
