@@ -11,8 +11,11 @@ Two layer specs build the same parameters:
 Both take packed sequences (`PackedSeqParams`, THD layout): one row of concatenated samples, RoPE restarting at
 every sample, attention block-diagonal and causal.
 
-Megatron pads the vocabulary to a multiple of the tensor-parallel size; `token_logprobs` masks the padded
-columns, so the numbers match the Hugging Face model exactly.
+The output layer returns the last hidden states, not the logits (`logprobs.HiddenOutputLayer`): the trainer takes
+log-probabilities and the loss from them in chunks of tokens (trainer/logprobs.py), never the full-vocabulary
+logits; `forward_logits` computes those for evaluation and tests. Megatron pads the vocabulary to a multiple of the
+tensor-parallel size; `token_logprobs` (from full logits) and trainer/logprobs.py leave the padded rows out, so the
+numbers match the Hugging Face model exactly.
 """
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from rstar_hpc.models.shapes import ModelShape, read_hf_config
+from rstar_hpc.trainer.logprobs import DEFAULT_CHUNK, HiddenOutputLayer, full_logits, output_weight
 
 Backend = Literal["cpu", "cuda"]
 log = logging.getLogger(__name__)
@@ -295,7 +299,8 @@ def transformer_config(arch: Qwen3Arch, *, tp: int = 1, pp: int = 1, vpp: int | 
 
 
 def build_model(arch: Qwen3Arch, *, backend: Backend = "cpu", params_dtype: torch.dtype = torch.float32,
-                seed: int = 0, vp_stage: int | None = None, recompute: Recompute = Recompute()) -> GPTModel:
+                seed: int = 0, vp_stage: int | None = None, recompute: Recompute = Recompute(),
+                logprob_chunk: int = DEFAULT_CHUNK) -> GPTModel:
     """A randomly initialised policy chunk on this rank (its tensor-parallel shard of its pipeline stage, or of
     virtual stage `vp_stage`); load weights with hf_convert. Needs `init_distributed` first (Megatron reads the
     groups at construction). `parallel.build_policy` builds every chunk of a rank and wraps them for training.
@@ -329,6 +334,9 @@ def build_model(arch: Qwen3Arch, *, backend: Backend = "cpu", params_dtype: torc
                                                   rotary_base=arch.rope_theta, use_cpu_initialization=True,
                                                   cp_group=model.pg_collection.cp)
     model.arch = arch  # type: ignore[attr-defined]  # for token_logprobs and hf_convert
+    model.logprob_chunk = logprob_chunk  # type: ignore[attr-defined]  # tokens per chunk of trainer/logprobs.py
+    if model.post_process:  # same parameters and checkpoints; forward returns the hidden states
+        model.output_layer.__class__ = HiddenOutputLayer
     for p in model.parameters():  # the local spec's torch norms ignore params_dtype (Megatron-LM casts whole)
         p.data = p.data.to(params_dtype)
     if backend == "cuda":
@@ -338,8 +346,9 @@ def build_model(arch: Qwen3Arch, *, backend: Backend = "cpu", params_dtype: torc
 
 def forward_logits(model: GPTModel, input_ids: torch.Tensor,
                    packed: PackedSeqParams | None = None) -> torch.Tensor:
-    """Logits [b, s, vocab/tp] (this rank's vocabulary shard, padding included)."""
-    return model(input_ids=input_ids, position_ids=None, attention_mask=None, packed_seq_params=packed)
+    """Logits [b, s, vocab/tp] (this rank's vocabulary shard, padding included), all at once."""
+    hidden = model(input_ids=input_ids, position_ids=None, attention_mask=None, packed_seq_params=packed)
+    return full_logits(hidden, output_weight(model))
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int) -> torch.Tensor:

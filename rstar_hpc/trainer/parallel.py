@@ -146,7 +146,8 @@ def build_policy(arch: Qwen3Arch, trainer, backend: Backend, *, seed: int = 0) -
     with host_device.on_host():
         for v in range(vpp or 1):
             model = build_model(arch, backend=backend, params_dtype=getattr(torch, trainer.params_dtype), seed=seed,
-                                vp_stage=v if vpp else None, recompute=recompute)
+                                vp_stage=v if vpp else None, recompute=recompute,
+                                logprob_chunk=trainer.logprob_chunk_tokens)
             # one bucket per chunk after the first, as Megatron-LM does (their grads finish at different times)
             chunks.append(DistributedDataParallel(model.config, ddp_config, model, disable_bucketing=v > 0))
     for c in chunks:
