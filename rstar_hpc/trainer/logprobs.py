@@ -83,9 +83,9 @@ def _vocab_range(weight: torch.Tensor, vocab_size: int, group) -> tuple[int, int
 
 def _chunk(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, first: int, valid: int, group
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One chunk of tokens: (softmax [c, valid] in fp32, local target column [c], target owned here [c],
-    log p(target) [c]); max, sum-exp and target logit over the tensor-parallel group. The softmax is made in place
-    of the logits: one [c, valid] fp32 buffer."""
+    """One chunk of tokens: (exp(logits - max) [c, valid] in fp32, its sum over the whole vocabulary [c], local
+    target column [c], target owned here [c], log p(target) [c]); max, sum-exp and target logit over the
+    tensor-parallel group. The exponentials are made in place of the logits: one [c, valid] fp32 buffer."""
     logits = (h @ weight[:valid].t()).float()
     local = targets - first
     mine = (local >= 0) & (local < valid)
@@ -94,13 +94,13 @@ def _chunk(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, first: 
     m = logits.amax(-1) if valid else logits.new_full((h.size(0),), float("-inf"))
     if group is not None:
         torch.distributed.all_reduce(m, op=ReduceOp.MAX, group=group)
-    probs = logits.sub_(m[:, None]).exp_()
-    s = probs.sum(-1)   # a rank holding only padding adds 0
+    exps = logits.sub_(m[:, None]).exp_()
+    s = exps.sum(-1)   # a rank holding only padding adds 0
     if group is not None:
         both = torch.stack([s, tgt])
         torch.distributed.all_reduce(both, group=group)
         s, tgt = both[0], both[1]
-    return probs.div_(s[:, None]), col, mine, tgt - m - torch.log(s)
+    return exps, s, col, mine, tgt - m - torch.log(s)
 
 
 def _aligned_rows(mb, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -128,7 +128,7 @@ def aligned_logprobs(hidden: torch.Tensor, weight: torch.Tensor, mb, vocab_size:
     out = torch.empty(mb.num_tokens, dtype=torch.float32, device=hidden.device)
     for a in range(0, mb.num_tokens, chunk):
         b = min(a + chunk, mb.num_tokens)
-        out[a:b] = _chunk(flat.index_select(0, src[a:b]), weight, targets[a:b], first, valid, group)[3]
+        out[a:b] = _chunk(flat.index_select(0, src[a:b]), weight, targets[a:b], first, valid, group)[4]
     return out.masked_fill_(starts, 0.0)
 
 
@@ -148,7 +148,7 @@ class _FusedLoss(torch.autograd.Function):
         for a in range(0, mb.num_tokens, chunk):
             b = min(a + chunk, mb.num_tokens)
             h = flat.index_select(0, src[a:b])
-            probs, col, mine, lp = _chunk(h, weight, targets[a:b], first, valid, group)
+            exps, sums, col, mine, lp = _chunk(h, weight, targets[a:b], first, valid, group)
             with torch.enable_grad():
                 lp = lp.masked_fill(starts[a:b], 0.0).requires_grad_()
                 loss, m = loss_fn(lp, mb.tokens(a, b))
@@ -158,9 +158,9 @@ class _FusedLoss(torch.autograd.Function):
                 metrics[k] = metrics.get(k, 0.0) + v
             if not valid:
                 continue
-            # d loss / d logits = g * (onehot(target) - softmax), formed in place of the softmax
+            # d loss / d logits = g * (onehot(target) - softmax), formed in place of the exponentials
             g = g.detach().float()
-            d = probs.mul_(-g[:, None])
+            d = exps.mul_((-g / sums)[:, None])
             d.scatter_add_(1, col[:, None], torch.where(mine, g, 0.0)[:, None])
             d = d.to(flat.dtype)
             grad_h.index_add_(0, src[a:b], (d @ weight[:valid]).float())
@@ -168,7 +168,7 @@ class _FusedLoss(torch.autograd.Function):
                 torch.mm(d.t(), h, out=grad_w[:valid])
             elif grad_w is not None:
                 grad_w[:valid].addmm_(d.t(), h)
-            del probs, d   # before the next chunk's logits: one chunk buffer at a time
+            del exps, d   # before the next chunk's logits: one chunk buffer at a time
         ctx.grads = (grad_h.to(flat.dtype), grad_w)
         return total
 
