@@ -54,7 +54,7 @@ from rstar_hpc.exchange.reader import Consumer
 from rstar_hpc.exchange.rundir import RunPaths
 from rstar_hpc.exchange.state import silence_s, write_heartbeat
 from rstar_hpc.trainer.parallel import collective_device, from_last_stage
-from rstar_hpc.trainer.step import MicroBatch, forward_logprobs, pack, train_step
+from rstar_hpc.trainer.step import MicroBatch, TokenSlice, forward_logprobs, pack, train_step
 
 log = logging.getLogger(__name__)
 CONSUMER = "trainer"
@@ -186,23 +186,33 @@ def recompute_old_logprobs(model, micro_batches: list[MicroBatch], tis_cap: floa
     `tis_cap` (an off-policy step, algo.loss.tis_cap): also give each micro-batch the truncated importance weights
     min(pi_old / pi_behaviour, tis_cap) in extras["is_weight"] (1 on tokens that keep the engine's logprob), and
     return the ratio's statistics before truncation."""
-    abs_sum, signed_sum, max_abs, count = 0.0, 0.0, 0.0, 0.0
-    r_sum, r_max, r_min, truncated = 0.0, 0.0, float("inf"), 0.0
+    acc: dict[str, torch.Tensor] = {}   # on the device, read once below
+
+    def add(key: str, value: torch.Tensor, op=torch.add) -> None:
+        acc[key] = value if key not in acc else op(acc[key], value)
+
     for mb, mine in zip(micro_batches, forward_logprobs(model, micro_batches) or []):
-        mine = mine.float().cpu()
-        d = (mb.old_logprobs - mine)[mb.loss_mask]
-        abs_sum, signed_sum, count = abs_sum + float(d.abs().sum()), signed_sum + float(d.sum()), count + d.numel()
-        max_abs = max(max_abs, float(d.abs().max()) if d.numel() else 0.0)
+        mine = mine.float()
+        mask, behaviour = mb.loss_mask.to(mine.device), mb.old_logprobs.to(mine.device)
+        d = torch.where(mask, behaviour - mine, 0.0)
+        add("abs", d.abs().sum(dtype=torch.float64))
+        add("signed", d.sum(dtype=torch.float64))
+        add("count", mask.sum(dtype=torch.float64))
+        add("max_abs", d.abs().max(), torch.maximum)
         stale = mb.extras.get("stale")   # an older policy's tokens keep its logprobs: the ratio corrects for it
-        behaviour = mb.old_logprobs
-        mb.old_logprobs = mine if stale is None else torch.where(stale.bool(), mb.old_logprobs, mine)
+        mb.loss_mask = mask
+        mb.old_logprobs = mine if stale is None else torch.where(stale.to(mine.device).bool(), behaviour, mine)
         if tis_cap is not None:
-            ratio = torch.where(mb.loss_mask, mb.old_logprobs - behaviour, torch.zeros(())).clamp(max=20.0).exp()
+            ratio = torch.where(mask, mb.old_logprobs - behaviour, 0.0).clamp(max=20.0).exp()
             mb.extras["is_weight"] = ratio.clamp(max=tis_cap)
-            r = ratio[mb.loss_mask]
-            if r.numel():
-                r_sum, truncated = r_sum + float(r.sum()), truncated + float((r > tis_cap).sum())
-                r_max, r_min = max(r_max, float(r.max())), min(r_min, float(r.min()))
+            add("ratio", torch.where(mask, ratio, 0.0).sum(dtype=torch.float64))
+            add("truncated", (mask & (ratio > tis_cap)).sum(dtype=torch.float64))
+            add("r_max", torch.where(mask, ratio, 0.0).max(), torch.maximum)
+            add("r_min", torch.where(mask, ratio, float("inf")).min(), torch.minimum)
+    acc = dict(zip(acc, torch.stack([v.to(torch.float64) for v in acc.values()]).tolist())) if acc else {}
+    abs_sum, signed_sum, count, max_abs = (acc.get(k, 0.0) for k in ("abs", "signed", "count", "max_abs"))
+    r_sum, truncated, r_max, r_min = (acc.get(k, d) for k, d in (("ratio", 0.0), ("truncated", 0.0), ("r_max", 0.0),
+                                                                   ("r_min", float("inf"))))
     sums = from_last_stage({"abs": abs_sum, "signed": signed_sum, "count": count, "ratio": r_sum,
                             "truncated": truncated})
     c = max(sums["count"], 1.0)
@@ -234,7 +244,7 @@ def rl_step(model, optimizer, scheduler, batch: RLBatch, loss_cfg: LossConfig, t
         metrics["time/recompute_old_logprobs(s)"] = time.perf_counter() - t0
     stats: list[LossStats] = []
 
-    def loss_fn(logprobs: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss_fn(logprobs: torch.Tensor, mb: TokenSlice) -> tuple[torch.Tensor, dict]:
         loss, s = policy_loss(logprobs, mb.old_logprobs, mb.advantages, mb.loss_mask, loss_cfg,
                               global_num_tokens=None,  # a sum: train_step divides by the step's global count
                               is_weight=mb.extras.get("is_weight"))

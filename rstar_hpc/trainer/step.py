@@ -37,16 +37,17 @@ from rstar_hpc.trainer.parallel import Policy, dp_sum, from_last_stage
 
 
 class LossFn(Protocol):
-    def __call__(self, logprobs: torch.Tensor, mb: TokenSlice) -> tuple[torch.Tensor, dict[str, float]]:
-        """Return (SUM of the per-token loss over these tokens, metric sums to add up over the step). Called on
+    def __call__(self, logprobs: torch.Tensor, mb: TokenSlice) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Return (SUM of the per-token loss over these tokens, metric sums to add up over the step: 0-dim
+        tensors, read once a step). Called on
         consecutive chunks of a micro-batch's tokens (trainer.logprob_chunk_tokens), so each token's loss must
         depend on its own log-probability only (trainer/logprobs.py)."""
 
 
-def sft_loss(logprobs: torch.Tensor, mb: TokenSlice) -> tuple[torch.Tensor, dict[str, float]]:
+def sft_loss(logprobs: torch.Tensor, mb: TokenSlice) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Negative log-likelihood of the trained tokens (summed)."""
     nll = -(logprobs * mb.loss_mask).sum()
-    return nll, {"nll_sum": float(nll.detach())}
+    return nll, {"nll_sum": nll.detach()}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -83,7 +84,7 @@ def _loss(mb: MicroBatch, loss_fn: LossFn | None, vocab_size: int, model: torch.
         if non_loss_data or loss_fn is None:
             return aligned_logprobs(output, weight, mb, vocab_size, chunk)
         loss, metrics = fused_loss(output, weight, mb, vocab_size, loss_fn, chunk)
-    return loss, torch.tensor(mb.num_trained, dtype=torch.int), {"loss_sum": loss.detach(), **metrics}
+    return loss, mb.loss_mask.sum().to(torch.int), {"loss_sum": loss.detach(), **metrics}
 
 
 class Progress:
@@ -135,10 +136,10 @@ def forward_backward(policy: Policy, micro_batches: list[MicroBatch], loss_fn: L
     with host_device.on_host():
         policy.zero_grad_buffers()
         out = _schedule(policy, micro_batches, loss_fn, forward_only=False)
-    sums: dict[str, float] = {}
-    for reduced in out:
+    sums: dict = {}
+    for reduced in out:   # device tensors: read once, in from_last_stage
         for k, v in reduced.items():
-            sums[k] = sums.get(k, 0.0) + float(v)
+            sums[k] = sums.get(k, 0.0) + v
     sums = from_last_stage(sums)
     d = max(denom, 1.0)
     return {"loss": sums.pop("loss_sum") / d, "num_tokens": denom, **{k: v / d for k, v in sums.items()}}
