@@ -37,6 +37,11 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+try:
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:  # torch without the flash varlen entry point: per-sample calls
+    varlen_attn = None
+
 from rstar_hpc.models.shapes import ModelShape, read_hf_config
 from rstar_hpc.trainer.logprobs import DEFAULT_CHUNK, HiddenOutputLayer, full_logits, output_weight
 
@@ -133,7 +138,7 @@ class SDPACoreAttention(MegatronModule):
     """Core attention via `torch.nn.functional.scaled_dot_product_attention` (CPU, or any device).
 
     Same constructor and call as megatron-core's `DotProductAttention`; causal, grouped-query (kv heads are
-    shared, not copied), and packed THD sequences (one causal call per sample from `cu_seqlens`).
+    shared, not copied), and packed THD sequences (`_packed`).
     """
 
     def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
@@ -158,17 +163,7 @@ class SDPACoreAttention(MegatronModule):
         causal = (attn_mask_type or self.attn_mask_type) == AttnMaskType.causal
         dropout = self.dropout_p if self.training else 0.0
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
-            # [t, h, d]: attend within each sample; one causal call per sample costs sum(s_i^2), not t^2
-            cu = packed_seq_params.cu_seqlens_q_padded
-            cu = packed_seq_params.cu_seqlens_q if cu is None else cu
-            lens = (cu[1:] - cu[:-1]).tolist()
-            outs = []
-            for q, k, v in zip(query.split(lens), key.split(lens), value.split(lens)):
-                q, k, v = (x.permute(1, 0, 2).unsqueeze(0) for x in (q, k, v))
-                o = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=causal,
-                                                   scale=self.softmax_scale, enable_gqa=self.num_groups != self.num_heads)
-                outs.append(o.squeeze(0).permute(1, 0, 2))
-            return torch.cat(outs).reshape(query.size(0), -1)
+            return self._packed(query, key, value, packed_seq_params, causal, dropout)
         # [s, b, h, d] -> [b, h, s, d]
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
         mask = None
@@ -182,6 +177,29 @@ class SDPACoreAttention(MegatronModule):
                                              scale=self.softmax_scale, enable_gqa=self.num_groups != self.num_heads)
         s, b = query.size(0), query.size(1)
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+
+    def _packed(self, query, key, value, packed: PackedSeqParams, causal: bool, dropout: float) -> torch.Tensor:
+        """[t, h, d] packed samples, attention within each. On CUDA in bf16/fp16: torch's flash varlen kernel, one
+        call per layer, lengths from the device's cu_seqlens (no host sync). Elsewhere one causal SDPA call per
+        sample, costing sum(s_i^2), not t^2: on the CPU it beat one block-diagonal masked call (docs/gpu-trainer.md),
+        and cu_seqlens is a host tensor there."""
+        cu = packed.cu_seqlens_q if packed.cu_seqlens_q_padded is None else packed.cu_seqlens_q_padded
+        gqa = self.num_groups != self.num_heads
+        if (varlen_attn is not None and query.is_cuda and query.dtype in (torch.bfloat16, torch.float16)
+                and not dropout and packed.max_seqlen_q is not None):
+            out = varlen_attn(query, key, value, cu.to(torch.int32), cu.to(torch.int32), packed.max_seqlen_q,
+                              packed.max_seqlen_q, scale=self.softmax_scale,
+                              window_size=(-1, 0) if causal else (-1, -1), enable_gqa=gqa)
+            return out.reshape(query.size(0), -1)
+        lens = (cu[1:] - cu[:-1]).tolist()
+        outs = []
+        for q, k, v in zip(query.split(lens), key.split(lens), value.split(lens)):
+            q, k, v = (x.permute(1, 0, 2).unsqueeze(0) for x in (q, k, v))
+            o = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=causal,
+                                               scale=self.softmax_scale, enable_gqa=gqa)
+            outs.append(o.squeeze(0).permute(1, 0, 2))
+        return torch.cat(outs).reshape(query.size(0), -1)
 
 
 class CPURotaryEmbedding(RotaryEmbedding):

@@ -200,7 +200,6 @@ def recompute_old_logprobs(model, micro_batches: list[MicroBatch], tis_cap: floa
         add("count", mask.sum(dtype=torch.float64))
         add("max_abs", d.abs().max(), torch.maximum)
         stale = mb.extras.get("stale")   # an older policy's tokens keep its logprobs: the ratio corrects for it
-        mb.loss_mask = mask
         mb.old_logprobs = mine if stale is None else torch.where(stale.to(mine.device).bool(), behaviour, mine)
         if tis_cap is not None:
             ratio = torch.where(mask, mb.old_logprobs - behaviour, 0.0).clamp(max=20.0).exp()
