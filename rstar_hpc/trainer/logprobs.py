@@ -82,25 +82,34 @@ def _vocab_range(weight: torch.Tensor, vocab_size: int, group) -> tuple[int, int
 
 
 def _chunk(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, first: int, valid: int, group
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One chunk of tokens: (exp(logits - max) [c, valid] in fp32, its sum over the whole vocabulary [c], local
-    target column [c], target owned here [c], log p(target) [c]); max, sum-exp and target logit over the
-    tensor-parallel group. The exponentials are made in place of the logits: one [c, valid] fp32 buffer."""
-    logits = (h @ weight[:valid].t()).float()
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One chunk of c tokens: (exp(logits - max) [valid, c] in fp32, its sum over the whole vocabulary [c], local
+    target row [c], target owned here [c], log p(target) [c]); max, sum-exp and target logit over the
+    tensor-parallel group. Vocabulary-major ([valid, c], the weight first: on the CPU that matmul ran ~1.4x faster
+    than [c, valid] at c = 96); the exponentials are made in place of the logits, one fp32 buffer."""
+    logits = (weight[:valid] @ h.t()).float()
     local = targets - first
     mine = (local >= 0) & (local < valid)
-    col = local.clamp(0, max(valid - 1, 0))
-    tgt = torch.where(mine, logits.gather(1, col[:, None])[:, 0], 0.0) if valid else logits.new_zeros(h.size(0))
-    m = logits.amax(-1) if valid else logits.new_full((h.size(0),), float("-inf"))
+    row = local.clamp(0, max(valid - 1, 0))
+    tgt = torch.where(mine, logits.gather(0, row[None, :])[0], 0.0) if valid else logits.new_zeros(h.size(0))
+    m = logits.amax(0) if valid else logits.new_full((h.size(0),), float("-inf"))
     if group is not None:
         torch.distributed.all_reduce(m, op=ReduceOp.MAX, group=group)
-    exps = logits.sub_(m[:, None]).exp_()
-    s = exps.sum(-1)   # a rank holding only padding adds 0
+    exps = logits.sub_(m[None, :]).exp_()
+    s = exps.sum(0)   # a rank holding only padding adds 0
     if group is not None:
         both = torch.stack([s, tgt])
         torch.distributed.all_reduce(both, group=group)
         s, tgt = both[0], both[1]
-    return exps, s, col, mine, tgt - m - torch.log(s)
+    return exps, s, row, mine, tgt - m - torch.log(s)
+
+
+def _bounds(tokens: int, chunk: int) -> list[tuple[int, int]]:
+    """Chunks of at most `chunk` tokens, as even as possible: a short last chunk streams the whole weight through
+    its matmuls for few tokens."""
+    n = -(-tokens // chunk)
+    cuts = [tokens * i // n for i in range(n + 1)]
+    return list(zip(cuts[:-1], cuts[1:]))
 
 
 def _aligned_rows(mb, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -126,8 +135,7 @@ def aligned_logprobs(hidden: torch.Tensor, weight: torch.Tensor, mb, vocab_size:
     src, targets, starts = _aligned_rows(mb, hidden.device)
     flat = hidden.reshape(-1, hidden.size(-1))
     out = torch.empty(mb.num_tokens, dtype=torch.float32, device=hidden.device)
-    for a in range(0, mb.num_tokens, chunk):
-        b = min(a + chunk, mb.num_tokens)
+    for a, b in _bounds(mb.num_tokens, chunk):
         out[a:b] = _chunk(flat.index_select(0, src[a:b]), weight, targets[a:b], first, valid, group)[4]
     return out.masked_fill_(starts, 0.0)
 
@@ -145,10 +153,9 @@ class _FusedLoss(torch.autograd.Function):
         if grad_w is not None:
             grad_w[valid:].zero_()   # padding rows; the real ones are written by the first chunk
         total = flat.new_zeros((), dtype=torch.float32)
-        for a in range(0, mb.num_tokens, chunk):
-            b = min(a + chunk, mb.num_tokens)
+        for a, b in _bounds(mb.num_tokens, chunk):
             h = flat.index_select(0, src[a:b])
-            exps, sums, col, mine, lp = _chunk(h, weight, targets[a:b], first, valid, group)
+            exps, sums, row, mine, lp = _chunk(h, weight, targets[a:b], first, valid, group)
             with torch.enable_grad():
                 lp = lp.masked_fill(starts[a:b], 0.0).requires_grad_()
                 loss, m = loss_fn(lp, mb.tokens(a, b))
@@ -160,14 +167,15 @@ class _FusedLoss(torch.autograd.Function):
                 continue
             # d loss / d logits = g * (onehot(target) - softmax), formed in place of the exponentials
             g = g.detach().float()
-            d = exps.mul_((-g / sums)[:, None])
-            d.scatter_add_(1, col[:, None], torch.where(mine, g, 0.0)[:, None])
+            d = exps.mul_((-g / sums)[None, :])
+            d.scatter_add_(0, row[None, :], torch.where(mine, g, 0.0)[None, :])
             d = d.to(flat.dtype)
-            grad_h.index_add_(0, src[a:b], (d @ weight[:valid]).float())
+            w = weight[:valid]
+            grad_h.index_add_(0, src[a:b], (w.t() @ d).t().float())
             if grad_w is not None and a == 0:
-                torch.mm(d.t(), h, out=grad_w[:valid])
+                torch.mm(d, h, out=grad_w[:valid])
             elif grad_w is not None:
-                grad_w[:valid].addmm_(d.t(), h)
+                grad_w[:valid].addmm_(d, h)
             del exps, d   # before the next chunk's logits: one chunk buffer at a time
         ctx.grads = (grad_h.to(flat.dtype), grad_w)
         return total
