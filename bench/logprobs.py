@@ -116,6 +116,9 @@ def one_pass(path: str, hidden, weight, mb, vocab: int, chunk: int) -> tuple[tor
 
 def main() -> None:
     args = parse_args()
+    from rstar_hpc.scratch import private_torch_cache
+
+    private_torch_cache()   # before megatron imports torch._dynamo: its kernel cache goes at exit
     from rstar_hpc.trainer.logprobs import DEFAULT_CHUNK
     from rstar_hpc.trainer.packing import MicroBatch
     from rstar_hpc.trainer.parallel import destroy_distributed, init_distributed
