@@ -271,7 +271,7 @@ def bench_rl(args, model_dir: str, tmp: str) -> dict:
         for (ids, mask), o, adv in zip(batch.samples, old, batch.advantages):
             loss, stats = policy_loss(ref_logprobs(ids), o, adv, mask, cfg.algo.loss, global_num_tokens=n)
             loss.backward()
-            pg += stats["pg_loss_sum"] / n
+            pg += float(stats["pg_loss_sum"]) / n
         torch.nn.utils.clip_grad_norm_(ref.parameters(), cfg.trainer.optimizer.grad_clip)
         ref_opt.step()
         return pg, sum(ids.numel() for ids, _ in batch.samples)

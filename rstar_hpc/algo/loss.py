@@ -33,20 +33,22 @@ from rstar_hpc.config.algo import LossConfig
 
 class LossStats(TypedDict):
     """Sums over the masked tokens of one call, so micro-batches and ranks add up exactly; divide by the
-    global token count (`metrics.loss_metrics`) for means and fractions."""
+    global token count (`metrics.loss_metrics`) for means and fractions. Each is a 0-dim float64 tensor on the
+    loss's device: a trainer adds them up over its micro-batches and reads them once a step (no device-to-host
+    copy per micro-batch)."""
 
-    num_tokens: float
-    pg_loss_sum: float
-    clip_low_count: float
+    num_tokens: torch.Tensor
+    pg_loss_sum: torch.Tensor
+    clip_low_count: torch.Tensor
     """A < 0 and rho < 1 - clip_ratio_low: clipped, no gradient."""
-    clip_high_count: float
+    clip_high_count: torch.Tensor
     """A > 0 and rho > 1 + clip_ratio_high: clipped, no gradient."""
-    clip_dual_count: float
+    clip_dual_count: torch.Tensor
     """A < 0 and the dual-clip bound is active."""
-    approx_kl_sum: float
+    approx_kl_sum: torch.Tensor
     """k3 estimate of KL(pi_old || pi): rho - 1 - log rho."""
-    kl_sum: float
-    entropy_sum: float
+    kl_sum: torch.Tensor
+    entropy_sum: torch.Tensor
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
@@ -106,14 +108,18 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
         loss = loss * (dp_world_size / global_num_tokens)
     with torch.no_grad():
         m = mask
+
+        def total(x: torch.Tensor) -> torch.Tensor:   # where, not x[m]: boolean indexing waits for the device
+            return torch.where(m, x, zero).sum(dtype=torch.float64)
+
         stats = LossStats(
-            num_tokens=float(m.sum()),
-            pg_loss_sum=float(pg[m].sum()),
-            clip_low_count=float((m & (adv < 0) & (ratio < 1 - cfg.clip_ratio_low)).sum()),
-            clip_high_count=float((m & (adv > 0) & (ratio > 1 + cfg.clip_ratio_high)).sum()),
-            clip_dual_count=float((m & dual).sum()),
-            approx_kl_sum=float((ratio - 1 - log_ratio)[m].sum()),
-            kl_sum=float(kl[m].sum()),
-            entropy_sum=float(entropy[m].sum()) if entropy is not None else 0.0,
+            num_tokens=m.sum(dtype=torch.float64),
+            pg_loss_sum=total(pg),
+            clip_low_count=(m & (adv < 0) & (ratio < 1 - cfg.clip_ratio_low)).sum(dtype=torch.float64),
+            clip_high_count=(m & (adv > 0) & (ratio > 1 + cfg.clip_ratio_high)).sum(dtype=torch.float64),
+            clip_dual_count=(m & dual).sum(dtype=torch.float64),
+            approx_kl_sum=total(ratio - 1 - log_ratio),
+            kl_sum=total(kl),
+            entropy_sum=total(entropy) if entropy is not None else zero.new_zeros((), dtype=torch.float64),
         )
     return loss, stats

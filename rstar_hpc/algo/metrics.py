@@ -56,7 +56,7 @@ def loss_metrics(stats: LossStats | Iterable[LossStats], num_tokens: float | Non
     """Token means of summed LossStats (one per micro-batch, or already summed over ranks). `num_tokens`
     defaults to their own token count; pass the global count when `stats` are one rank's."""
     items = [stats] if isinstance(stats, dict) else list(stats)
-    total = {k: sum(s[k] for s in items) for k in LossStats.__annotations__}
+    total = {k: float(sum(s[k] for s in items)) for k in LossStats.__annotations__}
     n = num_tokens if num_tokens is not None else total["num_tokens"]
     d = max(n, 1.0)
     return {"train/clip_frac_low": total["clip_low_count"] / d, "train/clip_frac_high": total["clip_high_count"] / d,

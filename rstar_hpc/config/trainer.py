@@ -99,6 +99,11 @@ class TrainerConfig(Section):
     layernorm)."""
     recompute_num_layers: int = Field(1, ge=1)
     """`full` recompute: layers per recomputed block (uniform method)."""
+    logprob_chunk_tokens: int = Field(1024, ge=1)
+    """Tokens per chunk of the output layer: the loss, its gradients and the recomputed pi_old are taken chunk by
+    chunk from the last hidden states (trainer/logprobs.py), so the fp32 logits of only this many tokens exist at
+    once (tokens x vocabulary / tensor_parallel_size x 4 bytes: 0.6 GB at 1024 and Qwen3's 151,936) instead of the
+    whole micro-batch's. Smaller: less memory, more, smaller matmuls (bench/logprobs.py)."""
     recompute_old_logprobs: bool = True
     """Recompute pi_old with the trainer (at rollout.agent.temperature, as the engines' logprobs are) instead of
     trusting the engine's logprobs; the importance weight of another policy's tokens needs it (algo.loss.tis_cap)."""

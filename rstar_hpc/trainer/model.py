@@ -11,8 +11,11 @@ Two layer specs build the same parameters:
 Both take packed sequences (`PackedSeqParams`, THD layout): one row of concatenated samples, RoPE restarting at
 every sample, attention block-diagonal and causal.
 
-Megatron pads the vocabulary to a multiple of the tensor-parallel size; `token_logprobs` masks the padded
-columns, so the numbers match the Hugging Face model exactly.
+The output layer returns the last hidden states, not the logits (`logprobs.HiddenOutputLayer`): the trainer takes
+log-probabilities and the loss from them in chunks of tokens (trainer/logprobs.py), never the full-vocabulary
+logits; `forward_logits` computes those for evaluation and tests. Megatron pads the vocabulary to a multiple of the
+tensor-parallel size; `token_logprobs` (from full logits) and trainer/logprobs.py leave the padded rows out, so the
+numbers match the Hugging Face model exactly.
 """
 from __future__ import annotations
 
@@ -34,7 +37,13 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+try:
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:  # torch without the flash varlen entry point: per-sample calls
+    varlen_attn = None
+
 from rstar_hpc.models.shapes import ModelShape, read_hf_config
+from rstar_hpc.trainer.logprobs import DEFAULT_CHUNK, HiddenOutputLayer, full_logits, output_weight
 
 Backend = Literal["cpu", "cuda"]
 log = logging.getLogger(__name__)
@@ -129,7 +138,7 @@ class SDPACoreAttention(MegatronModule):
     """Core attention via `torch.nn.functional.scaled_dot_product_attention` (CPU, or any device).
 
     Same constructor and call as megatron-core's `DotProductAttention`; causal, grouped-query (kv heads are
-    shared, not copied), and packed THD sequences (one causal call per sample from `cu_seqlens`).
+    shared, not copied), and packed THD sequences (`_packed`).
     """
 
     def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
@@ -154,17 +163,7 @@ class SDPACoreAttention(MegatronModule):
         causal = (attn_mask_type or self.attn_mask_type) == AttnMaskType.causal
         dropout = self.dropout_p if self.training else 0.0
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
-            # [t, h, d]: attend within each sample; one causal call per sample costs sum(s_i^2), not t^2
-            cu = packed_seq_params.cu_seqlens_q_padded
-            cu = packed_seq_params.cu_seqlens_q if cu is None else cu
-            lens = (cu[1:] - cu[:-1]).tolist()
-            outs = []
-            for q, k, v in zip(query.split(lens), key.split(lens), value.split(lens)):
-                q, k, v = (x.permute(1, 0, 2).unsqueeze(0) for x in (q, k, v))
-                o = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=causal,
-                                                   scale=self.softmax_scale, enable_gqa=self.num_groups != self.num_heads)
-                outs.append(o.squeeze(0).permute(1, 0, 2))
-            return torch.cat(outs).reshape(query.size(0), -1)
+            return self._packed(query, key, value, packed_seq_params, causal, dropout)
         # [s, b, h, d] -> [b, h, s, d]
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
         mask = None
@@ -178,6 +177,29 @@ class SDPACoreAttention(MegatronModule):
                                              scale=self.softmax_scale, enable_gqa=self.num_groups != self.num_heads)
         s, b = query.size(0), query.size(1)
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+
+    def _packed(self, query, key, value, packed: PackedSeqParams, causal: bool, dropout: float) -> torch.Tensor:
+        """[t, h, d] packed samples, attention within each. On CUDA in bf16/fp16: torch's flash varlen kernel, one
+        call per layer, lengths from the device's cu_seqlens (no host sync). Elsewhere one causal SDPA call per
+        sample, costing sum(s_i^2), not t^2: on the CPU it beat one block-diagonal masked call (docs/gpu-trainer.md),
+        and cu_seqlens is a host tensor there."""
+        cu = packed.cu_seqlens_q if packed.cu_seqlens_q_padded is None else packed.cu_seqlens_q_padded
+        gqa = self.num_groups != self.num_heads
+        if (varlen_attn is not None and query.is_cuda and query.dtype in (torch.bfloat16, torch.float16)
+                and not dropout and packed.max_seqlen_q is not None):
+            out = varlen_attn(query, key, value, cu.to(torch.int32), cu.to(torch.int32), packed.max_seqlen_q,
+                              packed.max_seqlen_q, scale=self.softmax_scale,
+                              window_size=(-1, 0) if causal else (-1, -1), enable_gqa=gqa)
+            return out.reshape(query.size(0), -1)
+        lens = (cu[1:] - cu[:-1]).tolist()
+        outs = []
+        for q, k, v in zip(query.split(lens), key.split(lens), value.split(lens)):
+            q, k, v = (x.permute(1, 0, 2).unsqueeze(0) for x in (q, k, v))
+            o = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=causal,
+                                               scale=self.softmax_scale, enable_gqa=gqa)
+            outs.append(o.squeeze(0).permute(1, 0, 2))
+        return torch.cat(outs).reshape(query.size(0), -1)
 
 
 class CPURotaryEmbedding(RotaryEmbedding):
@@ -295,7 +317,8 @@ def transformer_config(arch: Qwen3Arch, *, tp: int = 1, pp: int = 1, vpp: int | 
 
 
 def build_model(arch: Qwen3Arch, *, backend: Backend = "cpu", params_dtype: torch.dtype = torch.float32,
-                seed: int = 0, vp_stage: int | None = None, recompute: Recompute = Recompute()) -> GPTModel:
+                seed: int = 0, vp_stage: int | None = None, recompute: Recompute = Recompute(),
+                logprob_chunk: int = DEFAULT_CHUNK) -> GPTModel:
     """A randomly initialised policy chunk on this rank (its tensor-parallel shard of its pipeline stage, or of
     virtual stage `vp_stage`); load weights with hf_convert. Needs `init_distributed` first (Megatron reads the
     groups at construction). `parallel.build_policy` builds every chunk of a rank and wraps them for training.
@@ -329,6 +352,9 @@ def build_model(arch: Qwen3Arch, *, backend: Backend = "cpu", params_dtype: torc
                                                   rotary_base=arch.rope_theta, use_cpu_initialization=True,
                                                   cp_group=model.pg_collection.cp)
     model.arch = arch  # type: ignore[attr-defined]  # for token_logprobs and hf_convert
+    model.logprob_chunk = logprob_chunk  # type: ignore[attr-defined]  # tokens per chunk of trainer/logprobs.py
+    if model.post_process:  # same parameters and checkpoints; forward returns the hidden states
+        model.output_layer.__class__ = HiddenOutputLayer
     for p in model.parameters():  # the local spec's torch norms ignore params_dtype (Megatron-LM casts whole)
         p.data = p.data.to(params_dtype)
     if backend == "cuda":
@@ -338,8 +364,9 @@ def build_model(arch: Qwen3Arch, *, backend: Backend = "cpu", params_dtype: torc
 
 def forward_logits(model: GPTModel, input_ids: torch.Tensor,
                    packed: PackedSeqParams | None = None) -> torch.Tensor:
-    """Logits [b, s, vocab/tp] (this rank's vocabulary shard, padding included)."""
-    return model(input_ids=input_ids, position_ids=None, attention_mask=None, packed_seq_params=packed)
+    """Logits [b, s, vocab/tp] (this rank's vocabulary shard, padding included), all at once."""
+    hidden = model(input_ids=input_ids, position_ids=None, attention_mask=None, packed_seq_params=packed)
+    return full_logits(hidden, output_weight(model))
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int) -> torch.Tensor:

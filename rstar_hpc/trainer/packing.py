@@ -25,6 +25,16 @@ PER_TOKEN = ("loss_mask", "advantages", "old_logprobs")
 
 
 @dataclass
+class TokenSlice:
+    """Consecutive tokens of a micro-batch: its per-token fields, sliced (views)."""
+
+    loss_mask: torch.Tensor
+    advantages: torch.Tensor | None
+    old_logprobs: torch.Tensor | None
+    extras: dict[str, torch.Tensor]
+
+
+@dataclass
 class MicroBatch:
     input_ids: torch.Tensor                        # [T] long, samples concatenated
     seqlens: list[int]                             # sample lengths, sum = T
@@ -68,6 +78,13 @@ class MicroBatch:
             return None if x is None else x.to(device)
         return MicroBatch(move(self.input_ids), self.seqlens, move(self.loss_mask), move(self.advantages),
                           move(self.old_logprobs), {k: move(v) for k, v in self.extras.items()}, self.padded_len)
+
+    def tokens(self, a: int, b: int) -> TokenSlice:
+        """The per-token fields of tokens [a, b): what a loss function reads, chunk by chunk (trainer/logprobs.py)."""
+        def cut(x):
+            return None if x is None else x[a:b]
+        return TokenSlice(self.loss_mask[a:b], cut(self.advantages), cut(self.old_logprobs),
+                          {k: v[a:b] for k, v in self.extras.items()})
 
     def rows(self) -> torch.Tensor:
         """Padded layout: input ids as [rows, padded_len] (padding id 0)."""

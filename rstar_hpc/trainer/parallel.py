@@ -146,7 +146,8 @@ def build_policy(arch: Qwen3Arch, trainer, backend: Backend, *, seed: int = 0) -
     with host_device.on_host():
         for v in range(vpp or 1):
             model = build_model(arch, backend=backend, params_dtype=getattr(torch, trainer.params_dtype), seed=seed,
-                                vp_stage=v if vpp else None, recompute=recompute)
+                                vp_stage=v if vpp else None, recompute=recompute,
+                                logprob_chunk=trainer.logprob_chunk_tokens)
             # one bucket per chunk after the first, as Megatron-LM does (their grads finish at different times)
             chunks.append(DistributedDataParallel(model.config, ddp_config, model, disable_bucketing=v > 0))
     for c in chunks:
@@ -184,11 +185,14 @@ def dp_sum(values: list[float]) -> list[float]:
     return t.tolist()
 
 
-def from_last_stage(values: dict[str, float], op: str = "sum") -> dict[str, float]:
+def from_last_stage(values: dict[str, float | torch.Tensor], op: str = "sum") -> dict[str, float]:
     """Per-rank metric values that only the last pipeline stage has (its loss function's): reduced over
-    data-parallel ranks (`sum` or `max`) there, then sent to every stage."""
+    data-parallel ranks (`sum` or `max`) there, then sent to every stage. Values may be 0-dim device tensors:
+    they are read together, one device-to-host copy."""
     if parallel_state.is_pipeline_last_stage(ignore_virtual=True) and values:
-        t = torch.tensor(list(values.values()), dtype=torch.float64, device=collective_device())
+        dev = collective_device()
+        t = torch.stack([torch.as_tensor(v, device=dev).detach().to(torch.float64).reshape(())
+                         for v in values.values()])
         if parallel_state.get_data_parallel_world_size() > 1:
             torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM if op == "sum" else
                                          torch.distributed.ReduceOp.MAX, group=parallel_state.get_data_parallel_group())

@@ -16,7 +16,8 @@ layer and logits are counted on it too, as the worst case of either):
                s^2 term). `selective` drops the recomputed modules' share (core_attn: none with flash attention;
                mlp: 3I/tp; layernorm: 2h), `full` keeps one block input per recompute_num_layers layers plus one
                block's full activations.
-  logits       last stage, one micro-batch: [tokens, vocab/tp] in the params dtype + fp32 copy + fp32 gradient
+  logits       last stage, one chunk of trainer.logprob_chunk_tokens tokens (trainer/logprobs.py): [chunk, vocab/tp]
+               in the params dtype + fp32 (softmax and gradient made in place) + the gradient in the params dtype
   overhead     4 GiB: CUDA context, NCCL buffers, allocator fragmentation (a rule of thumb, not a measurement)
 
 Micro-batch plan per stage: kept trajectories per step (prompts_per_step x algo.roc.down_sample_to_n), per
@@ -156,7 +157,7 @@ def make_plan(cfg, gpu_memory_gib: float | None = None) -> Plan:
     nbytes = 2 if bf16 else 4
     n = params_per_rank(s, tp, pp)
     opt_bytes = (12 if bf16 else 8) * n / (dp if t.use_distributed_optimizer else 1)
-    logits = t.micro_batch_tokens * math.ceil(s.vocab_size / tp) * (nbytes + 4 + 4)
+    logits = min(t.micro_batch_tokens, t.logprob_chunk_tokens) * math.ceil(s.vocab_size / tp) * (nbytes + 4 + nbytes)
     memory = {"weights": n * nbytes, "grads": n * (4 if (t.grad_reduce_in_fp32 or not bf16) else 2),
               "optimizer": opt_bytes, "activations": _activations(cfg, s, tp, pp, vpp, nbytes), "logits": logits}
     return Plan(model=source, world_size=world, tp=tp, pp=pp, vpp=vpp, dp=dp, params_dtype=t.params_dtype,

@@ -55,9 +55,10 @@ from rstar_hpc.exchange.quarantine import quarantine_commit
 from rstar_hpc.exchange.reader import Consumer
 from rstar_hpc.exchange.rundir import RunPaths
 from rstar_hpc.exchange.state import silence_s, write_heartbeat
+from rstar_hpc.trainer.off_policy import recompute_old_logprobs, staleness_mask
 from rstar_hpc.trainer.parallel import collective_device, from_last_stage
 from rstar_hpc.trainer.publish import published_version
-from rstar_hpc.trainer.step import MicroBatch, forward_logprobs, pack, train_step
+from rstar_hpc.trainer.step import TokenSlice, pack, train_step
 
 log = logging.getLogger(__name__)
 CONSUMER = "trainer"
@@ -94,15 +95,6 @@ def _dp_share(lengths: np.ndarray, dp: int, dp_rank: int) -> list[int]:
         if r == dp_rank:
             mine.append(i)
     return sorted(mine)
-
-
-def staleness_mask(mask: np.ndarray, behind: np.ndarray, bound: int) -> tuple[np.ndarray, int]:
-    """The loss mask without the model tokens generated more than `bound` policy versions before the trainer's
-    (trainer.max_token_staleness: masked, not weighted), and how many it removed."""
-    drop = (behind > bound) & (mask != 0)
-    if not drop.any():
-        return mask, 0
-    return np.where(drop, 0, mask).astype(mask.dtype), int(drop.sum())
 
 
 def build_batch(table: pa.Table, step: int, algo: AlgoConfig, trainer: TrainerConfig, *, run_seed: int,
@@ -186,52 +178,6 @@ def _any_rank(*flags: bool) -> list[bool]:
     return [bool(x) for x in t.tolist()]
 
 
-@torch.no_grad()
-def recompute_old_logprobs(model, micro_batches: list[MicroBatch], tis_cap: float | None = None,
-                           temperature: float = 1.0) -> dict[str, float]:
-    """Replace each micro-batch's old_logprobs (the engine's) with the trainer's at the rollout's sampling
-    `temperature`, before the update, on the last pipeline stage (where the loss runs); returns the gap between
-    the two over trained tokens (engine minus trainer: numerics, stale weights), the same on every rank.
-
-    Tokens another policy version generated (extras["stale"]) need a correction. With `tis_cap`
-    (algo.loss.tis_cap) they get the truncated importance weight min(pi_old / pi_behaviour, tis_cap) in
-    extras["is_weight"] (the trainer's own tokens get 1), and the ratio's statistics before truncation are
-    returned; without it they keep the engine's logprob as pi_old, so the clipped ratio is taken against it."""
-    abs_sum, signed_sum, max_abs, count = 0.0, 0.0, 0.0, 0.0
-    r_sum, r_max, r_min, truncated, weighted = 0.0, 0.0, float("inf"), 0.0, 0.0
-    for mb, mine in zip(micro_batches, forward_logprobs(model, micro_batches, temperature) or []):
-        mine = mine.float().cpu()
-        d = (mb.old_logprobs - mine)[mb.loss_mask]
-        abs_sum, signed_sum, count = abs_sum + float(d.abs().sum()), signed_sum + float(d.sum()), count + d.numel()
-        max_abs = max(max_abs, float(d.abs().max()) if d.numel() else 0.0)
-        stale = mb.extras.get("stale", torch.zeros(mb.num_tokens)).bool()
-        behaviour = mb.old_logprobs
-        if tis_cap is None:
-            mb.old_logprobs = torch.where(stale, behaviour, mine)
-            continue
-        mb.old_logprobs = mine
-        corrected = mb.loss_mask & stale
-        ratio = torch.where(corrected, mine - behaviour, torch.zeros(())).clamp(max=20.0).exp()
-        mb.extras["is_weight"] = ratio.clamp(max=tis_cap)
-        r = ratio[corrected]
-        if r.numel():
-            r_sum, truncated, weighted = r_sum + float(r.sum()), truncated + float((r > tis_cap).sum()), \
-                weighted + r.numel()
-            r_max, r_min = max(r_max, float(r.max())), min(r_min, float(r.min()))
-    sums = from_last_stage({"abs": abs_sum, "signed": signed_sum, "count": count, "ratio": r_sum,
-                            "truncated": truncated, "weighted": weighted})
-    c = max(sums["count"], 1.0)
-    out = {"train/old_logprob_gap_abs_mean": sums["abs"] / c, "train/old_logprob_gap_mean": sums["signed"] / c,
-           "train/old_logprob_gap_abs_max": from_last_stage({"max": max_abs}, op="max")["max"]}
-    if sums["weighted"]:   # over the weighted tokens; a step of the trainer's own tokens logs none
-        w = sums["weighted"]
-        out.update({"train/is_weighted_fraction": w / c, "train/is_ratio_mean": sums["ratio"] / w,
-                    "train/is_truncated_fraction": sums["truncated"] / w,
-                    "train/is_ratio_max": from_last_stage({"max": r_max}, op="max")["max"],
-                    "train/is_ratio_min": -from_last_stage({"max": -r_min}, op="max")["max"]})
-    return out
-
-
 def rl_step(model, optimizer, scheduler, batch: RLBatch, loss_cfg: LossConfig, trainer: TrainerConfig, *,
             temperature: float = 1.0) -> dict[str, float]:
     """One GRPO-RoC update of the `parallel.Policy` `model` on `batch` (collective over all trainer ranks);
@@ -251,7 +197,7 @@ def rl_step(model, optimizer, scheduler, batch: RLBatch, loss_cfg: LossConfig, t
         metrics["time/recompute_old_logprobs(s)"] = time.perf_counter() - t0
     stats: list[LossStats] = []
 
-    def loss_fn(logprobs: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss_fn(logprobs: torch.Tensor, mb: TokenSlice) -> tuple[torch.Tensor, dict]:
         loss, s = policy_loss(logprobs, mb.old_logprobs, mb.advantages, mb.loss_mask, loss_cfg,
                               global_num_tokens=None,  # a sum: train_step divides by the step's global count
                               is_weight=mb.extras.get("is_weight"))

@@ -24,20 +24,30 @@ from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from rstar_hpc.trainer import host_device
-from rstar_hpc.trainer.model import forward_logits, packed_seq_params, token_logprobs
-from rstar_hpc.trainer.packing import MicroBatch, pack, pad_to_length, round_up_count  # noqa: F401  (re-exported)
+from rstar_hpc.trainer.logprobs import aligned_logprobs, fused_loss, output_weight, unwrapped
+from rstar_hpc.trainer.model import packed_seq_params
+from rstar_hpc.trainer.packing import (  # noqa: F401  (re-exported)
+    MicroBatch,
+    TokenSlice,
+    pack,
+    pad_to_length,
+    round_up_count,
+)
 from rstar_hpc.trainer.parallel import Policy, dp_sum, from_last_stage
 
 
 class LossFn(Protocol):
-    def __call__(self, logprobs: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
-        """Return (SUM of the per-token loss over this micro-batch, metric sums to add up over the step)."""
+    def __call__(self, logprobs: torch.Tensor, mb: TokenSlice) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Return (SUM of the per-token loss over these tokens, metric sums to add up over the step: 0-dim
+        tensors, read once a step). Called on
+        consecutive chunks of a micro-batch's tokens (trainer.logprob_chunk_tokens), so each token's loss must
+        depend on its own log-probability only (trainer/logprobs.py)."""
 
 
-def sft_loss(logprobs: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
+def sft_loss(logprobs: torch.Tensor, mb: TokenSlice) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Negative log-likelihood of the trained tokens (summed)."""
     nll = -(logprobs * mb.loss_mask).sum()
-    return nll, {"nll_sum": float(nll.detach())}
+    return nll, {"nll_sum": nll.detach()}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -53,44 +63,31 @@ def _run(model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
                  packed_seq_params=packed_seq_params(mb.seqlens, ids.device))
 
 
-def aligned_logprobs(logits: torch.Tensor, mb: MicroBatch, vocab_size: int) -> torch.Tensor:
-    """Token-aligned log-probabilities [T] from the logits of `mb` (0 at sample starts), either layout."""
-    if mb.padded_len is not None:
-        rows = mb.rows()
-        lp = token_logprobs(logits, torch.roll(rows, -1, dims=1), vocab_size)
-        lp = torch.cat([lp.new_zeros(lp.size(0), 1), lp[:, :-1]], dim=1)  # row r, position j predicts token j
-        return torch.cat([lp[r, :n] for r, n in enumerate(mb.seqlens)])
-    ids = mb.input_ids
-    lp = token_logprobs(logits, torch.roll(ids, -1)[None], vocab_size)[0]  # position j predicts token j+1
-    out = torch.cat([lp.new_zeros(1), lp[:-1]])
-    starts = torch.tensor([0] + list(mb.seqlens[:-1]), device=ids.device).cumsum(0)
-    return out.index_fill(0, starts, 0.0)  # the cross-sample predictions are never used
-
-
 def sequence_logprobs(model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
     """Token-aligned log-probabilities [T] of `mb` under a whole model (one GPTModel, or a Policy without
     pipeline parallelism)."""
     if isinstance(model, Policy):
         model = model.single_module()
-    if mb.padded_len is None:
-        logits = forward_logits(model, mb.input_ids[None], packed_seq_params(mb.seqlens, mb.input_ids.device))
-    else:
-        logits = forward_logits(model, mb.rows())
-    return aligned_logprobs(logits, mb, model.arch.vocab_size)  # type: ignore[attr-defined]
+    return aligned_logprobs(_run(model, mb), output_weight(model), mb, model.arch.vocab_size,  # type: ignore
+                            unwrapped(model).logprob_chunk)
 
 
 # --------------------------------------------------------------------------------------------------
 # the schedule
 
 
-def _loss(mb: MicroBatch, loss_fn: LossFn | None, vocab_size: int, temperature: float, output: torch.Tensor,
-          non_loss_data=False):
+def _loss(mb: MicroBatch, loss_fn: LossFn | None, vocab_size: int, model: torch.nn.Module, temperature: float,
+          output: torch.Tensor, non_loss_data=False):
+    """The last stage's loss from the policy's output (its last hidden states), chunk by chunk (logprobs.py), at
+    `temperature`: logits / T = (hidden / T) @ W^T, so the hidden states are scaled and the chunks stay as they are."""
+    weight, chunk = output_weight(model), unwrapped(model).logprob_chunk
+    if temperature != 1.0:
+        output = output / temperature
     with host_device.paused():
-        lp = aligned_logprobs(output if temperature == 1.0 else output / temperature, mb, vocab_size)
         if non_loss_data or loss_fn is None:
-            return lp.detach()
-        loss, metrics = loss_fn(lp, mb)
-    return loss, torch.tensor(mb.num_trained, dtype=torch.int), {"loss_sum": loss.detach(), **metrics}
+            return aligned_logprobs(output, weight, mb, vocab_size, chunk)
+        loss, metrics = fused_loss(output, weight, mb, vocab_size, loss_fn, chunk)
+    return loss, mb.loss_mask.sum().to(torch.int), {"loss_sum": loss.detach(), **metrics}
 
 
 class Progress:
@@ -126,7 +123,7 @@ def _schedule(policy: Policy, micro_batches: list[MicroBatch], loss_fn: LossFn |
         if slow:
             time.sleep(slow)
         PROGRESS.micro_batches += 1
-        return output, partial(_loss, mb, loss_fn, vocab, temperature)
+        return output, partial(_loss, mb, loss_fn, vocab, model, temperature)
 
     chunks = list(policy.chunks)
     return get_forward_backward_func()(
@@ -144,10 +141,10 @@ def forward_backward(policy: Policy, micro_batches: list[MicroBatch], loss_fn: L
     with host_device.on_host():
         policy.zero_grad_buffers()
         out = _schedule(policy, micro_batches, loss_fn, forward_only=False, temperature=temperature)
-    sums: dict[str, float] = {}
-    for reduced in out:
+    sums: dict = {}
+    for reduced in out:   # device tensors: read once, in from_last_stage
         for k, v in reduced.items():
-            sums[k] = sums.get(k, 0.0) + float(v)
+            sums[k] = sums.get(k, 0.0) + v
     sums = from_last_stage(sums)
     d = max(denom, 1.0)
     return {"loss": sums.pop("loss_sum") / d, "num_tokens": denom, **{k: v / d for k, v in sums.items()}}

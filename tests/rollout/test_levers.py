@@ -259,7 +259,7 @@ def test_staleness_mask_and_token_versions_column():
     vals, off = cols.token_versions()
     assert vals.tolist() == [0, 1, 2, 2] and off.tolist() == [0, 2, 4]
     pytest.importorskip("megatron.core")
-    from rstar_hpc.trainer.rl import staleness_mask
+    from rstar_hpc.trainer.off_policy import staleness_mask
     behind = cols.policy_version.max() - vals
     mask, n = staleness_mask(np.array([1, 1, 1, 0], np.uint8), behind, bound=1)
     assert mask.tolist() == [0, 1, 1, 0] and n == 1

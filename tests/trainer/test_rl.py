@@ -122,7 +122,7 @@ def test_an_on_policy_step_mixing_versions_corrects_exactly_the_older_ones(dist1
     """On-policy mode, the trainer holding v2: a step whose trajectories come from v2 and v1 (an engine that fell
     back to older files), one of them resumed from v1 to v2 mid-response. Exactly the v1 tokens get an importance
     weight; v2's get none though their engine logprobs differ from the trainer's too."""
-    from rstar_hpc.trainer.rl import recompute_old_logprobs
+    from rstar_hpc.trainer.off_policy import recompute_old_logprobs
     from rstar_hpc.trainer.step import pack
 
     cfg = _cfg(tmp_path, tiny_hf_dir)

@@ -86,8 +86,9 @@ BF16, DIST = {"params_dtype": "bfloat16"}, {"use_distributed_optimizer": True}
                                           (BF16, {**BF16, **DIST})])
 def test_resume_is_exact_with_bf16_and_the_distributed_optimizer(dist1, tiny_hf_dir, tmp_path, saved, loaded):
     """Saved after two steps and loaded into a fresh policy, the third step is bitwise the uninterrupted one:
-    fp32 main weights and AdamW moments (sharded, for the distributed optimizer) round-trip exactly, also from
-    the plain bf16 optimizer into the distributed one."""
+    fp32 main weights and AdamW moments (sharded, for the distributed optimizer) round-trip exactly. From the plain
+    bf16 optimizer into the distributed one the loss is bitwise too; the gradient norm (so the clipped update) only
+    to rounding, as the two sum the norm's squares in different orders (so do they from equal fresh gradients)."""
     from rstar_hpc.trainer.checkpoint import TrainState, load_checkpoint, save_checkpoint
     from rstar_hpc.trainer.step import build_scheduler
 
@@ -105,8 +106,14 @@ def test_resume_is_exact_with_bf16_and_the_distributed_optimizer(dist1, tiny_hf_
     load_checkpoint(b, tmp_path / "ckpt")
     ma = train_step(a.model, a.optimizer, a.scheduler, samples)
     mb = train_step(b.model, b.optimizer, b.scheduler, samples)
-    assert ma["loss"] == mb["loss"] and ma["grad_norm"] == mb["grad_norm"] and ma["lr"] == mb["lr"]
-    for pa, pb in zip(a.model.parameters(), b.model.parameters()):
-        assert torch.equal(pa, pb)
+    assert ma["loss"] == mb["loss"] and ma["lr"] == mb["lr"]
+    if saved == loaded:
+        assert ma["grad_norm"] == mb["grad_norm"]
+        for pa, pb in zip(a.model.parameters(), b.model.parameters()):
+            assert torch.equal(pa, pb)
+    else:   # the two optimizers sum the norm's squares in different orders: equal gradients, norms ~1e-7 apart
+        assert ma["grad_norm"] == pytest.approx(mb["grad_norm"], rel=1e-6)
+        for pa, pb in zip(a.model.parameters(), b.model.parameters()):
+            torch.testing.assert_close(pa, pb, rtol=0, atol=2 ** -8 * float(pa.abs().max()))
     main = [p for o in b.optimizer.chained_optimizers for g in o.optimizer.param_groups for p in g["params"]]
     assert all(p.dtype == torch.float32 for p in main)

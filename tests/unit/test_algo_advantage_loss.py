@@ -232,3 +232,12 @@ def test_data_parallel_ranks_average_to_the_global_mean():
     assert torch.allclose((rank_grads[0] + rank_grads[1]) / 2, ref_grad, atol=1e-12)
     summed, _ = policy_loss(lp, old, adv, mask, global_num_tokens=None)
     assert summed.item() == pytest.approx(policy_loss(lp, old, adv, mask, global_num_tokens=n)[0].item() * n)
+
+
+def test_loss_statistics_stay_on_the_device_until_read():
+    """The statistics are 0-dim tensors a trainer adds up over micro-batches and reads once a step."""
+    lp = torch.tensor([-1.0, -2.0, -0.5])
+    _, stats = policy_loss(lp, lp - 0.1, torch.tensor([1.0, -1.0, 1.0]), torch.tensor([1, 1, 0]),
+                           global_num_tokens=None)
+    assert all(isinstance(v, torch.Tensor) and v.dim() == 0 for v in stats.values())
+    assert float(stats["num_tokens"]) == 2.0

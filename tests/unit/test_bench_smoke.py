@@ -43,7 +43,8 @@ def _run(script: str, *args: str, tmpdir: Path | None = None) -> tuple[int, dict
 
 
 def test_the_glob_finds_the_benches():
-    assert {"exchange.py", "roc.py", "rollout_balance.py", "sandbox_service.py", "trainer.py"} <= set(SCRIPTS)
+    assert {"exchange.py", "logprobs.py", "roc.py", "rollout_balance.py", "sandbox_service.py", "trainer.py"} <= \
+        set(SCRIPTS)
     assert "trainer_sized.py" not in SCRIPTS   # a module of trainer.py, no script
 
 
@@ -65,6 +66,9 @@ def test_bench_quick_runs_and_ends_with_its_figures(script, tmp_path, short_tmpd
         assert rc == (0 if figures[flag] else 1), f"bench/{script}: exit {rc} with {flag}={figures[flag]}"
     else:
         assert rc == 0, f"bench/{script}: exit {rc}:\n{stderr[-3000:]}"
+    if script == "logprobs.py":   # both paths ran and computed the same loss
+        assert figures["peak_ratio"] > 0 and figures["speed_ratio"] > 0
+        assert figures["loss_rel_diff"] < 1e-5
     if script == "exchange.py":   # what tests/unit/test_exchange_bench.py checked
         for fmt in ("arrow", "jsonl", "parquet"):
             assert figures[fmt]["bytes"] > 0 and figures[fmt]["write_s"] > 0

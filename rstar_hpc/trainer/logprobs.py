@@ -1,0 +1,205 @@
+"""Token log-probabilities and the loss from the last hidden states, never holding the full-vocabulary logits.
+
+The policy's output layer (`HiddenOutputLayer`) returns its input, made ready for the vocab-parallel matmul, instead
+of the logits. The trainer then goes over a micro-batch `trainer.logprob_chunk_tokens` tokens at a time: the
+chunk's logits over this rank's vocabulary shard (fp32), its softmax in place of them, log p(target), and, for
+the loss (`fused_loss`), the loss function on the chunk and the chunk's share of the gradients of the hidden states
+and of the output weight. The transient memory is chunk x vocab/tp fp32 instead of tokens x vocab/tp (several
+times: bf16 logits, their fp32 copy, the softmax kept for backward), for the same three matmuls of the output
+layer: nothing is recomputed, because the loss functions are sums over tokens of a function of each token's
+log-probability (step.LossFn), so a chunk's d loss / d log p is known as soon as its log-probabilities are. The
+autograd backward only scales the gradients left by the forward by the schedule's output gradient.
+
+Tensor parallel: the max, then the sum-exp with the target logit (contributed by the rank owning the target id)
+are all-reduced over the tensor-parallel group, two small all-reduces per chunk. The hidden states' gradient of
+each rank (its vocabulary shard's part) is all-reduced by megatron's `copy_to_tensor_model_parallel_region` (a
+reduce-scatter after the gather with sequence parallelism), as the output layer's own backward would. Padded
+vocabulary rows (Megatron pads to a multiple of the tensor-parallel size) are never computed, so the numbers are
+the unpadded Hugging Face model's.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import ColumnParallelLinear
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+)
+
+from rstar_hpc.config.trainer import TrainerConfig
+
+DEFAULT_CHUNK = TrainerConfig.model_fields["logprob_chunk_tokens"].default
+ReduceOp = torch.distributed.ReduceOp
+
+
+class HiddenOutputLayer(ColumnParallelLinear):
+    """The output layer of a trainer-built GPTModel: returns the hidden states the logits matmul would take
+    (gathered over the sequence with sequence parallelism; with the tensor-parallel backward all-reduce attached),
+    so `GPTModel.forward` yields [b, s, hidden] on the last stage. Same parameters, state dict and checkpoints."""
+
+    def forward(self, input_, weight=None, runtime_gather_output=None):
+        if self.sequence_parallel:
+            return gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=True,
+                                                        group=self.tp_group), None
+        if self.tp_group is not None and self.tp_group.size() > 1:
+            return copy_to_tensor_model_parallel_region(input_, group=self.tp_group), None
+        return input_, None
+
+
+def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside DDP (or any `.module` wrapper)."""
+    while not hasattr(model, "output_layer") and hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def output_weight(model: torch.nn.Module) -> torch.Tensor:
+    """This rank's shard of the output weight [vocab/tp, hidden] (the embedding when they are tied)."""
+    model = unwrapped(model)
+    if model.share_embeddings_and_output_weights:
+        return model.shared_embedding_or_output_weight()
+    return model.output_layer.weight
+
+
+def full_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The logits [..., vocab/tp] of the hidden states the policy returns (evaluation, tests: all of them at once)."""
+    return F.linear(hidden, weight)
+
+
+
+def _tp_group():
+    return parallel_state.get_tensor_model_parallel_group() \
+        if parallel_state.get_tensor_model_parallel_world_size() > 1 else None
+
+
+def _vocab_range(weight: torch.Tensor, vocab_size: int, group) -> tuple[int, int]:
+    """(first vocabulary id of this rank's shard, rows of it that are real, not padding)."""
+    rows = weight.size(0)
+    first = (group.rank() if group is not None else 0) * rows
+    return first, max(0, min(rows, vocab_size - first))
+
+
+def _chunk(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, first: int, valid: int, group
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One chunk of c tokens: (exp(logits - max) [valid, c] in fp32, its sum over the whole vocabulary [c], local
+    target row [c], target owned here [c], log p(target) [c]); max, sum-exp and target logit over the
+    tensor-parallel group. Vocabulary-major ([valid, c], the weight first: on the CPU that matmul ran ~1.4x faster
+    than [c, valid] at c = 96); the exponentials are made in place of the logits, one fp32 buffer."""
+    logits = (weight[:valid] @ h.t()).float()
+    local = targets - first
+    mine = (local >= 0) & (local < valid)
+    row = local.clamp(0, max(valid - 1, 0))
+    tgt = torch.where(mine, logits.gather(0, row[None, :])[0], 0.0) if valid else logits.new_zeros(h.size(0))
+    m = logits.amax(0) if valid else logits.new_full((h.size(0),), float("-inf"))
+    if group is not None:
+        torch.distributed.all_reduce(m, op=ReduceOp.MAX, group=group)
+    exps = logits.sub_(m[None, :]).exp_()
+    s = exps.sum(0)   # a rank holding only padding adds 0
+    if group is not None:
+        both = torch.stack([s, tgt])
+        torch.distributed.all_reduce(both, group=group)
+        s, tgt = both[0], both[1]
+    return exps, s, row, mine, tgt - m - torch.log(s)
+
+
+def _bounds(tokens: int, chunk: int) -> list[tuple[int, int]]:
+    """Chunks of at most `chunk` tokens, as even as possible: a short last chunk streams the whole weight through
+    its matmuls for few tokens."""
+    n = -(-tokens // chunk)
+    cuts = [tokens * i // n for i in range(n + 1)]
+    return list(zip(cuts[:-1], cuts[1:]))
+
+
+def _aligned_rows(mb, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For token-aligned index i of `mb`: the row of the model's flattened output [b*s] that predicts token i, the
+    token, and whether i starts a sample (no prediction: log-probability 0). Built on the host from seqlens."""
+    starts = torch.zeros(mb.num_tokens, dtype=torch.bool)
+    offsets = torch.tensor([0] + list(mb.seqlens[:-1])).cumsum(0)
+    starts[offsets] = True
+    if mb.padded_len is None:
+        src = (torch.arange(mb.num_tokens) - 1).clamp(min=0)
+    else:
+        src = torch.cat([torch.arange(n) - 1 + r * mb.padded_len for r, n in enumerate(mb.seqlens)]).clamp(min=0)
+    return src.to(device), mb.input_ids, starts.to(device)
+
+
+@torch.no_grad()
+def aligned_logprobs(hidden: torch.Tensor, weight: torch.Tensor, mb, vocab_size: int,
+                     chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
+    """Token-aligned log-probabilities [T] of `mb` (0 at sample starts) from the policy's output [b, s, hidden]
+    (either layout) and this rank's output-weight shard; chunks of `chunk` tokens, no gradient."""
+    group = _tp_group()
+    first, valid = _vocab_range(weight, vocab_size, group)
+    src, targets, starts = _aligned_rows(mb, hidden.device)
+    flat = hidden.reshape(-1, hidden.size(-1))
+    out = torch.empty(mb.num_tokens, dtype=torch.float32, device=hidden.device)
+    for a, b in _bounds(mb.num_tokens, chunk):
+        out[a:b] = _chunk(flat.index_select(0, src[a:b]), weight, targets[a:b], first, valid, group)[4]
+    return out.masked_fill_(starts, 0.0)
+
+
+class _FusedLoss(torch.autograd.Function):
+    """The loss SUM of a micro-batch from the policy's flattened output and the output weight; see
+    `fused_loss`. The forward leaves the gradients, the backward scales them."""
+
+    @staticmethod
+    def forward(ctx, flat, weight, mb, vocab_size: int, chunk: int, group, loss_fn, metrics: dict):
+        first, valid = _vocab_range(weight, vocab_size, group)
+        src, targets, starts = _aligned_rows(mb, flat.device)
+        grad_h = torch.zeros_like(flat, dtype=torch.float32)
+        grad_w = torch.empty_like(weight) if ctx.needs_input_grad[1] else None
+        if grad_w is not None:
+            grad_w[valid:].zero_()   # padding rows; the real ones are written by the first chunk
+        total = flat.new_zeros((), dtype=torch.float32)
+        for a, b in _bounds(mb.num_tokens, chunk):
+            h = flat.index_select(0, src[a:b])
+            exps, sums, row, mine, lp = _chunk(h, weight, targets[a:b], first, valid, group)
+            with torch.enable_grad():
+                lp = lp.masked_fill(starts[a:b], 0.0).requires_grad_()
+                loss, m = loss_fn(lp, mb.tokens(a, b))
+                g = torch.autograd.grad(loss, lp)[0] if loss.requires_grad else torch.zeros_like(lp)
+            total += loss.detach().float()
+            for k, v in m.items():
+                metrics[k] = metrics.get(k, 0.0) + v
+            if not valid:
+                continue
+            # d loss / d logits = g * (onehot(target) - softmax), formed in place of the exponentials
+            g = g.detach().float()
+            d = exps.mul_((-g / sums)[None, :])
+            d.scatter_add_(0, row[None, :], torch.where(mine, g, 0.0)[None, :])
+            d = d.to(flat.dtype)
+            w = weight[:valid]
+            grad_h.index_add_(0, src[a:b], (w.t() @ d).t().float())
+            if grad_w is not None and a == 0:
+                torch.mm(d, h, out=grad_w[:valid])
+            elif grad_w is not None:
+                grad_w[:valid].addmm_(d, h)
+            del exps, d   # before the next chunk's logits: one chunk buffer at a time
+        ctx.grads = (grad_h.to(flat.dtype), grad_w)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad_h, grad_w = ctx.grads
+        ctx.grads = None
+        if grad.device.type != "cpu" or float(grad) != 1.0:   # the schedule's scale: 1 unless a loss scale applies
+            grad_h = grad_h * grad.to(grad_h.dtype)
+            grad_w = grad_w.mul_(grad.to(grad_w.dtype)) if grad_w is not None else None
+        return grad_h, grad_w, None, None, None, None, None, None
+
+
+def fused_loss(hidden: torch.Tensor, weight: torch.Tensor, mb, vocab_size: int, loss_fn,
+               chunk: int = DEFAULT_CHUNK) -> tuple[torch.Tensor, dict]:
+    """`loss_fn` (step.LossFn: a SUM over tokens) of micro-batch `mb`, from the policy's output [b, s, hidden] and
+    this rank's output-weight shard, chunks of `chunk` tokens; returns (loss, the chunks' metrics added up).
+
+    The loss functions are sums over tokens of a function of each token's log-probability, so each chunk's
+    d loss / d log p is known as soon as its log-probabilities are: the forward computes the chunk's logits once,
+    and its gradients with them (three matmuls of the output layer, as with full logits; none recomputed). `loss_fn`
+    sees the chunk's log-probabilities and `mb.tokens(a, b)`."""
+    metrics: dict = {}
+    loss = _FusedLoss.apply(hidden.reshape(-1, hidden.size(-1)), weight, mb, vocab_size, max(1, int(chunk)),
+                            _tp_group(), loss_fn, metrics)
+    return loss, metrics
