@@ -38,7 +38,9 @@ def task_ranks(engines: int, env=None) -> tuple[list[int], int, str]:
     env = os.environ if env is None else env
     if int(env.get("SLURM_STEP_NUM_TASKS", "1") or 1) > 1 and "SLURM_PROCID" in env:
         size = int(env["SLURM_STEP_NUM_TASKS"])
-        return [int(env["SLURM_PROCID"])], size, f"{env.get('SLURM_JOB_ID', 'job')}.{env.get('SLURM_STEP_ID', 0)}"
+        # a requeued job numbers its steps from 0 again: the restart count keeps the sessions apart
+        return [int(env["SLURM_PROCID"])], size, (f"{env.get('SLURM_JOB_ID', 'job')}."
+                                                  f"r{env.get('SLURM_RESTART_COUNT', 0)}.{env.get('SLURM_STEP_ID', 0)}")
     return list(range(engines + 1)), engines + 1, f"local-{uuid.uuid4().hex[:12]}"
 
 
@@ -85,8 +87,8 @@ class Keeper:
             self.session.dir.mkdir(parents=True, exist_ok=True)
             if self._keeps_rank0():
                 self._start_name_server()
-            else:
-                wait_for(self.session.uri, 600.0, "the session's ompi-server address", give_up=self.session.over)
+            elif not self._wait_for_name_server():
+                return 0   # rank 0 has left already: its exit is the step's
             for r in self.ranks:
                 self._start(r)
             while not all(r.done for r in self.ranks):
@@ -121,6 +123,16 @@ class Keeper:
                                        env={**self.env, **mpi_env(self.session)}, start_new_session=True,
                                        preexec_fn=_die_with_parent)
         wait_for(self.session.uri, 60.0, "ompi-server's address file")
+
+    def _wait_for_name_server(self) -> bool:
+        try:
+            wait_for(self.session.uri, 600.0, "the session's ompi-server address", give_up=self.session.over)
+            return True
+        except RuntimeError as e:
+            if not self.session.over.exists():
+                raise
+            log.warning("%s: starting no engine", e)
+            return False
 
     def _start(self, r: _Rank) -> None:
         env = {**_singleton_env(self.env), **mpi_env(self.session), **r.extra_env, RANK_ENV: str(r.rank),

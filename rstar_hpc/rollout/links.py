@@ -34,6 +34,7 @@ from rstar_hpc.rollout.mpi import TAG_DEAD, TAG_JOIN
 RANK_ENV, LOCAL_RANK_ENV, SIZE_ENV, SESSION_ENV = ("RSTAR_ROLLOUT_RANK", "RSTAR_ROLLOUT_LOCAL_RANK",
                                                    "RSTAR_ROLLOUT_SIZE", "RSTAR_ROLLOUT_SESSION")
 REPORT_POLL_S = 0.5   # how often rank 0 looks for the keepers' death reports (a stat per engine)
+ACCEPT_FAILURES = 10   # accepts failing in a row before rank 0 stops accepting engines
 log = logging.getLogger("rstar_hpc.rollout")
 
 
@@ -118,16 +119,21 @@ class RankZeroLinks:
         threading.Thread(target=self._accept, name="rollout-accept", daemon=True).start()
 
     def _accept(self) -> None:
-        """Accept engines for the life of the job (the thread dies with the process: rank 0 never finalizes)."""
-        MPI = self.MPI
-        while True:
+        """Accept engines for the life of the job (the thread dies with the process: rank 0 never finalizes). A
+        failing accept is tried again after a pause; one that keeps failing (the name server gone: the job is
+        ending) stops the acceptor."""
+        MPI, failures = self.MPI, 0
+        while failures < ACCEPT_FAILURES:
             try:
                 ic = MPI.COMM_SELF.Accept(self.port)
                 ic.Set_errhandler(MPI.ERRORS_RETURN)
                 hello = ic.recv(source=0, tag=TAG_JOIN)
-            except Exception:   # noqa: BLE001 - one engine's failed join must not end the acceptor
-                log.exception("an engine rank's connection failed before it joined")
+            except Exception as e:   # noqa: BLE001 - one engine's failed join must not end the acceptor
+                failures += 1
+                log.error("accepting an engine rank failed (%d of %d): %s", failures, ACCEPT_FAILURES, e)
+                time.sleep(2.0)
                 continue
+            failures = 0
             log.info("engine rank %d joined (pid %d)", hello["rank"], hello["pid"])
             self._queue.put((int(hello["rank"]), int(hello["pid"]), ic))
 
