@@ -153,7 +153,7 @@ class Keeper:
             code = r.proc.poll()
             if code is None:
                 if over and r.rank != 0:
-                    self._stop_engines_after_rank0()
+                    self._stop_all()   # rank 0 has left: the engines get the grace time, then go
                 continue
             _kill_group(r.proc.pid)
             if r.rank == 0:
@@ -192,12 +192,6 @@ class Keeper:
         for r in self.ranks:
             if r.proc is not None and r.proc.poll() is None:
                 r.proc.send_signal(signal.SIGUSR2 if signum == signal.SIGINT else signum)
-
-    def _stop_engines_after_rank0(self) -> None:
-        deadline = time.monotonic() + STOP_GRACE_S
-        while time.monotonic() < deadline and any(r.proc.poll() is None for r in self.ranks if not r.done):
-            time.sleep(POLL_S)
-        self._stop_all()
 
     def _stop_all(self) -> None:
         """Every rank still running here: given the grace time to leave on its own, then TERM, then KILL."""

@@ -30,7 +30,6 @@ as a paused (or finished) RESULT. EXIT and BYE end the job; ABORT may come at an
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 
 (TAG_START, TAG_SKIP, TAG_ACK, TAG_HELLO, TAG_WORK, TAG_KV, TAG_RESULT, TAG_MIGRATE, TAG_MOVED, TAG_PAUSE,
@@ -47,14 +46,6 @@ def init_mpi():
     if not MPI.Is_initialized():
         MPI.Init_thread(MPI.THREAD_MULTIPLE)
     return MPI
-
-
-def env_rank() -> int:
-    """This process's rank in the MPI job, from the launcher's environment (before MPI is initialised)."""
-    for k in ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID"):
-        if k in os.environ:
-            return int(os.environ[k])
-    return 0
 
 
 def wait_sent(requests: list, timeout_s: float) -> bool:
