@@ -1,7 +1,7 @@
 """The trainer on one GPU in bf16, measured: `scripts/gpu-check.sh` runs this (see there for wheels and --dry).
 
-For each recompute setting (none, selective MLP) on a randomly initialised Qwen3 of a published shape (default
-qwen3-0.6b, 0.6 B parameters): warm-up steps, then timed steps of
+For each published Qwen3 shape asked for (default qwen3-1.7b and qwen3-4b), randomly initialised, and each recompute
+setting (none, selective MLP): warm-up steps, then timed steps of
   SFT  the trainer's packed SFT step (`step.train_step` over `step.pack`): `--samples` random-token sequences of
        lengths in [seq_len/8, seq_len/2], token-mean NLL, AdamW, clipping;
   RL   the trainer's GRPO-RoC step on committed-shape trajectories (`rl.build_batch`: RoC, group advantages,
@@ -9,8 +9,9 @@ qwen3-0.6b, 0.6 B parameters): warm-up steps, then timed steps of
 Figures per step kind: tokens/s (trained tokens), MFU (model FLOPs, `plan.model_flops`: 3 passes for the update,
 1 more for the RL step's recompute, over the card's dense bf16 peak), and the peak memory from the model's build
 on, beside `rstar-hpc trainer plan`'s prediction for the same shape and layout. The last stdout line is one JSON
-object of every figure. `--dry` runs the same steps on the CPU at a tiny shape (a check of the script, no figures).
-On a GPU an untimed pass of the first setting comes first (see main).
+object of every figure. The first setting also runs one SFT and one RL step under torch.profiler: the top 10 kernels
+by time, and how busy the GPU was. `--dry` runs the same steps on the CPU at a tiny shape (a check of the script, no
+figures). On a GPU an untimed pass of the first setting comes first (see measure).
 """
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ DRY_SHAPE = ModelShape(vocab_size=512, hidden_size=128, intermediate_size=256, n
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dry", action="store_true", help="the same steps on the CPU at a tiny shape")
-    ap.add_argument("--model", default="qwen3-0.6b", choices=sorted(PUBLISHED))
+    ap.add_argument("--models", default="qwen3-1.7b,qwen3-4b",
+                    help=f"published shapes to measure, in this order (of {', '.join(sorted(PUBLISHED))})")
     ap.add_argument("--seq-len", type=int, default=8192, help="micro-batch tokens (packed)")
     ap.add_argument("--samples", type=int, default=16, help="SFT sequences per step")
     ap.add_argument("--rl-prompts", type=int, default=8, help="RL prompts per step (8 rollouts each, 4 kept)")
@@ -51,7 +53,12 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=3, help="timed steps")
     ap.add_argument("--peak-tflops", type=float, default=None, help="MFU denominator [by the GPU's name]")
     ap.add_argument("--recompute", default="none,selective", help="settings to measure, in this order")
+    ap.add_argument("--no-profile", dest="profile", action="store_false",
+                    help="skip the torch.profiler pass (one SFT and one RL step of the first setting)")
     args = ap.parse_args()
+    args.models = args.models.split(",")
+    if unknown := [m for m in args.models if m not in PUBLISHED]:
+        ap.error(f"--models: unknown shape {unknown}; published: {', '.join(sorted(PUBLISHED))}")
     if args.dry:
         args.seq_len, args.samples, args.rl_prompts, args.rl_response_tokens = 512, 4, 2, 120
         args.warmup, args.steps = 1, 1
@@ -148,8 +155,9 @@ def timed(args, steps: list, run, peak: float | None) -> dict:
     return out
 
 
-def check(args, device: str, recompute: str, peak: float | None) -> dict:
-    """One recompute setting: build the policy, time SFT then RL steps, the peak memory over both."""
+def check(args, device: str, recompute: str, peak: float | None, profile: bool = False) -> dict:
+    """One recompute setting: build the policy, time SFT then RL steps, the peak memory over both; with `profile`,
+    one more SFT and RL step each under torch.profiler."""
     from rstar_hpc.config.algo import AlgoConfig
     from rstar_hpc.trainer.model import Qwen3Arch
     from rstar_hpc.trainer.parallel import build_optimizer, build_policy
@@ -175,12 +183,57 @@ def check(args, device: str, recompute: str, peak: float | None) -> dict:
         rl_step(policy, opt, None, batch, algo.loss, tcfg)
         lens = [len(ids) for ids, _ in batch.samples]
         return lens, [3, 1]   # the update, and pi_old recomputed
-    out = {"sft": timed(args, sft_batches(args, args.shape.vocab_size), sft, peak),
-           "rl": timed(args, rl_tables(args, args.shape.vocab_size), rl, peak),
+    sft_steps, rl_steps = sft_batches(args, args.shape.vocab_size), rl_tables(args, args.shape.vocab_size)
+    out = {"sft": timed(args, sft_steps, sft, peak), "rl": timed(args, rl_steps, rl, peak),
            "planned_gib": planned_gib(args.shape, args, recompute)}
     if device == "cuda":
         out["peak_mem_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    if profile:
+        out["profile"] = profiled(device, lambda: (sft(sft_steps[-1]), rl(rl_steps[-1])))
     return out   # the policy and optimizer go with this frame: the next setting starts from an empty GPU
+
+
+def profiled(device: str, run) -> dict:
+    """torch.profiler over `run()`: the 10 kernels (CPU: ops) with the most self time, their share of all kernel
+    time, and how busy the device was over the wall time (low: the host is the bottleneck)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=acts) as prof:
+        run()
+        if cuda:
+            torch.cuda.synchronize()
+    wall_us = (time.perf_counter() - t0) * 1e6
+    events = [e for e in prof.key_averages() if not cuda or e.device_type == DeviceType.CUDA]
+    own = (lambda e: e.self_device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
+    total = sum(own(e) for e in events) or 1.0
+    top = sorted(events, key=own, reverse=True)[:10]
+    for e in top:
+        print(f"gpu-check: profile {own(e) / 1e3:9.1f} ms {100 * own(e) / total:5.1f}%  {e.key[:110]}",
+              file=sys.stderr, flush=True)
+    return {"wall_ms": round(wall_us / 1e3, 1), "kernel_ms": round(total / 1e3, 1),
+            "device_busy": round(total / wall_us, 3) if cuda else None,
+            "top": [[e.key[:160], round(own(e) / 1e3, 2), round(own(e) / total, 4)] for e in top]}
+
+
+def measure(args, device: str, peak: float | None) -> dict:
+    """Every recompute setting of `args.shape`, after an untimed pass of the first one on a GPU."""
+    settings = args.recompute.split(",")
+    if device == "cuda":
+        # an untimed pass first: on an H200 the first setting measured ran at ~40% of the same setting measured
+        # again later, whichever it was (kernels compiled and autotuned), warm-up steps or not
+        check(argparse.Namespace(**{**vars(args), "warmup": 1, "steps": 1}), device, settings[0], peak)
+    figures = {}
+    for i, recompute in enumerate(settings):
+        figures[recompute] = check(args, device, recompute, peak, profile=args.profile and i == 0)
+        brief = {k: v for k, v in figures[recompute].items() if k != "profile"}
+        print(f"gpu-check: {args.name} recompute {recompute}: {json.dumps(brief)}", file=sys.stderr, flush=True)
+    return figures
 
 
 def main() -> None:
@@ -188,32 +241,25 @@ def main() -> None:
     device = "cpu" if args.dry else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
         sys.exit("gpu-check: no CUDA device visible; --dry runs the same steps on the CPU")
-    args.shape = DRY_SHAPE if args.dry else PUBLISHED[args.model]
     for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29591"), ("RANK", "0"), ("WORLD_SIZE", "1")):
         os.environ.setdefault(k, v)
     from rstar_hpc.trainer.model import have_transformer_engine
     from rstar_hpc.trainer.parallel import destroy_distributed, init_distributed
+    from rstar_hpc.trainer.plan import model_flops
 
     init_distributed(tp=1, backend=device)
     peak = peak_tflops(args)
     t0 = time.perf_counter()
-    settings = args.recompute.split(",")
-    if not args.dry:
-        # an untimed pass first: on an H200 the first setting measured ran at ~40% of the same setting measured
-        # again later, whichever it was (kernels compiled for each new packed shape, autotuning), warm-up steps or not
-        check(args, device, settings[0], peak)
-    figures = {}
-    for recompute in settings:
-        figures[recompute] = check(args, device, recompute, peak)
-        print(f"gpu-check: recompute {recompute}: {json.dumps(figures[recompute])}", file=sys.stderr, flush=True)
+    models = {}
+    for name in ["dry"] if args.dry else args.models:
+        args.name, args.shape = name, DRY_SHAPE if args.dry else PUBLISHED[name]
+        models[name] = {"params": model_flops(args.shape, [1])[1], **measure(args, device, peak)}
     destroy_distributed()
-    from rstar_hpc.trainer.plan import model_flops
     out = {"check": "gpu", "device": torch.cuda.get_device_name() if device == "cuda" else "cpu (--dry)",
-           "torch": torch.__version__, "model": "dry" if args.dry else args.model,
-           "params": model_flops(args.shape, [1])[1], "seq_len": args.seq_len,
+           "torch": torch.__version__, "seq_len": args.seq_len,
            "dtype": "float32" if args.dry else "bfloat16 (fp32 main weights)",
            "layer_spec": "transformer_engine" if device == "cuda" and have_transformer_engine() else "local+sdpa",
-           "peak_tflops": peak, "wall_s": round(time.perf_counter() - t0, 1), **figures}
+           "peak_tflops": peak, "wall_s": round(time.perf_counter() - t0, 1), "models": models}
     print(json.dumps(out))
 
 

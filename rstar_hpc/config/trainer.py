@@ -104,6 +104,10 @@ class TrainerConfig(Section):
     chunk from the last hidden states (trainer/logprobs.py), so the fp32 logits of only this many tokens exist at
     once (tokens x vocabulary / tensor_parallel_size x 4 bytes: 0.6 GB at 1024 and Qwen3's 151,936) instead of the
     whole micro-batch's. Smaller: less memory, more, smaller matmuls (bench/logprobs.py)."""
+    packed_length_multiple: int | None = Field(None, ge=1)
+    """Packed micro-batches are padded (one untrained filler sample) to a multiple of this many tokens, so the
+    compiled kernels see a few lengths instead of a new one every micro-batch. null: 256 on CUDA (at most 32 lengths
+    at 8,192 tokens, ~1.5% filler), 1 (off) on the CPU, where compute is the cost and nothing is compiled."""
     recompute_old_logprobs: bool = True
     """Recompute pi_old with the trainer (at rollout.agent.temperature, as the engines' logprobs are) instead of
     trusting the engine's logprobs; the importance weight of another policy's tokens needs it (algo.loss.tis_cap)."""

@@ -20,6 +20,7 @@ numbers match the Hugging Face model exactly.
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import math
 from dataclasses import asdict, dataclass
@@ -29,9 +30,12 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb as _megatron_rope
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.gpt import GPTModel
 from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer import attention as megatron_attention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -39,8 +43,9 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 try:
     from torch.nn.attention.varlen import varlen_attn
+    _VARLEN_ARGS = set(inspect.signature(varlen_attn).parameters)   # torch 2.10 took is_causal, later window_size
 except ImportError:  # torch without the flash varlen entry point: per-sample calls
-    varlen_attn = None
+    varlen_attn, _VARLEN_ARGS = None, set()
 
 from rstar_hpc.models.shapes import ModelShape, read_hf_config
 from rstar_hpc.trainer.logprobs import DEFAULT_CHUNK, HiddenOutputLayer, full_logits, output_weight
@@ -188,9 +193,15 @@ class SDPACoreAttention(MegatronModule):
         gqa = self.num_groups != self.num_heads
         if (varlen_attn is not None and query.is_cuda and query.dtype in (torch.bfloat16, torch.float16)
                 and not dropout and packed.max_seqlen_q is not None):
+            kw = ({"window_size": (-1, 0) if causal else (-1, -1)} if "window_size" in _VARLEN_ARGS
+                  else {"is_causal": causal})
+            if "enable_gqa" in _VARLEN_ARGS:
+                kw["enable_gqa"] = gqa
+            elif gqa:   # flash takes fewer key/value heads itself; this torch's wrapper does not say so
+                reps = self.num_heads // self.num_groups
+                key, value = key.repeat_interleave(reps, dim=1), value.repeat_interleave(reps, dim=1)
             out = varlen_attn(query, key, value, cu.to(torch.int32), cu.to(torch.int32), packed.max_seqlen_q,
-                              packed.max_seqlen_q, scale=self.softmax_scale,
-                              window_size=(-1, 0) if causal else (-1, -1), enable_gqa=gqa)
+                              packed.max_seqlen_q, scale=self.softmax_scale, **kw)
             return out.reshape(query.size(0), -1)
         lens = (cu[1:] - cu[:-1]).tolist()
         outs = []
@@ -208,6 +219,27 @@ class CPURotaryEmbedding(RotaryEmbedding):
     def get_emb(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
         freqs = self.get_freqs_non_repeated(max_seq_len, offset)
         return torch.cat((freqs, freqs), dim=-1)[:, None, None, :]  # rotate-half layout, as Qwen3
+
+
+def packed_rope(t: torch.Tensor, freqs: torch.Tensor, config: TransformerConfig, cu_seqlens: torch.Tensor | None = None,
+                mscale: float = 1.0, cp_group=None) -> torch.Tensor:
+    """megatron-core's `apply_rotary_pos_emb`, with packed (THD) rows rotated by positions found on the device.
+    Megatron's unfused THD path reads `cu_seqlens` to the host (`.tolist()`) for the query and the key of every
+    layer, so the host waits for the GPU twice a layer; here each token's position within its sample is
+    `i - cu_seqlens[sample of i]` (a `searchsorted`), and one gather of `freqs` gives the same rotation. Megatron's
+    own path is kept where it differs: fused RoPE (Transformer Engine), context parallelism, MLA."""
+    if (cu_seqlens is None or config.apply_rope_fusion or config.multi_latent_attention
+            or (cp_group is not None and cp_group.size() > 1)):
+        return _megatron_rope(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group)
+    idx = torch.arange(t.size(0), device=cu_seqlens.device, dtype=cu_seqlens.dtype)
+    starts = cu_seqlens[torch.searchsorted(cu_seqlens, idx, right=True) - 1]
+    pos = (idx - starts).long().to(freqs.device)
+    return _apply_rotary_pos_emb_bshd(t.unsqueeze(1), freqs[pos], rotary_interleaved=config.rotary_interleaved,
+                                      mscale=mscale).squeeze(1)
+
+
+# megatron's attention calls the name it imported; every attention layer of this process takes packed_rope
+megatron_attention.apply_rotary_pos_emb = packed_rope
 
 
 def packed_seq_params(seqlens: list[int] | torch.Tensor, device: torch.device | str = "cpu") -> PackedSeqParams:

@@ -16,6 +16,7 @@ shape and needs a micro-batch count that is a multiple of the pipeline size: fil
 """
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -74,10 +75,14 @@ class MicroBatch:
         return int(self.loss_mask.sum())
 
     def to(self, device: torch.device | str) -> MicroBatch:
+        """The same micro-batch on `device`, not validated again (on a GPU that would wait for the copy)."""
         def move(x):
             return None if x is None else x.to(device)
-        return MicroBatch(move(self.input_ids), self.seqlens, move(self.loss_mask), move(self.advantages),
-                          move(self.old_logprobs), {k: move(v) for k, v in self.extras.items()}, self.padded_len)
+        out = copy.copy(self)
+        for name in ("input_ids", "loss_mask", *PER_TOKEN[1:]):
+            setattr(out, name, move(getattr(self, name)))
+        out.extras = {k: move(v) for k, v in self.extras.items()}
+        return out
 
     def tokens(self, a: int, b: int) -> TokenSlice:
         """The per-token fields of tokens [a, b): what a loss function reads, chunk by chunk (trainer/logprobs.py)."""

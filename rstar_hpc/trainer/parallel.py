@@ -97,10 +97,11 @@ def destroy_distributed(keep_world: bool = False) -> None:
 class Policy(torch.nn.Module):
     """This rank's model chunks (DDP-wrapped), in virtual-stage order; `arch` is the whole model's."""
 
-    def __init__(self, chunks: list[DistributedDataParallel], arch: Qwen3Arch):
+    def __init__(self, chunks: list[DistributedDataParallel], arch: Qwen3Arch, length_multiple: int = 1):
         super().__init__()
         self.chunks = torch.nn.ModuleList(chunks)
         self.arch = arch
+        self.length_multiple = length_multiple   # packed micro-batches are padded to a multiple of this
 
     @property
     def config(self):
@@ -153,7 +154,8 @@ def build_policy(arch: Qwen3Arch, trainer, backend: Backend, *, seed: int = 0) -
     for c in chunks:
         c.config.finalize_model_grads_func = finalize_model_grads
         c.config.no_sync_func = [x.no_sync for x in chunks] if len(chunks) > 1 else chunks[0].no_sync
-    return Policy(chunks, arch)
+    multiple = trainer.packed_length_multiple or (256 if backend == "cuda" else 1)
+    return Policy(chunks, arch, multiple)
 
 
 def build_optimizer(policy: Policy, trainer, lr: float):

@@ -66,6 +66,37 @@ def test_logits_match_hugging_face(pair):
                                rtol=tol, atol=tol)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_varlen_attention_equals_per_sample_attention_in_bf16(monkeypatch):
+    """On CUDA in bf16 a packed micro-batch takes one flash varlen call per layer; it equals one causal SDPA call
+    per sample, values and gradients, with grouped-query heads (8 query, 2 key/value heads of 128)."""
+    from types import SimpleNamespace
+
+    from rstar_hpc.trainer import model
+
+    if model.varlen_attn is None:
+        pytest.skip("this torch has no torch.nn.attention.varlen")
+    lens = [300, 1, 517, 64, 1100]
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(sum(lens), h, 128, generator=gen).cuda().bfloat16() for h in (8, 2, 2))
+    attn = SimpleNamespace(num_heads=8, num_groups=2, softmax_scale=128 ** -0.5)
+    packed = packed_seq_params(lens, "cuda")
+
+    def run():
+        x = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = SDPACoreAttention._packed(attn, *x, packed, causal=True, dropout=0.0)
+        out.float().pow(2).sum().backward()
+        return out.float(), [t.grad.float() for t in x]
+    out, grads = run()
+    monkeypatch.setattr(model, "varlen_attn", None)   # the per-sample loop
+    ref, ref_grads = run()
+    assert out.shape == (sum(lens), 8 * 128)
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+    for g, r in zip(grads, ref_grads):
+        assert r.abs().max() > 0
+        torch.testing.assert_close(g, r, rtol=5e-2, atol=5e-2)
+
+
 def test_packed_sequences_equal_separate_ones(pair):
     hf_model, policy, tol = pair
     device = next(policy.parameters()).device

@@ -41,6 +41,27 @@ def test_packing_gives_the_loss_and_gradients_of_padding(dist1, tiny_hf_dir):
         torch.testing.assert_close(grads_padded[name], g, rtol=1e-4, atol=1e-7, msg=name)
 
 
+def test_padding_packed_micro_batches_to_a_length_multiple_changes_no_number(dist1, tiny_hf_dir):
+    """`trainer.packed_length_multiple` (CUDA's stable shapes) adds an untrained filler sample to each packed
+    micro-batch; the loss, its gradients and the logprobs of the real tokens stay those of the unpadded batch."""
+    from rstar_hpc.trainer.step import forward_logprobs
+
+    samples = pack(_samples(400), 64)
+    policy = make_policy(tiny_hf_dir)
+    loss, grads = _loss_and_grads(policy, samples)
+    lps = forward_logprobs(policy, samples)
+    policy.length_multiple = 48
+    assert {mb.num_tokens % 48 for mb in samples} != {0}   # something is padded
+    loss_p, grads_p = _loss_and_grads(policy, samples)
+    lps_p = forward_logprobs(policy, samples)
+    assert loss_p == pytest.approx(loss, rel=1e-6)
+    for a, b in zip(lps_p, lps):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for name, g in grads.items():
+        torch.testing.assert_close(grads_p[name], g, rtol=1e-4, atol=1e-7, msg=name)
+
+
 @pytest.mark.parametrize("knobs", [{"recompute": "selective"}, {"recompute": "selective", "recompute_modules": ["mlp"]},
                                    {"recompute": "full", "recompute_num_layers": 1}])
 def test_activation_recompute_changes_no_number(dist1, tiny_hf_dir, knobs):

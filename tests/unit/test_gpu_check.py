@@ -17,7 +17,12 @@ def test_gpu_check_dry_runs_every_step_and_prints_its_figures():
                           timeout=600, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
-    assert out["check"] == "gpu" and out["device"] == "cpu (--dry)" and out["params"] > 0
+    assert out["check"] == "gpu" and out["device"] == "cpu (--dry)"
+    out = out["models"]["dry"]
+    assert out["params"] > 0
+    top = out["none"]["profile"]["top"]   # the profiler's top ops (kernels on a GPU), with their share of the time
+    assert len(top) == 10 and all(t[1] >= 0 for t in top) and 0 < sum(t[2] for t in top) <= 1.0001
+    assert "profile" not in out["selective"]
     for recompute in ("none", "selective"):
         fig = out[recompute]
         for kind in ("sft", "rl"):
