@@ -216,9 +216,16 @@ def profiled(device: str, run) -> dict:
     for e in top:
         print(f"gpu-check: profile {own(e) / 1e3:9.1f} ms {100 * own(e) / total:5.1f}%  {e.key[:110]}",
               file=sys.stderr, flush=True)
+    # where the host's time goes: the optimizer's step, and the ops with the most host time of their own
+    host = prof.key_averages()
+    steps = [[e.key, round(e.cpu_time_total / 1e3, 1)] for e in host if e.key.startswith("Optimizer.")]
+    host_top = [[e.key[:100], round(e.self_cpu_time_total / 1e3, 1), e.count]
+                for e in sorted(host, key=lambda e: e.self_cpu_time_total, reverse=True)[:8]]
+    print(f"gpu-check: profile host {json.dumps(steps)} {json.dumps(host_top)}", file=sys.stderr, flush=True)
     return {"wall_ms": round(wall_us / 1e3, 1), "kernel_ms": round(total / 1e3, 1),
             "device_busy": round(total / wall_us, 3) if cuda else None,
-            "top": [[e.key[:160], round(own(e) / 1e3, 2), round(own(e) / total, 4)] for e in top]}
+            "top": [[e.key[:160], round(own(e) / 1e3, 2), round(own(e) / total, 4)] for e in top],
+            "optimizer_host_ms": steps, "host_top": host_top}
 
 
 def measure(args, device: str, peak: float | None) -> dict:

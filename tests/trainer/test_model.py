@@ -68,8 +68,9 @@ def test_logits_match_hugging_face(pair):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_varlen_attention_equals_per_sample_attention_in_bf16(monkeypatch):
-    """On CUDA in bf16 a packed micro-batch takes one flash varlen call per layer; it equals one causal SDPA call
-    per sample, values and gradients, with grouped-query heads (8 query, 2 key/value heads of 128)."""
+    """On CUDA in bf16 a packed micro-batch takes one flash varlen call per layer. Against one causal SDPA call per
+    sample in fp32, its values and gradients (grouped-query heads: 8 query, 2 key/value heads of 128) are as close
+    as the per-sample calls' own in bf16: bf16 rounding, which differs element by element between two kernels."""
     from types import SimpleNamespace
 
     from rstar_hpc.trainer import model
@@ -78,23 +79,24 @@ def test_varlen_attention_equals_per_sample_attention_in_bf16(monkeypatch):
         pytest.skip("this torch has no torch.nn.attention.varlen")
     lens = [300, 1, 517, 64, 1100]
     gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(sum(lens), h, 128, generator=gen).cuda().bfloat16() for h in (8, 2, 2))
+    q, k, v = (torch.randn(sum(lens), h, 128, generator=gen).cuda() for h in (8, 2, 2))
     attn = SimpleNamespace(num_heads=8, num_groups=2, softmax_scale=128 ** -0.5)
     packed = packed_seq_params(lens, "cuda")
 
-    def run():
-        x = [t.clone().requires_grad_() for t in (q, k, v)]
+    def run(dtype):
+        x = [t.to(dtype).requires_grad_() for t in (q, k, v)]
         out = SDPACoreAttention._packed(attn, *x, packed, causal=True, dropout=0.0)
         out.float().pow(2).sum().backward()
-        return out.float(), [t.grad.float() for t in x]
-    out, grads = run()
+        return [out.float()] + [t.grad.float() for t in x]
+    varlen = run(torch.bfloat16)
     monkeypatch.setattr(model, "varlen_attn", None)   # the per-sample loop
-    ref, ref_grads = run()
-    assert out.shape == (sum(lens), 8 * 128)
-    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
-    for g, r in zip(grads, ref_grads):
-        assert r.abs().max() > 0
-        torch.testing.assert_close(g, r, rtol=5e-2, atol=5e-2)
+    loop, exact = run(torch.bfloat16), run(torch.float32)
+    assert varlen[0].shape == (sum(lens), 8 * 128)
+    for name, a, b, ref in zip(("out", "dq", "dk", "dv"), varlen, loop, exact):
+        assert ref.abs().max() > 0, name
+        err, err_loop = (a - ref).abs(), (b - ref).abs()
+        assert err.max() <= 2 * err_loop.max() + 1e-3 and err.mean() <= 2 * err_loop.mean() + 1e-5, \
+            (name, err.max().item(), err_loop.max().item(), err.mean().item(), err_loop.mean().item())
 
 
 def test_packed_sequences_equal_separate_ones(pair):
