@@ -9,10 +9,13 @@ Hardware (HARDWARE; `--gpu h100|h200|mi300x`), the vendors' published figures:
   memory_gb     80, 141, 192 GB.
 
 Training:
-  mfu 0.35      model-FLOPs utilisation of the update (forward + backward + the forward of the pi_old recompute).
-                Megatron-LM reports 41-48% MFU for dense GPT models on H100 at scale (NVIDIA/Megatron-LM README,
-                "weak scaling" table); an RL step trains one optimizer step on variable-length packed sequences
-                with tensor and pipeline parallelism, so less is assumed.
+  mfu           model-FLOPs utilisation of the update (forward + backward + the forward of the pi_old recompute),
+                per card (HARDWARE). H200 0.36: measured, the trainer's GRPO-RoC step at qwen3-4b's shape on one
+                H200 (bf16, 8K packed micro-batches, selective MLP recompute as the recipe's, no Transformer
+                Engine; scripts/gpu-check.sh, docs/gpu-trainer.md: 0.366 and 0.349 in two runs, 0.407 and 0.380
+                without recompute). H100 and MI300X 0.35, not measured: Megatron-LM reports 41-48% MFU for dense GPT
+                models on H100 at scale (NVIDIA/Megatron-LM README, "weak scaling" table), and an RL step trains
+                one optimizer step on variable-length packed sequences with tensor and pipeline parallelism.
 
 Generation (the engine model of planner/engine_sim.py: a decode step costs c0 + c1 x batch + c2 x context tokens
 read, prefill p per token). The constants follow from the hardware and the model instead of being fixed:
@@ -56,9 +59,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields, replace
 
 HARDWARE = {
-    "h100": {"peak_tflops": 989.0, "hbm_tbs": 3.35, "memory_gb": 80.0},
-    "h200": {"peak_tflops": 989.0, "hbm_tbs": 4.8, "memory_gb": 141.0},
-    "mi300x": {"peak_tflops": 1307.0, "hbm_tbs": 5.3, "memory_gb": 192.0},
+    "h100": {"peak_tflops": 989.0, "hbm_tbs": 3.35, "memory_gb": 80.0, "mfu": 0.35},
+    "h200": {"peak_tflops": 989.0, "hbm_tbs": 4.8, "memory_gb": 141.0, "mfu": 0.36},
+    "mi300x": {"peak_tflops": 1307.0, "hbm_tbs": 5.3, "memory_gb": 192.0, "mfu": 0.35},
 }
 ALLREDUCE_S = 10e-6
 PAPER_MEAN_RESPONSE = (2500, 5000, 6000)
@@ -77,7 +80,7 @@ class Rates:
     peak_tflops: float = HARDWARE["h100"]["peak_tflops"]
     hbm_tbs: float = HARDWARE["h100"]["hbm_tbs"]
     memory_gb: float = HARDWARE["h100"]["memory_gb"]
-    mfu: float = 0.35
+    mfu: float = HARDWARE["h100"]["mfu"]
     decode_efficiency: float = 0.7
     prefill_mfu: float = 0.5
     tool_latency_s: float = 0.3

@@ -19,10 +19,12 @@ import subprocess
 import time
 import uuid
 from dataclasses import dataclass, field
+from functools import partial
 
 from rstar_hpc.exchange.atomic import atomic_write_text
 from rstar_hpc.exchange.events import record_event
 from rstar_hpc.exchange.rundir import RunPaths
+from rstar_hpc.parentage import die_with_parent
 from rstar_hpc.rollout.links import (LOCAL_RANK_ENV, RANK_ENV, SESSION_ENV, SIZE_ENV, Session, mpi_env,
                                      report_engine_end, session_dir, wait_for)
 from rstar_hpc.scratch import scratch_dir
@@ -123,7 +125,7 @@ class Keeper:
                                "container, whose Open MPI has it")
         self.server = subprocess.Popen([exe, "--no-daemonize", "-r", str(self.session.uri)],
                                        env={**self.env, **mpi_env(self.session)}, start_new_session=True,
-                                       preexec_fn=_die_with_parent)
+                                       preexec_fn=partial(die_with_parent, os.getpid()))
         wait_for(self.session.uri, 60.0, "ompi-server's address file")
 
     def _wait_for_name_server(self) -> bool:
@@ -141,7 +143,7 @@ class Keeper:
                SIZE_ENV: str(self.size), SESSION_ENV: self.session_name}
         # a process group of its own: what a dead rank leaves (vLLM's engine-core and worker processes hold GPU
         # memory) is killed with it; and the rank dies with this keeper
-        r.proc = subprocess.Popen(self.argv, env=env, start_new_session=True, preexec_fn=_die_with_parent)
+        r.proc = subprocess.Popen(self.argv, env=env, start_new_session=True, preexec_fn=partial(die_with_parent, os.getpid()))
         log.info("rollout rank %d started (pid %d)%s", r.rank, r.proc.pid,
                  f", restart {r.restarts} of {self.engine_restarts}" if r.restarts else "")
 
@@ -225,13 +227,4 @@ def _kill_group(pgid: int, sig: int = signal.SIGKILL) -> None:
     try:
         os.killpg(pgid, sig)
     except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGKILL when the keeper dies (Linux prctl PR_SET_PDEATHSIG)."""
-    import ctypes
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
-    except OSError:
         pass

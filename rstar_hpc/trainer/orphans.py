@@ -10,22 +10,13 @@ tracker then exits by itself once its last writer (the manager) is gone.
 """
 from __future__ import annotations
 
-import ctypes
 import multiprocessing
 import os
-import signal
 from multiprocessing.managers import SyncManager
 
-PR_SET_PDEATHSIG = 1
+from rstar_hpc.parentage import die_with_parent
+
 _managers: list[SyncManager] = []
-
-
-def die_with_parent(parent: int) -> None:
-    """In a child: SIGKILL when the process that started it dies (and now, if it has died already)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:
-        os._exit(1)
 
 
 def results_queue_dies_with_trainer() -> None:
