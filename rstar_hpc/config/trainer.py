@@ -89,6 +89,20 @@ class TrainerConfig(Section):
     grad_reduce_in_fp32: bool = True
     """Accumulate and reduce gradients in fp32 buffers (with bfloat16 params). false halves the gradient buffer
     and its traffic, at the cost of bf16 rounding in accumulation over micro-batches and ranks."""
+    sequence_parallel: bool | None = None
+    """Megatron's sequence parallelism with tensor_parallel_size > 1: the norms and residuals of each layer work on
+    1/tp of the micro-batch's tokens, and the tensor-parallel all-reduces become all-gathers and reduce-scatters
+    (the same bytes), so the activations outside the matmuls take 1/tp of the memory. Packed micro-batches are
+    padded to a multiple of tp. null: on with tp > 1 on CUDA, off on the CPU."""
+    overlap_grad_reduce: bool | None = None
+    """Reduce each gradient bucket over the data-parallel ranks as soon as the backward pass has filled it, under
+    the rest of the backward pass (megatron's DistributedDataParallel). null: on with data-parallel ranks on CUDA.
+    (Overlapped parameter gathers for the distributed optimizer are not used: the policy is published and
+    checkpointed right after the optimizer step, which would then need the gather first.)"""
+    gradient_accumulation_fusion: bool | None = None
+    """Weight gradients accumulated straight into the fp32 gradient buffer by the weight-gradient GEMM (Apex's
+    fused_weight_gradient_mlp_cuda extension): no bf16 gradient and add per micro-batch. null: on on CUDA where
+    the extension imports; true without it fails at start, naming the install."""
     recompute: Literal["none", "selective", "full"] = "none"
     """Activation recompute: `selective` re-runs `recompute_modules` in the backward pass instead of keeping their
     activations (`mlp` is the large share with flash attention; `core_attn` pays off with unfused attention, whose
@@ -163,6 +177,9 @@ class TrainerConfig(Section):
             raise ValueError(f"trainer.publish_every={self.publish_every} with trainer.weight_sync=files leaves the "
                              f"engines without the versions of the steps in between; set publish_every: 1 or "
                              f"weight_sync: memory")
+        if self.sequence_parallel and self.tensor_parallel_size == 1:
+            raise ValueError("trainer.sequence_parallel=true splits tokens over tensor-parallel ranks, but "
+                             "trainer.tensor_parallel_size is 1; set it to null (or false) or raise the tp size")
         if self.recompute == "selective" and not self.recompute_modules:
             raise ValueError("trainer.recompute=selective with an empty trainer.recompute_modules recomputes nothing; "
                              "name modules (e.g. [core_attn]) or set recompute: none")

@@ -39,6 +39,11 @@ from megatron.core.transformer import attention as megatron_attention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import (
+    TransformerBlock,
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 try:
@@ -277,8 +282,31 @@ def layer_spec(backend: Backend) -> ModuleSpec:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     spec = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
-    spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    attention = spec.submodules.self_attention.submodules
+    attention.core_attention = SDPACoreAttention
+    spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = RMSNorm
+    attention.q_layernorm = attention.k_layernorm = RMSNorm
     return spec
+
+
+class RMSNorm(torch.nn.RMSNorm):
+    """The local spec's RMSNorm (torch's, as megatron's `WrappedTorchNorm` builds it), usable with sequence
+    parallelism: `WrappedTorchNorm` refuses it because it leaves its weight unmarked, and a norm that sees 1/tp of
+    the tokens has a partial gradient that finalize_model_grads must sum over the tensor-parallel ranks."""
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_unused):
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = config.sequence_parallel   # type: ignore[attr-defined]
+
+
+def block_spec(layer: ModuleSpec, config: TransformerConfig, vp_stage: int | None) -> ModuleSpec:
+    """The decoder of this rank's chunk: `layer` repeated, and the final norm: the local spec's `RMSNorm`, the
+    Transformer Engine spec's own."""
+    if layer.submodules.input_layernorm is not RMSNorm:
+        return layer   # TE: megatron makes the block (TENorm last)
+    n = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return ModuleSpec(module=TransformerBlock, submodules=TransformerBlockSubmodules(layer_specs=[layer] * n,
+                                                                                      layer_norm=RMSNorm))
 
 
 @dataclass(frozen=True)
@@ -301,7 +329,8 @@ class Recompute:
 
 def transformer_config(arch: Qwen3Arch, *, tp: int = 1, pp: int = 1, vpp: int | None = None,
                        backend: Backend = "cpu", params_dtype: torch.dtype = torch.float32,
-                       recompute: Recompute = Recompute()) -> TransformerConfig:
+                       recompute: Recompute = Recompute(), sequence_parallel: bool = False,
+                       gradient_accumulation_fusion: bool = False) -> TransformerConfig:
     on_gpu = backend == "cuda"
     return TransformerConfig(
         num_layers=arch.num_layers,
@@ -343,13 +372,15 @@ def transformer_config(arch: Qwen3Arch, *, tp: int = 1, pp: int = 1, vpp: int | 
         masked_softmax_fusion=on_gpu,
         apply_rope_fusion=False,
         persist_layer_norm=False,
-        gradient_accumulation_fusion=False,
+        sequence_parallel=sequence_parallel,
+        gradient_accumulation_fusion=gradient_accumulation_fusion,
         **recompute.config_fields(),
     )
 
 
 def build_model(arch: Qwen3Arch, *, backend: Backend = "cpu", params_dtype: torch.dtype = torch.float32,
                 seed: int = 0, vp_stage: int | None = None, recompute: Recompute = Recompute(),
+                sequence_parallel: bool = False, gradient_accumulation_fusion: bool = False,
                 logprob_chunk: int = DEFAULT_CHUNK) -> GPTModel:
     """A randomly initialised policy chunk on this rank (its tensor-parallel shard of its pipeline stage, or of
     virtual stage `vp_stage`); load weights with hf_convert. Needs `init_distributed` first (Megatron reads the
@@ -364,10 +395,12 @@ def build_model(arch: Qwen3Arch, *, backend: Backend = "cpu", params_dtype: torc
     torch.manual_seed(seed)
     if backend == "cuda":  # weights are initialised on the GPU, from megatron's CUDA RNG tracker
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    config = transformer_config(arch, tp=tp, pp=pp, vpp=vpp, backend=backend, params_dtype=params_dtype,
+                                recompute=recompute, sequence_parallel=sequence_parallel,
+                                gradient_accumulation_fusion=gradient_accumulation_fusion)
     model = GPTModel(
-        config=transformer_config(arch, tp=tp, pp=pp, vpp=vpp, backend=backend, params_dtype=params_dtype,
-                                  recompute=recompute),
-        transformer_layer_spec=layer_spec(backend),
+        config=config,
+        transformer_layer_spec=block_spec(layer_spec(backend), config, vp_stage),
         vocab_size=arch.padded_vocab_size(tp),
         max_sequence_length=arch.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),

@@ -19,9 +19,12 @@ On the `cpu` backend all of this runs on gloo inside `host_device.on_host()`.
 from __future__ import annotations
 
 import datetime
+import math
+
 import torch
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.tensor_parallel.random import _MODEL_PARALLEL_RNG_TRACKER_NAME
 from megatron.core.optimizer import OptimizerConfig, clip_grads, get_megatron_optimizer
 from megatron.core.utils import local_multi_tensor_l2_norm
 
@@ -72,6 +75,10 @@ def init_distributed(tp: int = 1, pp: int = 1, backend: Backend = "cpu", seed: i
     torch.manual_seed(seed)
     if backend == "cuda":
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    else:   # sequence parallelism's embedding enters the tracker's model-parallel state; on the host its states are
+        # empty and setting one does nothing (host_device)
+        tracker = tensor_parallel.get_cuda_rng_tracker()
+        tracker.set_states({**tracker.get_states(), _MODEL_PARALLEL_RNG_TRACKER_NAME: torch.empty(0)})
     return dims
 
 
@@ -142,21 +149,53 @@ def build_policy(arch: Qwen3Arch, trainer, backend: Backend, *, seed: int = 0) -
     """This rank's chunks for the `trainer` config section (degrees from the initialised process groups)."""
     vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
     recompute = Recompute(trainer.recompute, tuple(trainer.recompute_modules), trainer.recompute_num_layers)
+    knobs = cuda_knobs(trainer, backend)
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=trainer.grad_reduce_in_fp32,
-                                               use_distributed_optimizer=trainer.use_distributed_optimizer)
+                                               use_distributed_optimizer=trainer.use_distributed_optimizer,
+                                               overlap_grad_reduce=knobs["overlap_grad_reduce"])
     chunks = []
     with host_device.on_host():
         for v in range(vpp or 1):
             model = build_model(arch, backend=backend, params_dtype=getattr(torch, trainer.params_dtype), seed=seed,
                                 vp_stage=v if vpp else None, recompute=recompute,
-                                logprob_chunk=trainer.logprob_chunk_tokens)
+                                logprob_chunk=trainer.logprob_chunk_tokens,
+                                sequence_parallel=knobs["sequence_parallel"],
+                                gradient_accumulation_fusion=knobs["gradient_accumulation_fusion"])
             # one bucket per chunk after the first, as Megatron-LM does (their grads finish at different times)
             chunks.append(DistributedDataParallel(model.config, ddp_config, model, disable_bucketing=v > 0))
     for c in chunks:
         c.config.finalize_model_grads_func = finalize_model_grads
         c.config.no_sync_func = [x.no_sync for x in chunks] if len(chunks) > 1 else chunks[0].no_sync
     multiple = trainer.packed_length_multiple or (256 if backend == "cuda" else 1)
+    if knobs["sequence_parallel"]:   # the packed row is split over the tensor-parallel ranks
+        multiple = math.lcm(multiple, parallel_state.get_tensor_model_parallel_world_size())
     return Policy(chunks, arch, multiple)
+
+
+def cuda_knobs(trainer, backend: Backend) -> dict[str, bool]:
+    """`trainer.sequence_parallel`, `overlap_grad_reduce` and `gradient_accumulation_fusion`, their nulls
+    resolved for this backend and layout (initialised process groups); fused accumulation asked for without Apex's
+    extension is an error naming it."""
+    cuda = backend == "cuda"
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    dp = parallel_state.get_data_parallel_world_size()
+    if trainer.sequence_parallel and tp == 1:
+        raise ValueError("trainer.sequence_parallel=true needs trainer.tensor_parallel_size > 1")
+    try:
+        import fused_weight_gradient_mlp_cuda  # noqa: F401  (Apex's extension, what megatron's layers call)
+        fusable = cuda
+    except ImportError:
+        fusable = False
+    if trainer.gradient_accumulation_fusion and not fusable:
+        raise RuntimeError("trainer.gradient_accumulation_fusion=true needs CUDA and Apex's fused_weight_gradient_"
+                           "mlp_cuda extension (pip install apex with --cpp_ext --cuda_ext, or a NGC PyTorch image); "
+                           "set it to null or false")
+
+    def pick(value, default: bool) -> bool:
+        return default if value is None else bool(value)
+    return {"sequence_parallel": pick(trainer.sequence_parallel, cuda and tp > 1),
+            "overlap_grad_reduce": pick(trainer.overlap_grad_reduce, cuda and dp > 1),
+            "gradient_accumulation_fusion": pick(trainer.gradient_accumulation_fusion, fusable)}
 
 
 def _l2_norm_on_device(chunk_size, noop_flag, tensor_lists, per_tensor, *args):

@@ -106,14 +106,14 @@ def _schedule(policy: Policy, micro_batches: list[MicroBatch], loss_fn: LossFn |
               temperature: float = 1.0) -> list:
     """Run megatron's schedule over the micro-batches (moved to the model's device); what the last stage's loss
     function returned, per micro-batch (empty elsewhere). Log-probabilities are taken at `temperature`."""
-    mbs = list(micro_batches)   # padded on the host, then moved
+    # padded on the host, then moved: to a multiple of length_multiple (a few shapes for the compiled kernels, and
+    # rows that split over the tensor-parallel ranks with sequence parallelism)
+    m = policy.length_multiple
+    mbs = [pad_to_length(mb, -(-mb.num_tokens // m) * m) for mb in micro_batches]
     if policy.config.virtual_pipeline_model_parallel_size is not None:  # interleaved: fixed shape (model.py),
         longest = max(mb.num_tokens for mb in mbs)                     # count a multiple of pp
         mbs = round_up_count([pad_to_length(mb, longest) for mb in mbs],
                              parallel_state.get_pipeline_model_parallel_world_size(), longest)
-    elif policy.length_multiple > 1:   # a few shapes, so compiled kernels are reused
-        m = policy.length_multiple
-        mbs = [pad_to_length(mb, -(-mb.num_tokens // m) * m) for mb in mbs]
     device = next(policy.parameters()).device
     mbs = [mb.to(device) for mb in mbs]
     vocab = policy.arch.vocab_size

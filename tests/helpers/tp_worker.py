@@ -1,10 +1,12 @@
-"""One rank of the tensor-parallel test: `python tp_worker.py HF_DIR OUT.pt` with RANK/WORLD_SIZE/MASTER_PORT set.
+"""One rank of the tensor-parallel test: `python tp_worker.py HF_DIR OUT.pt` with RANK/WORLD_SIZE/MASTER_PORT set
+(and KNOBS, trainer config knobs as JSON, e.g. {"sequence_parallel": true}).
 
 Computes the loss and HF-layout gradients of `fixed_batch()`, then the losses of two optimizer steps, and (rank 0)
 saves them. Run by test_tensor_parallel.py, never collected by pytest (no test_ prefix).
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 import warnings
@@ -27,7 +29,7 @@ def fixed_batch(vocab: int) -> list:
     return pack(samples, token_budget=40)
 
 
-def run(hf_dir: str, tp: int) -> dict:
+def run(hf_dir: str, tp: int, **knobs) -> dict:
     from tests.helpers.trainer import make_optimizer, make_policy
 
     from rstar_hpc.trainer.hf_convert import gather_hf_state
@@ -35,7 +37,7 @@ def run(hf_dir: str, tp: int) -> dict:
     from rstar_hpc.trainer.step import forward_backward, train_step
 
     init_distributed(tp=tp)
-    model = make_policy(hf_dir)
+    model = make_policy(hf_dir, **knobs)
     batch = fixed_batch(model.arch.vocab_size)
     first = forward_backward(model, batch)
     grads = gather_hf_state(model, grads=True)
@@ -49,7 +51,7 @@ def run(hf_dir: str, tp: int) -> dict:
 if __name__ == "__main__":
     from rstar_hpc.trainer.parallel import destroy_distributed
 
-    result = run(sys.argv[1], tp=int(os.environ["WORLD_SIZE"]))
+    result = run(sys.argv[1], tp=int(os.environ["WORLD_SIZE"]), **json.loads(os.environ.get("KNOBS", "{}")))
     if int(os.environ["RANK"]) == 0:
         torch.save(result, sys.argv[2])
     destroy_distributed()

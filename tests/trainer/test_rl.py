@@ -328,16 +328,18 @@ def test_each_step_is_trained_exactly_once_across_restarts(dist1, tiny_hf_dir, t
         job()
 
 
-@pytest.mark.parametrize("pp", [1, 2])
-def test_two_ranks_take_the_same_step_as_one(dist1, tiny_hf_dir, tmp_path, pp):
+@pytest.mark.parametrize("pp,knobs", [(1, {}), (2, {}), (1, {"overlap_grad_reduce": True})],
+                         ids=["dp2", "pp2", "dp2-overlap-grad-reduce"])
+def test_two_ranks_take_the_same_step_as_one(dist1, tiny_hf_dir, tmp_path, pp, knobs):
     """Data parallel: two gloo ranks each train half the kept trajectories; token normalisation over both ranks
-    and the summed gradients make it the same update as one rank training all of them. Pipeline parallel: pi_old
-    recomputed and the loss computed on the last stage, the metrics sent to every stage."""
+    and the summed gradients make it the same update as one rank training all of them, also with each gradient
+    bucket reduced while the backward pass goes on (overlap_grad_reduce, CUDA's default with dp > 1). Pipeline
+    parallel: pi_old recomputed and the loss computed on the last stage, the metrics sent to every stage."""
+    import json
     import os
     import subprocess
     import sys
     from pathlib import Path
-
 
     worker = Path(__file__).resolve().parents[1] / "helpers" / "dp_worker.py"
     cfg = _cfg(tmp_path, tiny_hf_dir)
@@ -351,7 +353,8 @@ def test_two_ranks_take_the_same_step_as_one(dist1, tiny_hf_dir, tmp_path, pp):
 
     out = tmp_path / "dp2.pt"
     env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-           "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "PP": str(pp)}
+           "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "PP": str(pp),
+           "KNOBS": json.dumps(knobs)}
     procs = [subprocess.Popen([sys.executable, str(worker), str(tmp_path), str(tiny_hf_dir), str(out)],
                               env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
              for r in range(2)]

@@ -1,11 +1,13 @@
 """Tensor parallel 2 (two real gloo processes) computes what tensor parallel 1 computes."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from tests.helpers.trainer import free_port
 
@@ -18,10 +20,14 @@ def _tp1(hf_dir, dist1) -> dict:
     return tp_worker.run(str(hf_dir), tp=1)
 
 
-def test_tp2_matches_tp1(tiny_hf_dir, dist1, tmp_path):
+@pytest.mark.parametrize("knobs", [{}, {"sequence_parallel": True, "tensor_parallel_size": 2}],
+                         ids=["tp2", "tp2-sequence-parallel"])
+def test_tp2_matches_tp1(tiny_hf_dir, dist1, tmp_path, knobs):
+    """Sequence parallelism (CUDA's default with tp > 1) too: each rank's norms and residuals take half the packed
+    row (padded to a multiple of tp), the all-reduces become all-gathers and reduce-scatters, the numbers stay."""
     out = tmp_path / "tp2.pt"
     env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-           "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+           "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "KNOBS": json.dumps(knobs)}
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(tiny_hf_dir), str(out)],
                               env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
              for r in range(2)]

@@ -169,6 +169,8 @@ def test_explain_lists_field_docs():
     (["trainer.pipeline_parallel_size=1", "trainer.virtual_pipeline_parallel_size=2"],
      r"virtual_pipeline_parallel_size=2 needs trainer.pipeline_parallel_size > 1"),
     (["trainer.recompute=selective", "trainer.recompute_modules=[]"], r"recomputes nothing"),
+    (["trainer.tensor_parallel_size=1", "trainer.pipeline_parallel_size=8", "trainer.sequence_parallel=true"],
+     r"sequence_parallel=true splits tokens over tensor-parallel ranks, but trainer.tensor_parallel_size is 1"),
 ])
 def test_impossible_trainer_layouts_are_refused_naming_the_key(overrides, match):
     with pytest.raises(ConfigError, match=match):
