@@ -189,10 +189,12 @@ class AgentLoop:
 
     async def run(self, prompt_ids: Sequence[int], request_id: str, prompt_text: str = "", *,
                   seed: int | None = None, progress: Callable[[int], None] | None = None,
-                  pause: Pause | None = None, resume: AgentResult | None = None) -> AgentResult:
+                  pause: Pause | None = None, resume: AgentResult | None = None,
+                  boundary: Callable[[AgentResult], None] | None = None) -> AgentResult:
         """One trajectory. `seed` makes its sampling reproducible (turn k samples with seed + k);
         `progress` hears the context length after every turn (the scheduler books KV from it); `pause` may stop it
-        early, `resume` continues one that was (module docstring)."""
+        early, `resume` continues one that was (module docstring); `boundary` sees the state at each turn boundary
+        (tool results appended, the next turn not begun: a state `resume` takes)."""
         t_start = time.perf_counter()
         if resume is not None:
             if self.cfg.tool_state == "session":
@@ -205,7 +207,7 @@ class AgentLoop:
         # unique per attempt: a rerun of a killed step must not find the state its first attempt left behind
         session = f"{request_id}-{uuid.uuid4().hex[:12]}" if self.cfg.tool_state == "session" else None
         try:
-            await self._turns(res, prompt_ids, request_id, seed, progress, session, pause)
+            await self._turns(res, prompt_ids, request_id, seed, progress, session, pause, boundary)
         finally:   # every exit: answer, limits, an engine error, cancellation
             if session is not None:
                 await self._release(session)
@@ -219,7 +221,8 @@ class AgentLoop:
             log.warning("could not release tool session %s: %r", session, e)
 
     async def _turns(self, res: AgentResult, prompt_ids: Sequence[int], request_id: str, seed: int | None,
-                     progress: Callable[[int], None] | None, session: str | None, pause: Pause | None) -> None:
+                     progress: Callable[[int], None] | None, session: str | None, pause: Pause | None,
+                     boundary: Callable[[AgentResult], None] | None = None) -> None:
         budget = self.max_response_length
         while True:
             if res.pending_tool:   # the last assistant turn's calls (fresh, or left by a pause)
@@ -227,6 +230,8 @@ class AgentLoop:
                     return
                 if progress is not None:
                     progress(len(prompt_ids) + len(res.response_ids))
+                if boundary is not None:
+                    boundary(res)
             if pause is not None and pause.wanted():
                 res.paused = True
                 return

@@ -18,10 +18,10 @@ import time
 
 from rstar_hpc.config.rollout import AgentConfig, SchedulerConfig
 from rstar_hpc.rollout.agent import AgentLoop, Pause
-from rstar_hpc.rollout.messages import TrajectoryResult
+from rstar_hpc.rollout.messages import TrajectoryResult, TurnDelta
 from rstar_hpc.rollout.mpi import (TAG_ABORT, TAG_ACK, TAG_DEAD, TAG_DONE, TAG_EXIT, TAG_HELLO, TAG_KV, TAG_MIGRATE,
-                                   TAG_MOVED, TAG_PAUSE, TAG_RESULT, TAG_SKIP, TAG_START, TAG_STATS, TAG_WORK,
-                                   recv_from_rank0)
+                                   TAG_MOVED, TAG_PAUSE, TAG_RESULT, TAG_SKIP, TAG_START, TAG_STATS, TAG_TURN,
+                                   TAG_WORK, recv_from_rank0)
 from rstar_hpc.config.stages import StageLimits
 from rstar_hpc.rollout.step import WorkItem, request_seed
 
@@ -212,9 +212,18 @@ class _EngineStep:
 
         def progress(n: int) -> None:
             self.contexts[key] = n
+
+        # partial rollouts: rank 0 keeps each trajectory's state at its latest turn boundary (what it added since
+        # the last one), so this engine's death re-runs it from there (scheduler.lose)
+        sent = [(len(resume.response_ids), len(resume.turns), len(resume.tool_calls)) if resume else (0, 0, 0)]
+
+        def boundary(res) -> None:
+            self.comm.send(TurnDelta.since(res, key, self.step, sent[0]), dest=0, tag=TAG_TURN)
+            sent[0] = (len(res.response_ids), len(res.turns), len(res.tool_calls))
         try:
             out = await self.agent.run(item.prompt_ids, f"s{self.step}-{item.prompt_uid}-{item.sample_index}",
-                                       item.prompt_text, seed=seed, progress=progress, pause=pause, resume=resume)
+                                       item.prompt_text, seed=seed, progress=progress, pause=pause, resume=resume,
+                                       boundary=boundary if pause is not None and self.sc.partial_rollouts else None)
         except Exception as e:   # the engine is gone (EngineDeadError, ...): rank 0 re-runs our work elsewhere
             log.exception("engine rank %d: trajectory failed", self.rank)
             self.failure.append(f"{type(e).__name__}: {e}")

@@ -12,6 +12,7 @@ are pickled Python objects; sends are never blocking where the peer may be dead.
     WORK     0 -> e   [step.WorkItem, ...]                               admitted trajectories (any number of times)
     KV       e -> 0   {kv_usage, running, contexts, movable}             the engine's heartbeat (every heartbeat_s)
     RESULT   e -> 0   messages.TrajectoryResult                          one trajectory, finished or paused (its state)
+    TURN     e -> 0   messages.TurnDelta                                 partial rollouts: one passed a turn boundary
     MIGRATE  0 -> e   {key}                                              pause it at its next turn boundary
     MOVED    e -> 0   {key}                                              MIGRATE declined: it was gone already
     PAUSE    0 -> e   None                                               the step closed: pause every live trajectory
@@ -25,7 +26,8 @@ are pickled Python objects; sends are never blocking where the peer may be dead.
     JOIN     e -> 0   {rank, pid}                                        first, on connecting (links.py): this rank is here
 
 A step already committed gets SKIP instead of START. PAUSE: partial rollouts; every live trajectory comes back
-as a paused (or finished) RESULT. EXIT and BYE end the job; ABORT may come at any point.
+as a paused (or finished) RESULT. TURN: with partial rollouts, each trajectory's tokens up to its latest turn boundary
+reach rank 0 as they are made, so an engine's death re-runs its trajectories from there, not from the start. EXIT and BYE end the job; ABORT may come at any point.
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ import asyncio
 import time
 
 (TAG_START, TAG_SKIP, TAG_ACK, TAG_HELLO, TAG_WORK, TAG_KV, TAG_RESULT, TAG_MIGRATE, TAG_MOVED, TAG_PAUSE,
- TAG_ALIVE, TAG_DEAD, TAG_DONE, TAG_STATS, TAG_EXIT, TAG_BYE, TAG_ABORT, TAG_JOIN) = range(1, 19)
+ TAG_ALIVE, TAG_DEAD, TAG_DONE, TAG_STATS, TAG_EXIT, TAG_BYE, TAG_ABORT, TAG_JOIN, TAG_TURN) = range(1, 20)
 
 
 def init_mpi():

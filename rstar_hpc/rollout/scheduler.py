@@ -4,22 +4,18 @@
 
 `StepScheduler.run` reads top-down as the step's stages:
 
-    start_engines    wait for the policy the step needs (pipeline.policy_need: trained through step N - 1 -
-                     the scheduler's policy_lag, or the stage's starting policy), name it, the stage, step, limits and sampling
-                     in START; each engine rank acks at once, loads it in place if new, says HELLO with its KV
-                     capacity
-    admit            FIFO over the step's trajectories: the shared admission (admission.py: `kv_aware` or
-                     `static`) places the head on an engine rank, which keeps it for all its turns; nothing jumps
-                     the queue
+    start_engines    wait for the policy the step needs (pipeline.policy_need), name it, the stage, step, limits
+                     and sampling in START; each engine rank acks at once, loads it if new, says HELLO with its KV
+    admit            FIFO: the shared admission (admission.py: `kv_aware` or `static`) places the head of the queue
+                     on an engine rank, which keeps it for all its turns; nothing jumps the queue
     dispatch         send each engine rank its admitted work (never a blocking send)
-    collect          results (release the booking, score off the generation path: reward and RoC quality
-                     signals), heartbeats (KV booking from the live trajectories' context lengths), deaths;
-                     every `journal_every_s` the new results are committed as a journal part, so a step killed
-                     halfway keeps them and a restart runs only the unfinished trajectories
+    collect          results (release the booking, score off the generation path), heartbeats (KV booking from
+                     the live trajectories' context lengths), turn boundaries, deaths; every `journal_every_s` the
+                     new results go to a journal part, so a restart runs only the unfinished trajectories
     keep_alive       heartbeat the engines; an engine rank silent for `engine_timeout_s` is dropped
     finish_engines   DONE; each engine rank answers with its figures
     commit           all trajectories, in item order, in ONE committed shard set (producer "rollout"), then the
-                     journal parts go: readers see a step whole or not at all, as before
+                     journal parts go: readers see a step whole or not at all
     publish_metrics  the step's summary, appended to metrics/rollout.jsonl and returned
 
 State: everything rank 0 keeps for a step is declared, typed, in `StepScheduler.__init__`; the long-tail levers
@@ -32,8 +28,8 @@ that call the sandbox service themselves, so a trajectory waiting for its tool n
 
 Engine death (it reports its engine dead, its keeper reports its process dead: links.py, or it is silent for
 `engine_timeout_s`): it is dropped until it joins again, its unfinished trajectories go back to the front of the
-queue (from the state of their last pause, else from the start); a late result of one re-run is ignored (results
-carry their step and key). Rank 0 heartbeats too and sends ABORT when it fails; an engine rank that hears nothing
+queue, from their last turn boundary (partial rollouts: TURN deltas) or pause, else from the start; a late result
+or delta of one re-run is ignored (they carry their step and key, and only the key's engine is heard). Rank 0 heartbeats too and sends ABORT when it fails; an engine rank that hears nothing
 from it for `engine_timeout_s` leaves. The messages are mpi.py's; the engine ranks' side is engine_rank.py.
 """
 from __future__ import annotations
@@ -49,16 +45,17 @@ from rstar_hpc.exchange.events import record_event
 from rstar_hpc.exchange.rundir import RunPaths
 from rstar_hpc.exchange.schema import Trajectory
 from rstar_hpc.exchange.writer import ShardWriter
-from rstar_hpc.metrics_log import metrics_sink
 from rstar_hpc.rollout import carry as carry_mod
 from rstar_hpc.rollout.admission import Admission, make_admission
 from rstar_hpc.rollout.journal import Journal
 from rstar_hpc.rollout.levers import Levers, Route
-from rstar_hpc.rollout.messages import TrajectoryResult
+from rstar_hpc.rollout.agent import AgentResult
+from rstar_hpc.rollout.messages import TrajectoryResult, TurnDelta
 from rstar_hpc.rollout.mpi import (TAG_ACK, TAG_ALIVE, TAG_DEAD, TAG_DONE, TAG_HELLO, TAG_KV, TAG_MIGRATE, TAG_MOVED,
-                                   TAG_PAUSE, TAG_RESULT, TAG_SKIP, TAG_START, TAG_STATS, TAG_WORK, wait_sent)
+                                   TAG_PAUSE, TAG_RESULT, TAG_SKIP, TAG_START, TAG_STATS, TAG_TURN, TAG_WORK,
+                                   wait_sent)
 from rstar_hpc.rollout.policy_source import MEMORY, StepWeights, wait_for_policy
-from rstar_hpc.rollout.step import Scorer, StepHooks, StepSpec, WorkItem, trajectory_figures
+from rstar_hpc.rollout.step import Scorer, StepHooks, StepSpec, WorkItem, publish_summary
 
 FILE_BEAT_S = 10.0   # the role's heartbeat file during a phase: often enough for `run status`, cheap on Lustre
 log = logging.getLogger("rstar_hpc.rollout")
@@ -107,6 +104,7 @@ class StepScheduler:
         self.reward_s = 0.0
         self.policy_wait_s = 0.0
         self.reruns = 0
+        self.requeued_resumed = 0                 # of the reruns, those resumed from a boundary, not the start
         self.infra_failures = 0
         self.journal = Journal(paths, spec.stage, spec.step, sc.journal_every_s)
         self.levers = Levers(sc)
@@ -304,6 +302,8 @@ class StepScheduler:
                     self.close_if_due()
             elif tag == TAG_KV:
                 self.on_kv(src, msg)
+            elif tag == TAG_TURN:
+                self.on_turn(src, msg)
             elif tag == TAG_MOVED:
                 self.levers.on_moved(tuple(msg["key"]))
             elif tag == TAG_DEAD:
@@ -333,6 +333,16 @@ class StepScheduler:
         self.release(key)
         if self.levers.paused(key, item) is Route.REQUEUE:
             self.pending.appendleft(item)
+
+    def on_turn(self, src: int, delta: TurnDelta) -> None:
+        """A trajectory of engine `src` passed a turn boundary: a requeue after that engine's death resumes there."""
+        key, item = delta.key, self.by_key.get(delta.key)
+        if item is None or delta.step != self.step or key in self.results or \
+                self.admission.placed.get(key, [None])[0] != src:
+            return   # a stale attempt's (the key re-runs elsewhere)
+        state = delta.onto(item.resume or AgentResult(prompt_ids=list(item.prompt_ids), prompt_text=item.prompt_text))
+        if state is not None:
+            self.by_key[key] = dataclasses.replace(item, resume=state)
 
     def on_kv(self, src: int, beat: dict) -> None:
         """An engine's KV heartbeat: re-book its trajectories; maybe ask it to let one migrate."""
@@ -373,15 +383,18 @@ class StepScheduler:
         self.beat(f"generating, {len(self.results)}/{len(self.items)} trajectories done", "generate")
 
     def lose(self, e: int, why: str) -> None:
-        log.error("engine rank %d lost (%s); re-queueing its unfinished trajectories", e, why)
+        log.error("engine rank %d lost (%s); re-queueing its unfinished trajectories (from their last turn boundary "
+                  "where partial rollouts keep one)", e, why)
         self.alive.pop(e, None)
         self.dead.append(e)
         back = [k for k in self.admission.engine_lost(e) if k not in self.results]
         self.reruns += len(back)
         for k in reversed(back):
             self.pending.appendleft(self.by_key[k])
+        resumed = sum(self.by_key[k].resume is not None for k in back)   # from a turn boundary or a pause
+        self.requeued_resumed += resumed
         record_event(self.paths, "engine_lost", role="rollout", rank=e, stage=self.stage, step=self.step,
-                     requeued=len(back), reason=why)
+                     requeued=len(back), requeued_resumed=resumed, reason=why)
         if self.levers.closing:   # the step is closed: they are carried as they were
             self.carry_queue()
         if not self.alive:
@@ -425,25 +438,4 @@ class StepScheduler:
         return trajs
 
     def publish_metrics(self, trajs: list[Trajectory], generation_s: float, engine_stats: dict[int, dict]) -> dict:
-        last_admit = max(self.queued_at.values(), default=0.0)
-        summary = {
-            "step": self.step, "stage": self.stage, "admission": self.sc.admission, "trajectories": len(trajs),
-            "kept_from_journal": self.journal.loaded,
-            "dropped_prompts": self.dropped, "engines": self.engines, "dead_engines": self.dead,
-            "reruns": self.reruns, "wall_s": round(time.monotonic() - self.t_start, 3),
-            "generation_wall_s": round(generation_s, 3),
-            # the step's long tail: generation went on this long after its last trajectory was admitted
-            "last_admit_s": round(last_admit, 3), "tail_s": round(generation_s - last_admit, 3),
-            "reward_s": round(self.reward_s, 4), "policy_version": self.policy_version,
-            "weights_via": {str(e): w.get("via") for e, w in self.weights.via.items()},
-            "policy_wait_s": round(self.policy_wait_s, 3),
-            "tool_infra_failures": self.infra_failures, **trajectory_figures(trajs),
-            "engine_stats": {str(k): v for k, v in engine_stats.items()},
-            **self.levers.metrics(),
-        }
-        metrics_sink(self.paths, "rollout").write(summary)   # metrics/rollout.jsonl and tb/<stage>/
-        log.info("step %d of stage %s: %d trajectories in %.1f s (generation %.1f s, all admitted by %.1f s, tail "
-                 "%.1f s; tool wait %.1f s summed over trajectories; reward %.2f s on rank 0; mean reward %.3f)",
-                 self.step, self.stage, len(trajs), summary["wall_s"], generation_s, summary["last_admit_s"],
-                 summary["tail_s"], summary["tool_wait_s"], self.reward_s, summary["mean_reward"])
-        return summary
+        return publish_summary(self, trajs, generation_s, engine_stats)

@@ -11,13 +11,18 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from rstar_hpc.config.algo import RewardConfig, RoCConfig
 from rstar_hpc.config.rollout import AgentConfig
 from rstar_hpc.config.stages import StageConfig, StageLimits
 from rstar_hpc.exchange.schema import Trajectory
+from rstar_hpc.metrics_log import metrics_sink
 from rstar_hpc.rollout.agent import AgentResult
 from rstar_hpc.rollout.messages import TrajectoryResult
+
+if TYPE_CHECKING:
+    from rstar_hpc.rollout.scheduler import StepScheduler
 
 log = logging.getLogger("rstar_hpc.rollout")
 
@@ -149,3 +154,31 @@ class Scorer:
                           prompt_text=it.prompt_text, tool_calls=out.tool_calls, finish_reason=out.finish_reason,
                           answer=answer, reward=reward, p_err=q.p_err, p_format=q.p_format,
                           timings=timings, token_policy_versions=versions).validate()
+
+
+def publish_summary(s: StepScheduler, trajs: list[Trajectory], generation_s: float, engine_stats: dict[int, dict]
+                    ) -> dict:
+    """Rank 0's summary of a finished step (`s`, its scheduler): appended to metrics/rollout.jsonl (and TensorBoard),
+    logged, returned."""
+    last_admit = max(s.queued_at.values(), default=0.0)
+    summary = {
+        "step": s.step, "stage": s.stage, "admission": s.sc.admission, "trajectories": len(trajs),
+        "kept_from_journal": s.journal.loaded,
+        "dropped_prompts": s.dropped, "engines": s.engines, "dead_engines": s.dead,
+        "reruns": s.reruns, "reruns_resumed": s.requeued_resumed, "wall_s": round(time.monotonic() - s.t_start, 3),
+        "generation_wall_s": round(generation_s, 3),
+        # the step's long tail: generation went on this long after its last trajectory was admitted
+        "last_admit_s": round(last_admit, 3), "tail_s": round(generation_s - last_admit, 3),
+        "reward_s": round(s.reward_s, 4), "policy_version": s.policy_version,
+        "weights_via": {str(e): w.get("via") for e, w in s.weights.via.items()},
+        "policy_wait_s": round(s.policy_wait_s, 3),
+        "tool_infra_failures": s.infra_failures, **trajectory_figures(trajs),
+        "engine_stats": {str(k): v for k, v in engine_stats.items()},
+        **s.levers.metrics(),
+    }
+    metrics_sink(s.paths, "rollout").write(summary)   # metrics/rollout.jsonl and tb/<stage>/
+    log.info("step %d of stage %s: %d trajectories in %.1f s (generation %.1f s, all admitted by %.1f s, tail "
+             "%.1f s; tool wait %.1f s summed over trajectories; reward %.2f s on rank 0; mean reward %.3f)",
+             s.step, s.stage, len(trajs), summary["wall_s"], generation_s, summary["last_admit_s"],
+             summary["tail_s"], summary["tool_wait_s"], s.reward_s, summary["mean_reward"])
+    return summary

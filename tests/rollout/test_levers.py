@@ -368,3 +368,59 @@ def test_engine_death_requeues_its_work_at_the_front_or_carries_it_once_closed(t
     closed.levers.close(1.0)
     closed.lose(1, "silent")                        # the step is closed: carried as they were, not run again
     assert not closed.pending and set(closed.levers.open_items) == {*lost, ("c", 0), ("c", 1)}
+
+
+def test_turn_deltas_rebuild_a_boundary_state_that_resumes_as_the_same_trajectory(tok):
+    """Partial rollouts: at each turn boundary an engine sends rank 0 only what the trajectory added (TurnDelta);
+    rank 0's state, rebuilt from the deltas alone, resumes on another engine as the uninterrupted trajectory."""
+    from rstar_hpc.rollout.messages import TurnDelta
+
+    whole = _whole(tok)
+    first = VersionedEngine(tok, SCRIPT, 1)
+    agent = loop(tok, first, _tools())
+    ids, text = agent.encode_prompt("Compute 6 * 7.")
+    deltas, sent = [], (0, 0, 0)
+
+    def boundary(res):
+        nonlocal sent
+        deltas.append(TurnDelta.since(res, ("a", 0), 3, sent))
+        sent = (len(res.response_ids), len(res.turns), len(res.tool_calls))
+    asyncio.run(agent.run(ids, "a", text, boundary=boundary))
+    assert len(deltas) == 2 and deltas[1].start == len(deltas[0].response_ids) > 0   # two tool turns: two deltas
+    state = AgentResult(prompt_ids=ids, prompt_text=text)
+    state = deltas[0].onto(state)                     # the engine dies after its first tool turn
+    assert state.paused and [t.role for t in state.turns] == ["assistant", "tool"] and len(state.tool_calls) == 1
+    assert deltas[1].onto(AgentResult(prompt_ids=ids, prompt_text=text)) is None   # out of order: not applied
+    second = VersionedEngine(tok, SCRIPT, 1)
+    done = asyncio.run(loop(tok, second, _tools()).run(ids, "a", text, resume=state))
+    assert done.response_ids == whole.response_ids and done.logprobs == whole.logprobs
+    assert done.loss_mask == whole.loss_mask and [t.text for t in done.turns] == [t.text for t in whole.turns]
+    assert [c[0] for c in second.calls] == ["a-t1", "a-t2"]   # turn 0 was not generated again
+
+
+def test_an_engine_death_requeues_from_the_last_turn_boundary_and_ignores_stale_deltas(tmp_path):
+    from rstar_hpc.rollout.messages import TurnDelta
+
+    s = _scheduler(tmp_path, partial_rollouts=True)
+    s.admission.max_per_engine = 2
+    s.dispatch(s.admit())
+    (a0, a1), (b0, b1) = [k for k, p in s.admission.placed.items() if p[0] == 1], \
+        [k for k, p in s.admission.placed.items() if p[0] == 2]
+    turn = Turn("assistant", 0, 3, "x"), Turn("tool", 3, 5, "y")
+
+    def delta(key, start, n, step=0):
+        return TurnDelta(*key, step, start, 0 if not start else 2, 0, [7] * n, [1] * n, [-0.1] * n, [0] * n,
+                         list(turn) if not start else [], [], 0, 0)
+    s.on_turn(1, delta(a0, 0, 5))
+    s.on_turn(1, delta(a0, 5, 4))                      # the next boundary: 4 more tokens
+    s.on_turn(2, delta(a1, 0, 5))                      # from an engine that does not hold a1: stale
+    s.on_turn(1, delta(a1, 0, 5, step=1))              # another step's
+    s.on_turn(1, delta(a1, 3, 2))                      # does not continue what rank 0 has (nothing yet)
+    assert s.by_key[a1].resume is None
+    state = s.by_key[a0].resume
+    assert state.paused and len(state.response_ids) == 9 and len(state.turns) == 2
+    s.lose(1, "killed")
+    assert [it.key for it in s.pending][:2] == [a0, a1] and s.pending[0].resume is state
+    assert s.pending[1].resume is None and s.requeued_resumed == 1 and s.reruns == 2
+    s.on_turn(1, delta(a1, 0, 5))                      # the dead engine's late delta: ignored
+    assert s.by_key[a1].resume is None and all(s.by_key[k].resume is None for k in (b0, b1))
