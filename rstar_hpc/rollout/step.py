@@ -11,7 +11,6 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from rstar_hpc.config.algo import RewardConfig, RoCConfig
 from rstar_hpc.config.rollout import AgentConfig
@@ -20,9 +19,6 @@ from rstar_hpc.exchange.schema import Trajectory
 from rstar_hpc.metrics_log import metrics_sink
 from rstar_hpc.rollout.agent import AgentResult
 from rstar_hpc.rollout.messages import TrajectoryResult
-
-if TYPE_CHECKING:
-    from rstar_hpc.rollout.scheduler import StepScheduler
 
 log = logging.getLogger("rstar_hpc.rollout")
 
@@ -156,9 +152,9 @@ class Scorer:
                           timings=timings, token_policy_versions=versions).validate()
 
 
-def publish_summary(s: StepScheduler, trajs: list[Trajectory], generation_s: float, engine_stats: dict[int, dict]
+def publish_summary(s, trajs: list[Trajectory], generation_s: float, engine_stats: dict[int, dict]
                     ) -> dict:
-    """Rank 0's summary of a finished step (`s`, its scheduler): appended to metrics/rollout.jsonl (and TensorBoard),
+    """Rank 0's summary of a finished step (`s`: its scheduler.StepScheduler): appended to metrics/rollout.jsonl (and TensorBoard),
     logged, returned."""
     last_admit = max(s.queued_at.values(), default=0.0)
     summary = {
