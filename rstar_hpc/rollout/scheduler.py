@@ -397,7 +397,7 @@ class StepScheduler:
                      requeued=len(back), requeued_resumed=resumed, reason=why)
         if self.levers.closing:   # the step is closed: they are carried as they were
             self.carry_queue()
-        if not self.alive:
+        if not self.alive and not self.levers.over(self.items, self.results):
             raise RuntimeError(f"all engine ranks died; {len(self.items) - len(self.results)} trajectories of step "
                                f"{self.step} unfinished, nothing written")
 
@@ -414,6 +414,10 @@ class StepScheduler:
             st = MPI.Status()
             if comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_STATS, status=st):
                 engine_stats[st.Get_source()] = comm.recv(source=st.Get_source(), tag=TAG_STATS)
+            elif comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_DEAD, status=st):   # died as the step ended: no wait
+                why = comm.recv(source=st.Get_source(), tag=TAG_DEAD)
+                if st.Get_source() in self.alive:
+                    self.lose(st.Get_source(), why)
             else:
                 time.sleep(0.005)
         for e in self.alive:
