@@ -217,11 +217,11 @@ class _EngineStep:
 
         # partial rollouts: rank 0 keeps each trajectory's state at its latest turn boundary (what it added since
         # the last one), so this engine's death re-runs it from there (scheduler.lose)
-        sent = [(len(resume.response_ids), len(resume.turns), len(resume.tool_calls)) if resume else (0, 0, 0)]
+        sent = [TurnDelta.sizes(resume) if resume else (0, 0, 0)]
 
         def boundary(res) -> None:
             self.comm.send(TurnDelta.since(res, key, self.step, sent[0]), dest=0, tag=TAG_TURN)
-            sent[0] = (len(res.response_ids), len(res.turns), len(res.tool_calls))
+            sent[0] = TurnDelta.sizes(res)
         try:
             out = await self.agent.run(item.prompt_ids, f"s{self.step}-{item.prompt_uid}-{item.sample_index}",
                                        item.prompt_text, seed=seed, progress=progress, pause=pause, resume=resume,

@@ -143,7 +143,8 @@ class Keeper:
                SIZE_ENV: str(self.size), SESSION_ENV: self.session_name}
         # a process group of its own: what a dead rank leaves (vLLM's engine-core and worker processes hold GPU
         # memory) is killed with it; and the rank dies with this keeper
-        r.proc = subprocess.Popen(self.argv, env=env, start_new_session=True, preexec_fn=partial(die_with_parent, os.getpid()))
+        r.proc = subprocess.Popen(self.argv, env=env, start_new_session=True,
+                                  preexec_fn=partial(die_with_parent, os.getpid()))
         log.info("rollout rank %d started (pid %d)%s", r.rank, r.proc.pid,
                  f", restart {r.restarts} of {self.engine_restarts}" if r.restarts else "")
 

@@ -66,9 +66,15 @@ class TurnDelta:
     def key(self) -> tuple[str, int]:
         return (self.prompt_uid, self.sample_index)
 
+    @staticmethod
+    def sizes(res: AgentResult) -> tuple[int, int, int]:
+        """Where a state ends: (response tokens, turns, tool calls); a delta continues a state that ends where it
+        starts."""
+        return len(res.response_ids), len(res.turns), len(res.tool_calls)
+
     @classmethod
     def since(cls, res: AgentResult, key: tuple[str, int], step: int, sent: tuple[int, int, int]) -> TurnDelta:
-        """What `res` added after `sent` = (response tokens, turns, tool calls) of the last delta."""
+        """What `res` added after `sent`, the `sizes` of the state the last delta (or the admission) left."""
         n, t, c = sent
         return cls(key[0], key[1], step, n, t, c, res.response_ids[n:], res.loss_mask[n:], res.logprobs[n:],
                    res.token_policy_versions[n:], res.turns[t:], res.tool_calls[c:], res.num_cached_tokens,
@@ -77,8 +83,7 @@ class TurnDelta:
     def onto(self, state: AgentResult) -> AgentResult | None:
         """`state` with this delta appended, as a paused trajectory at the boundary (what `AgentLoop.run` resumes);
         None when the delta does not continue `state` (a stale one of an earlier attempt)."""
-        if (len(state.response_ids), len(state.turns), len(state.tool_calls)) != (
-                self.start, self.turns_before, self.calls_before):
+        if self.sizes(state) != (self.start, self.turns_before, self.calls_before):
             return None
         return dataclasses.replace(
             state, response_ids=state.response_ids + self.response_ids, loss_mask=state.loss_mask + self.loss_mask,

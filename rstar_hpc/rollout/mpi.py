@@ -26,8 +26,9 @@ are pickled Python objects; sends are never blocking where the peer may be dead.
     JOIN     e -> 0   {rank, pid}                                        first, on connecting (links.py): this rank is here
 
 A step already committed gets SKIP instead of START. PAUSE: partial rollouts; every live trajectory comes back
-as a paused (or finished) RESULT. TURN: with partial rollouts, each trajectory's tokens up to its latest turn boundary
-reach rank 0 as they are made, so an engine's death re-runs its trajectories from there, not from the start. EXIT and BYE end the job; ABORT may come at any point.
+as a paused (or finished) RESULT. TURN: with partial rollouts, each trajectory's tokens up to its latest turn
+boundary reach rank 0 as they are made, so an engine's death re-runs its trajectories from there, not from the
+start. EXIT and BYE end the job; ABORT may come at any point.
 """
 from __future__ import annotations
 

@@ -29,8 +29,9 @@ that call the sandbox service themselves, so a trajectory waiting for its tool n
 Engine death (it reports its engine dead, its keeper reports its process dead: links.py, or it is silent for
 `engine_timeout_s`): it is dropped until it joins again, its unfinished trajectories go back to the front of the
 queue, from their last turn boundary (partial rollouts: TURN deltas) or pause, else from the start; a late result
-or delta of one re-run is ignored (they carry their step and key, and only the key's engine is heard). Rank 0 heartbeats too and sends ABORT when it fails; an engine rank that hears nothing
-from it for `engine_timeout_s` leaves. The messages are mpi.py's; the engine ranks' side is engine_rank.py.
+or delta of one re-run is ignored (they carry their step and key, and only the key's engine is heard). Rank 0
+heartbeats too and sends ABORT when it fails; an engine rank that hears nothing from it for `engine_timeout_s`
+leaves. The messages are mpi.py's; the engine ranks' side is engine_rank.py.
 """
 from __future__ import annotations
 
@@ -104,7 +105,7 @@ class StepScheduler:
         self.reward_s = 0.0
         self.policy_wait_s = 0.0
         self.reruns = 0
-        self.requeued_resumed = 0                 # of the reruns, those resumed from a boundary, not the start
+        self.reruns_resumed = 0                   # of the reruns, those resumed from a boundary, not the start
         self.infra_failures = 0
         self.journal = Journal(paths, spec.stage, spec.step, sc.journal_every_s)
         self.levers = Levers(sc)
@@ -392,7 +393,7 @@ class StepScheduler:
         for k in reversed(back):
             self.pending.appendleft(self.by_key[k])
         resumed = sum(self.by_key[k].resume is not None for k in back)   # from a turn boundary or a pause
-        self.requeued_resumed += resumed
+        self.reruns_resumed += resumed
         record_event(self.paths, "engine_lost", role="rollout", rank=e, stage=self.stage, step=self.step,
                      requeued=len(back), requeued_resumed=resumed, reason=why)
         if self.levers.closing:   # the step is closed: they are carried as they were

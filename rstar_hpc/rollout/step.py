@@ -154,14 +154,14 @@ class Scorer:
 
 def publish_summary(s, trajs: list[Trajectory], generation_s: float, engine_stats: dict[int, dict]
                     ) -> dict:
-    """Rank 0's summary of a finished step (`s`: its scheduler.StepScheduler): appended to metrics/rollout.jsonl (and TensorBoard),
-    logged, returned."""
+    """Rank 0's summary of a finished step (`s`: its scheduler.StepScheduler): appended to metrics/rollout.jsonl
+    (and TensorBoard), logged, returned."""
     last_admit = max(s.queued_at.values(), default=0.0)
     summary = {
         "step": s.step, "stage": s.stage, "admission": s.sc.admission, "trajectories": len(trajs),
         "kept_from_journal": s.journal.loaded,
         "dropped_prompts": s.dropped, "engines": s.engines, "dead_engines": s.dead,
-        "reruns": s.reruns, "reruns_resumed": s.requeued_resumed, "wall_s": round(time.monotonic() - s.t_start, 3),
+        "reruns": s.reruns, "reruns_resumed": s.reruns_resumed, "wall_s": round(time.monotonic() - s.t_start, 3),
         "generation_wall_s": round(generation_s, 3),
         # the step's long tail: generation went on this long after its last trajectory was admitted
         "last_admit_s": round(last_admit, 3), "tail_s": round(generation_s - last_admit, 3),

@@ -175,12 +175,10 @@ def build_policy(arch: Qwen3Arch, trainer, backend: Backend, *, seed: int = 0) -
 def cuda_knobs(trainer, backend: Backend) -> dict[str, bool]:
     """`trainer.sequence_parallel`, `overlap_grad_reduce` and `gradient_accumulation_fusion`, their nulls
     resolved for this backend and layout (initialised process groups); fused accumulation asked for without Apex's
-    extension is an error naming it."""
+    extension is an error naming it (sequence parallelism at tp 1 is refused by the config itself)."""
     cuda = backend == "cuda"
     tp = parallel_state.get_tensor_model_parallel_world_size()
     dp = parallel_state.get_data_parallel_world_size()
-    if trainer.sequence_parallel and tp == 1:
-        raise ValueError("trainer.sequence_parallel=true needs trainer.tensor_parallel_size > 1")
     try:
         import fused_weight_gradient_mlp_cuda  # noqa: F401  (Apex's extension, what megatron's layers call)
         fusable = cuda

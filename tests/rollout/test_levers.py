@@ -421,6 +421,6 @@ def test_an_engine_death_requeues_from_the_last_turn_boundary_and_ignores_stale_
     assert state.paused and len(state.response_ids) == 9 and len(state.turns) == 2
     s.lose(1, "killed")
     assert [it.key for it in s.pending][:2] == [a0, a1] and s.pending[0].resume is state
-    assert s.pending[1].resume is None and s.requeued_resumed == 1 and s.reruns == 2
+    assert s.pending[1].resume is None and s.reruns_resumed == 1 and s.reruns == 2
     s.on_turn(1, delta(a1, 0, 5))                      # the dead engine's late delta: ignored
     assert s.by_key[a1].resume is None and all(s.by_key[k].resume is None for k in (b0, b1))
