@@ -98,7 +98,7 @@ class StepScheduler:
         # MPI and time
         self.sends: list = []                     # non-blocking sends in flight
         self.last_beat = 0.0
-        self.last_file_beat = 0.0
+        self.last_file_beat, self.last_phase = 0.0, ""
         self.t_start = time.monotonic()           # generation's start (run resets it once the policy is there)
         # counters of the step's summary
         self.reward_s = 0.0
@@ -175,8 +175,8 @@ class StepScheduler:
         and a launcher restarts the rollout when it goes stale (launch.hang_timeout_s), so every phase of a step
         beats, generation and engine start included."""
         now = time.monotonic()
-        if self.beat_file is not None and now - self.last_file_beat >= every_s:
-            self.last_file_beat = now
+        if self.beat_file is not None and (now - self.last_file_beat >= every_s or phase != self.last_phase):
+            self.last_file_beat, self.last_phase = now, phase   # a new phase shows at once
             self.beat_file(f"step {self.step} of stage {self.stage}: {text}", phase=phase)
 
     def resume_from_journal(self) -> None:

@@ -8,7 +8,9 @@ import json
 import re
 import shutil
 import subprocess
+import tempfile
 import zipfile
+from pathlib import Path
 
 import pytest
 import yaml
@@ -27,8 +29,17 @@ def test_the_wheel_carries_what_a_run_needs(installed):
     assert "rstar-hpc = rstar_hpc.cli:main" in zipfile.ZipFile(installed.wheel).read(entry).decode()
 
 
-def test_the_verbs_run_from_the_install_outside_any_checkout(installed, tmp_path):
-    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "RSTAR_HPC_RUN_ROOT": str(tmp_path / "runs")}
+@pytest.fixture
+def short_home():
+    """A home whose ~/.rstar-hpc/cluster keeps the emulated cluster's socket paths within 107 bytes (pytest's
+    tmp_path, deeper under pytest-xdist, does not)."""
+    home = Path(tempfile.mkdtemp(prefix="rstar-home-", dir="/tmp"))
+    yield home
+    shutil.rmtree(home, ignore_errors=True)
+
+
+def test_the_verbs_run_from_the_install_outside_any_checkout(installed, tmp_path, short_home):
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(short_home), "RSTAR_HPC_RUN_ROOT": str(tmp_path / "runs")}
     imported = subprocess.run([str(installed.python), "-c", "import rstar_hpc, sandbox; print(rstar_hpc.__file__);"
                                "print(sandbox.__file__)"], capture_output=True, text=True, cwd=installed.cwd, env=env,
                               check=True).stdout.split()

@@ -40,6 +40,15 @@ pytestmark = [pytest.mark.skipif(shutil.which("ompi-server") is None or shutil.w
                                  reason="needs Open MPI's ompi-server and bwrap"), pytest.mark.slow, pytest.mark.vllm]
 
 
+def _generating(paths, step: int) -> bool:
+    """Rank 0 has dispatched step `step`'s work and is collecting it (its heartbeat file says so)."""
+    try:
+        doing = json.loads((paths.dir / "heartbeat" / "rollout.json").read_text()).get("doing", "")
+    except (FileNotFoundError, json.JSONDecodeError):
+        return False
+    return doing.startswith(f"step {step} of stage rl: generating")
+
+
 def _rank_pid(rank: int, parent: int) -> int | None:
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
@@ -104,24 +113,22 @@ def e2e(tool_format_model, tmp_path_factory):
         cmd = [PY, str(REPO / "jobs" / "rollout.py"), "--config", str(cfg_path), "--engines", "2", "--step", "0",
                "--step", "1"]
         job = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=log, text=True)
-        killed = committed_at = None
+        killed = None
         deadline = time.time() + 420
         while job.poll() is None:
             if time.time() > deadline:
                 job.kill()
                 pytest.fail("rollout job timed out: " + (work / "rollout.log").read_text()[-4000:])
-            if killed is None and paths.traj_commit("rl", 0, "rollout").exists():
-                if committed_at is None:
-                    committed_at = time.time()
-                elif time.time() - committed_at > 0.5:   # step 1's work is on the engines: rank 2's node dies
-                    pid = _rank_pid(2, os.getpid())
-                    if pid:
-                        for p in [pid, *_descendants(pid)]:
-                            try:
-                                os.kill(p, signal.SIGKILL)
-                            except ProcessLookupError:
-                                pass
-                        killed = pid
+            # step 1's work is on the engines (rank 0 beats "generating" after its first dispatch): rank 2's node dies
+            if killed is None and _generating(paths, 1):
+                pid = _rank_pid(2, os.getpid())
+                if pid:
+                    for p in [pid, *_descendants(pid)]:
+                        try:
+                            os.kill(p, signal.SIGKILL)
+                        except ProcessLookupError:
+                            pass
+                    killed = pid
             time.sleep(0.1)
         out = job.stdout.read()
         summaries = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
