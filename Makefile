@@ -1,6 +1,6 @@
 # The two commands of the README. Both are idempotent: once installed, set-up takes about a second.
 #   make demo   set up, then run the main job on the embedded default (configs/demo.yaml)
-#   make test   set up, then run the whole test suite
+#   make test   set up, then run the whole test suite (two pytest-xdist workers)
 #   make check  set up, then the fast tier (< 5 min): ruff, and tests/unit + tests/rollout not marked slurm/vllm/slow
 VENV  ?= .venv
 STAMP := $(VENV)/.installed
@@ -9,8 +9,10 @@ STAMP := $(VENV)/.installed
 demo: setup
 	$(VENV)/bin/rstar-hpc demo
 
+# two workers, a test file each at a time (its module fixtures stay in one process): the integration tests spend
+# much of their time waiting on Slurm, vLLM start-up and timeouts, which the other worker's tests fill
 test: setup
-	$(VENV)/bin/python -m pytest
+	$(VENV)/bin/python -m pytest -n 2 --dist loadfile
 
 check: setup
 	$(VENV)/bin/ruff check .

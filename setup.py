@@ -53,7 +53,7 @@ extras_require = {
     # accepts (<2.12), built for the CUDA 13 torch wheels.
     # tests/unit/test_gpu_extra.py (marked network) checks what pip resolves for both.
     "te": [GPU_TE],
-    "dev": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "ruff>=0.5"],
+    "dev": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.6", "hypothesis>=6.100", "ruff>=0.5"],
     # optional trackers beside the JSONL and TensorBoard (`tracking:` in the config, off by default); mlflow-skinny
     # is the client without the server's dependencies: file store and server URLs both work
     "tracking": ["wandb==0.31.0", "mlflow-skinny==3.17.2", "nvidia-ml-py==13.615.71"],

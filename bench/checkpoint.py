@@ -78,7 +78,7 @@ def bench(args, root: str) -> dict:
     from rstar_hpc.trainer.parallel import build_optimizer, build_policy, destroy_distributed, init_distributed
     from rstar_hpc.trainer.step import pack, train_step
 
-    for k, v in (("MASTER_PORT", "29591"), ("RANK", "0"), ("WORLD_SIZE", "1")):
+    for k, v in (("RANK", "0"), ("WORLD_SIZE", "1")):
         os.environ.setdefault(k, v)
     init_distributed(tp=1, backend=args.device)
     arch = _arch(args)

@@ -124,7 +124,7 @@ def main() -> None:
     from rstar_hpc.trainer.packing import MicroBatch
     from rstar_hpc.trainer.parallel import destroy_distributed, init_distributed
 
-    for k, v in (("MASTER_PORT", "29591"), ("RANK", "0"), ("WORLD_SIZE", "1")):
+    for k, v in (("RANK", "0"), ("WORLD_SIZE", "1")):
         os.environ.setdefault(k, v)
     init_distributed(tp=1, backend=args.device)
     chunk = args.chunk or (DEFAULT_CHUNK if args.device == "cuda" else 112)

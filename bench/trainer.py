@@ -127,7 +127,7 @@ def main() -> None:
     with scratch_dir("bench-trainer-", keep=args.keep) as scratch:   # removed at the end, failure or not
         tmp = str(scratch)
         model_dir = make_tiny_model(os.path.join(tmp, "tiny"), TinyModelSpec())
-        for k, v in (("MASTER_PORT", "29587"), ("RANK", "0"), ("WORLD_SIZE", "1")):
+        for k, v in (("RANK", "0"), ("WORLD_SIZE", "1")):
             os.environ.setdefault(k, v)
         init_distributed(tp=1)
         try:

@@ -149,7 +149,7 @@ def bench_sized(args) -> dict:
 
     config = _hf_config(args)
     arch = Qwen3Arch.from_hf_config(config.to_dict())
-    for k, v in (("MASTER_PORT", "29587"), ("RANK", "0"), ("WORLD_SIZE", "1")):
+    for k, v in (("RANK", "0"), ("WORLD_SIZE", "1")):
         os.environ.setdefault(k, v)
     init_distributed(tp=1, backend=args.device)
     torch.manual_seed(0)  # Hugging Face's init, kept on the host: each phase holds only its own model

@@ -248,7 +248,7 @@ def main() -> None:
     device = "cpu" if args.dry else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
         sys.exit("gpu-check: no CUDA device visible; --dry runs the same steps on the CPU")
-    for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29591"), ("RANK", "0"), ("WORLD_SIZE", "1")):
+    for k, v in (("MASTER_ADDR", "127.0.0.1"), ("RANK", "0"), ("WORLD_SIZE", "1")):
         os.environ.setdefault(k, v)
     from rstar_hpc.trainer.model import have_transformer_engine
     from rstar_hpc.trainer.parallel import destroy_distributed, init_distributed

@@ -44,12 +44,17 @@ def init_distributed(tp: int = 1, pp: int = 1, backend: Backend = "cpu", seed: i
     longer fails (trainer.collective_timeout_s); None: torch's default.
     """
     import os
+    import socket
 
     if not torch.distributed.is_initialized():
         env = os.environ
         rank = int(env.get("RANK", env.get("SLURM_PROCID", 0)))
         world = int(env.get("WORLD_SIZE", env.get("SLURM_NTASKS", 1)))
         env.setdefault("MASTER_ADDR", "127.0.0.1")
+        if world == 1 and "MASTER_PORT" not in env:   # a world of one: any free port, so two never meet
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                env["MASTER_PORT"] = str(s.getsockname()[1])
         env.setdefault("MASTER_PORT", "29533")
         if backend == "cuda":
             # every rank sees its node's GPUs (NCCL's P2P/NVLink between them) and computes on its local rank's
