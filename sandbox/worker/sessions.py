@@ -187,7 +187,12 @@ class Sessions:
         finally:
             for fd in (stdin_fd, out_w, err_w):
                 os.close(fd)
-        cell, pidfd = self.forked(h)
+        # the holder answers at once unless the node is starved of CPU: wait for it up to the call's deadline
+        # (a dead holder closes its channel, which ends the wait at once)
+        def left():
+            return max(2.0, start + req["timeout_s"] - time.monotonic())
+
+        cell, pidfd = self.forked(h, left())
         if pidfd is None:
             for fd in (out_r, err_r):
                 os.close(fd)
@@ -203,7 +208,7 @@ class Sessions:
                 os.kill(cell, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        status, cpu = self.ended(sid, h, cell)
+        status, cpu = self.ended(sid, h, cell, left())
         nxt = self.successor(cell, srv.own_pids()) if why is None and sid in self.holders else None
         if nxt is not None:
             # the cell's child carries the state the cell left: it is the holder now, the old one goes
@@ -225,9 +230,9 @@ class Sessions:
             result["session_pss"] = self.memory(h["pid"])
         return result
 
-    def forked(self, h):
+    def forked(self, h, wait):
         """(pid, pidfd) of the cell the holder says it forked; (None, None) if it said nothing usable."""
-        msg = self.message(h, 5.0)
+        msg = self.message(h, wait)
         cell = msg.get("forked") if msg else None
         if not (isinstance(cell, int) and cell > 1 and ppid(cell) == h["pid"]):
             return None, None
@@ -236,12 +241,13 @@ class Sessions:
         except ProcessLookupError:
             return cell, os.eventfd(1)   # it already ended (and was reaped by the holder): "exited" at once
 
-    def ended(self, sid, h, cell):
+    def ended(self, sid, h, cell, wait):
         """(wait status, CPU s) the holder reports for its cell; (None, CPU s) if it did not (it is dropped)."""
         from .procfs import cpu_of
         msg = None
+        deadline = time.monotonic() + wait
         for _ in range(4):   # the holder is the cell's parent: it reports the exit status
-            msg = self.message(h, 2.0)
+            msg = self.message(h, max(0.1, deadline - time.monotonic()))
             if msg is None or msg.get("ended") == cell:
                 break
         if msg is None or msg.get("ended") != cell or not isinstance(msg.get("status"), int):

@@ -41,7 +41,8 @@ async def main():
         s1 = await call("x = 20", session="s")
         s2 = await call("import json\nprint(x + 22)", session="s")
         print(json.dumps({"prefix": prefix, "p50_ms": statistics.median(lat) * 1000, "statuses": sorted(statuses),
-                          "session": [s1["status"], s2["stdout"], s2["session"]["state"]]}))
+                          "session": [s1["status"], s2["stdout"], s2["session"]["state"]],
+                          "s2": {k: s2.get(k) for k in ("status", "reason", "stderr", "wall_s")}}))
 
 asyncio.run(main())
 """
