@@ -23,11 +23,11 @@ _EXPORTS = {
     "roc": ["RoCReason", "RoCSelection", "roc_downsample", "roc_split"],
     "advantage": ["group_advantages", "tokens_per_sample"],
     "loss": ["LossStats", "entropy_from_logits", "policy_loss"],
-    "metrics": ["loss_metrics", "response_length_metrics", "roc_metrics"],
+    "metrics": ["behaviour_metrics", "loss_metrics", "response_length_metrics", "roc_metrics"],
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = ["FAILED_TOOL_STATUSES", "INFRA_TOOL_STATUSES", "LossStats", "Quality", "RewardResult", "RewardScorer",
-           "RoCReason", "RoCSelection", "TOOL_STATUSES", "entropy_from_logits", "extract_answer", "group_advantages",
+           "RoCReason", "RoCSelection", "TOOL_STATUSES", "behaviour_metrics", "entropy_from_logits", "extract_answer", "group_advantages",
            "last_boxed", "loss_metrics", "math_reward", "p_err", "p_format", "policy_loss",
            "response_length_metrics", "roc_downsample", "roc_metrics", "roc_split", "score_response",
            "tokens_per_sample", "trajectory_quality"]
@@ -49,7 +49,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # explicit re-exports for type checkers and IDEs
     from rstar_hpc.algo.advantage import group_advantages, tokens_per_sample
     from rstar_hpc.algo.loss import LossStats, entropy_from_logits, policy_loss
-    from rstar_hpc.algo.metrics import loss_metrics, response_length_metrics, roc_metrics
+    from rstar_hpc.algo.metrics import behaviour_metrics, loss_metrics, response_length_metrics, roc_metrics
     from rstar_hpc.algo.quality import (
         FAILED_TOOL_STATUSES,
         INFRA_TOOL_STATUSES,

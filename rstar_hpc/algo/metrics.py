@@ -6,6 +6,12 @@ roc/*       pass rate before and after down-sampling, rollouts sampled and train
 train/*     clip fractions (low, high, dual), approximate KL to the rollout policy, pg loss, KL and entropy
             terms: token means over the whole step, from the summed LossStats of every micro-batch and rank.
 response/*  length statistics (tokens) and the truncated fraction.
+behaviour/* what the policy does, over every trajectory the step sampled (before any selection): the tool-error
+            ratio (failed calls / calls with a verdict on the code, averaged over the trajectories that made one;
+            unlike p_err, no 0.5 for a trajectory without a call), the same over the positives, the share of
+            trajectories with a failed call, calls per trajectory, the share with no call, and the pass rates of
+            the trajectories with and without a failed call (is an error already punished by the outcome?). The
+            paper's tool-error and response-length curves (§3.2) are behaviour/tool_error_ratio and response/*.
 """
 from __future__ import annotations
 
@@ -16,6 +22,7 @@ from numpy.typing import ArrayLike
 
 from rstar_hpc.algo.loss import LossStats
 from rstar_hpc.algo.roc import RoCReason, RoCSelection
+from rstar_hpc.exchange.tool_status import FAILED_TOOL_STATUSES, INFRA_TOOL_STATUSES
 
 
 def _mean(x: np.ndarray) -> float:
@@ -50,6 +57,31 @@ def roc_metrics(selection: RoCSelection, rewards: ArrayLike, p_err: ArrayLike | 
             x = np.asarray(x, dtype=np.float64)
             out[f"roc/{name}_kept_pos"], out[f"roc/{name}_all_pos"] = _mean(x[pos & keep]), _mean(x[pos])
     return out
+
+
+def behaviour_metrics(rewards: ArrayLike, statuses: ArrayLike, offsets: ArrayLike) -> dict[str, float]:
+    """behaviour/* (module docstring) of one step's sampled trajectories: `rewards` one per trajectory, their tool
+    calls' statuses flat in `statuses`, trajectory i's at statuses[offsets[i]:offsets[i + 1]]."""
+    r = np.asarray(rewards, dtype=np.float64)
+    status, off = np.asarray(statuses, dtype=object), np.asarray(offsets, dtype=np.int64)
+    if r.size == 0:
+        return {}
+
+    def per_row(flags: np.ndarray) -> np.ndarray:
+        c = np.concatenate([[0], np.cumsum(flags)])
+        return c[off[1:]] - c[off[:-1]]
+
+    infra = np.isin(status, sorted(INFRA_TOOL_STATUSES))
+    calls = per_row(np.ones(status.size))
+    judged = per_row(~infra)
+    failed = per_row(np.isin(status, sorted(FAILED_TOOL_STATUSES)) & ~infra)
+    ratio = np.divide(failed, judged, out=np.zeros(r.size), where=judged > 0)
+    pos, made, erred = r != 0, judged > 0, failed > 0
+    return {"behaviour/tool_error_ratio": _mean(ratio[made]), "behaviour/tool_error_ratio_pos": _mean(ratio[made & pos]),
+            "behaviour/error_share": _mean(erred.astype(float)), "behaviour/tool_calls": _mean(calls.astype(float)),
+            "behaviour/no_call_share": _mean((calls == 0).astype(float)),
+            "behaviour/pass_rate_clean": _mean(pos[made & ~erred].astype(float)),
+            "behaviour/pass_rate_after_error": _mean(pos[erred].astype(float))}
 
 
 def loss_metrics(stats: LossStats | Iterable[LossStats], num_tokens: float | None = None) -> dict[str, float]:

@@ -11,7 +11,10 @@ cluster, with a report of what was learned.
     3. the report    `rstar-hpc report` of the RoC run with the others compared: RUN/report/report.{md,html} + PNGs
 The last stdout line is one JSON object of the figures (pass@1 of base, SFT and RL with standard errors, the
 tool-error ratio of the positives each mode trained on, the rollouts each mode sampled and trained per prompt,
-each RL run's wall time and its roles' idle fractions over its rl steps, wall time, the report's path).
+each RL run's wall time and its roles' idle fractions over its rl steps, wall time, the report's path), and under
+`modes`, per mode, what its policy did over the first and the last quarter of its RL steps (BEHAVIOUR: the
+tool-error ratio and response length of every sampled trajectory, the share with a failed call) with its pass@1.
+`rstar-hpc demo demo-noisy` (configs/demo-noisy.yaml) is the variant where the policy errs often at first.
 """
 from __future__ import annotations
 
@@ -27,6 +30,10 @@ import yaml
 from rstar_hpc.cli.status import EXIT_FAILED
 
 DEMO_CONFIG = "demo"
+# per mode in the summary's `modes`: report headline keys, each averaged over the first / last quarter of RL steps
+BEHAVIOUR = ("sampled_tool_error_ratio_first", "sampled_tool_error_ratio_last", "response_length_first",
+             "response_length_last", "error_share_first", "error_share_last", "pass_rate_clean_first",
+             "pass_rate_after_error_first")
 # label -> (summary key, overrides of the RL run)
 MODES = {
     "RoC": ("roc", []),
@@ -161,9 +168,11 @@ def _report(sft, runs: dict, wall_s: float, timing: dict | None = None) -> dict:
            "pass1_sft": sft_head["pass1_sft"], "pass1_sft_stderr": sft_head["pass1_sft_stderr"],
            "pass1_rl": head["pass1_rl"], "pass1_rl_stderr": head["pass1_rl_stderr"],
            "roc_positive_tool_error_ratio": head["positive_tool_error_ratio"]}
-    out["sampled_per_group"], out["trained_per_group"] = {}, {}
+    out["sampled_per_group"], out["trained_per_group"], out["modes"] = {}, {}, {}
     for label in runs:
         key, mine = MODES[label][0], head if label == "RoC" else head["compare"][label]
+        out["modes"][key] = {"pass1": _round(mine["pass1_rl"]), "pass1_stderr": _round(mine["pass1_rl_stderr"]),
+                             **{k: _round(mine[k]) for k in BEHAVIOUR}}
         if label != "RoC":
             out[f"pass1_{key}"], out[f"pass1_{key}_stderr"] = mine["pass1_rl"], mine["pass1_rl_stderr"]
             out[f"{key}_positive_tool_error_ratio"] = mine["positive_tool_error_ratio"]
@@ -181,12 +190,19 @@ def _report(sft, runs: dict, wall_s: float, timing: dict | None = None) -> dict:
     click.echo("      rollouts per prompt, sampled / trained: " + ", ".join(
         f"{label} {out['sampled_per_group'][MODES[label][0]]} / {out['trained_per_group'][MODES[label][0]]}"
         for label in runs), err=True)
+    click.echo("      sampled tool-error ratio, first -> last quarter: " + ", ".join(
+        f"{label} {_f(out['modes'][MODES[label][0]]['sampled_tool_error_ratio_first'])} -> "
+        f"{_f(out['modes'][MODES[label][0]]['sampled_tool_error_ratio_last'])}" for label in runs), err=True)
     click.echo(f"      report: {report.html}", err=True)
     return out
 
 
 def _round(x: float | None) -> float | None:
     return None if x is None else round(x, 3)
+
+
+def _f(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
 
 
 def _pm(out: dict, key: str) -> str:

@@ -4,6 +4,8 @@
                                  levels with a distractor; easy ones can be done in the head, hard ones need the tool)
     data: demo-eval              the demo's held-out eval problems (DEMO_EVAL_PROMPTS, levels in equal shares)
     data: demo-256               the first 256 prompts of the demo set (e.g. a hard_subset stage's source)
+    data: demo-noisy             the demo set; in an sft stage, the noisy variant's traces (a typo'd call then a
+                                 retry in more than half of them: configs/demo-noisy.yaml)
     data: /lustre/rl-42k.parquet prompts with ground truth (rl, hard_subset, eval), JSONL or Parquet
     data: /lustre/sft.jsonl      chat samples (sft), JSONL or Parquet, {"messages": [...], "tools": [...]} per row
 
@@ -23,6 +25,7 @@ from rstar_hpc.data.files import DataFileMissing, DatasetError, read_rows
 from rstar_hpc.data.prompts import ANSWER_KEYS, QUESTION_KEYS, PromptSet, read_prompt_file
 
 DEMO = "demo"
+DEMO_NOISY = "demo-noisy"
 DEMO_PROMPTS = 4096   # the demo RL set: enough distinct prompts that a tiny run never repeats one within a stage
 DEMO_EVAL_PROMPTS = 128   # 32 per level: pass@1's standard error ~0.03, small enough to see RL's gain on 2 cores
 DEMO_SFT_SAMPLES = 20000   # > samples an SFT stage sees: fresh problems, nothing to memorise
@@ -45,14 +48,14 @@ def is_demo(data: str | None) -> bool:
 
 def _demo_set(data: str, seed: int) -> list[dict]:
     rest = data[len(DEMO) + 1:] if data != DEMO else ""
-    if not rest:
+    if not rest or data == DEMO_NOISY:   # the noisy variant differs in its SFT traces only
         return demo_prompts(DEMO_PROMPTS, seed)
     if rest == "eval":
         return demo_prompts(DEMO_EVAL_PROMPTS, seed, held_out=True)
     if rest.isdigit() and 0 < int(rest) <= DEMO_PROMPTS:
         return demo_prompts(int(rest), seed)
     raise DatasetError(f"{data!r}: not a demo set; use '{DEMO}', '{DEMO}-eval' or '{DEMO}-N' (the first N <= "
-                       f"{DEMO_PROMPTS} demo prompts)")
+                       f"{DEMO_PROMPTS} demo prompts), or '{DEMO_NOISY}'")
 
 
 def load_prompts(stage, seed: int = 0, run_dir=None) -> list[dict]:
@@ -90,9 +93,10 @@ def load_sft_conversations(stage, seed: int = 0, system_prompt: str | None = Non
     if stage.data is None:
         raise DatasetError(f"stage {stage.name!r} (sft) has no data; set stages[].data to a chat JSONL file "
                            f"({{\"messages\": [...]}} per line), or to '{DEMO}' for the built-in demo set")
-    if stage.data == DEMO:
+    if stage.data in (DEMO, DEMO_NOISY):
         from rstar_hpc.data.demo_task import sft_samples
-        return [s["messages"] for s in sft_samples(DEMO_SFT_SAMPLES, seed, system=system_prompt)]
+        chats = sft_samples(DEMO_SFT_SAMPLES, seed, system=system_prompt, noisy=stage.data == DEMO_NOISY)
+        return [s["messages"] for s in chats]
     return load_chat_jsonl(stage.data)
 
 
@@ -118,8 +122,8 @@ def read_data(data: str, kind: str | None = None, seed: int = 0, *, keep_system:
     if is_demo(data):
         if kind == "sft":
             from rstar_hpc.data.demo_task import sft_samples
-            chats = [s["messages"] for s in sft_samples(DEMO_SFT_SAMPLES, seed)]
-            return ChatSet(chats, "demo", len(chats))
+            chats = [s["messages"] for s in sft_samples(DEMO_SFT_SAMPLES, seed, noisy=data == DEMO_NOISY)]
+            return ChatSet(chats, data, len(chats))
         rows = _demo_set(data, seed)
         return PromptSet(rows, "demo", len(rows), sources={"the built-in demo set (rstar_hpc.data.demo_task)": len(rows)})
     src = read_rows(data, SFT_HINT if kind == "sft" else PROMPT_HINT)

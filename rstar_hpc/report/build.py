@@ -21,6 +21,12 @@ LINE_PLOTS = [
      [("pos_tool_error_kept", "kept positives"), ("pos_tool_error_all", "all positives")], "mean p_err",
      ("Tool-error ratio (mean p_err) of the positive trajectories kept for training (solid: after RoC's selection) "
      "and of all positives (dashed); plain GRPO keeps all, so its two curves coincide")),
+    ("sampled_tool_error.png", "Tool-error ratio of the sampled trajectories",
+     [("sampled_tool_error", "all sampled"), ("sampled_pos_tool_error", "sampled positives")], "failed / calls",
+     ("What the policy does: failed calls over calls, averaged over every trajectory the step sampled that made a "
+      "call (solid), and over the positives among them (dashed), before any selection (the paper's Fig. 5 quantity)")),
+    ("error_share.png", "Trajectories with a failed call", [("error_share", "")], "share of sampled",
+     "Share of the sampled trajectories with at least one failed tool call"),
     ("response_length.png", "Response length", [("response_length", "")], "tokens (mean)",
      "Mean response length per RL step (tokens)"),
     ("tool_calls.png", "Tool calls per trajectory", [("tool_calls", "")], "calls", "Tool calls per trajectory"),
@@ -31,8 +37,15 @@ HEADLINE_ROWS = [("RL steps", "rl_steps"), ("mean reward, first 10% of steps", "
                  ("rollouts trained per prompt that trained", "trained_per_group"),
                  ("tool-error ratio of kept positives (mean over steps)", "positive_tool_error_ratio"),
                  ("tool-error ratio of all positives (mean over steps)", "positive_tool_error_ratio_all"),
+                 ("tool-error ratio of sampled trajectories, first quarter", "sampled_tool_error_ratio_first"),
+                 ("tool-error ratio of sampled trajectories, last quarter", "sampled_tool_error_ratio_last"),
+                 ("share of sampled with a failed call, first / last quarter",
+                  ("error_share_first", "error_share_last")),
+                 ("pass rate of sampled with no failed call / with one, first quarter",
+                  ("pass_rate_clean_first", "pass_rate_after_error_first")),
+                 ("response length (tokens), first quarter", "response_length_first"),
+                 ("response length (tokens), last quarter", "response_length_last"),
                  ("tool calls per trajectory, last 10%", "tool_calls_per_trajectory_last"),
-                 ("response length (tokens), last 10%", "response_length_last"),
                  ("trainer step time (s, mean)", "step_time_mean_s")]
 
 
@@ -106,7 +119,7 @@ def _document(runs: list[RunData], heads: list[dict], figures: list[tuple[str, s
                   f". Written {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} by `rstar-hpc report`."),
                  ("h2", "Headline"),
                  ("table", ["figure"] + [r.label for r in runs],
-                  [[name] + [fmt(h[key]) for h in heads] for name, key in HEADLINE_ROWS] +
+                  [[name] + [_cell(h, key) for h in heads] for name, key in HEADLINE_ROWS] +
                   [[f"pass@1 {lab} ± stderr"] + [_pm(h, lab) for h in heads] for lab in ("base", "sft", "rl")]),
                  ("h2", "pass@1 of the base, SFT and RL models")]
     rows = pass1_rows(runs)
@@ -123,6 +136,11 @@ def _document(runs: list[RunData], heads: list[dict], figures: list[tuple[str, s
         doc += [("h2", "Not shown"), ("list", notes)]
     doc.append(("p", f"The same metrics, live: tensorboard --logdir {main.paths.tb_root}"))
     return doc
+
+
+def _cell(h: dict, key: str | tuple[str, ...]) -> str:
+    """A headline figure, or several side by side ("a / b")."""
+    return fmt(h[key]) if isinstance(key, str) else " / ".join(fmt(h[k]) for k in key)
 
 
 def _pm(h: dict, label: str) -> str:

@@ -4,6 +4,8 @@ pass1_<label> (label: base, sft, rl, from results.json's `policy.label`) is the 
 several benchmarks it is their unweighted mean, its standard error sqrt(sum of squared stderrs) / benchmarks
 (independent problem sets). positive_tool_error_ratio is the mean over RL steps of the kept positives' mean p_err
 (`roc/p_err_kept_pos`): with RoC off (plain GRPO) every positive is kept, so runs compare directly.
+sampled_tool_error_ratio_first/_last (and response_length_, error_share_) are means over the first and the last
+quarter of the RL steps of what every sampled trajectory did (behaviour/*), whatever a mode then trained on.
 sampled_per_group and trained_per_group count the rollouts each RL step sampled per prompt and trained per prompt
 that trained at all, over every step of the run: an ablation is fair when trained_per_group agrees across modes.
 """
@@ -31,6 +33,12 @@ def _ends(xs: list[float]) -> tuple[float | None, float | None]:
     return (_mean(xs[:n]), _mean(xs[-n:])) if xs else (None, None)
 
 
+def _quarters(xs: list[float]) -> tuple[float | None, float | None]:
+    """Means of the first and last quarter (at least one value) of `xs`."""
+    n = max(1, len(xs) // 4)
+    return (_mean(xs[:n]), _mean(xs[-n:])) if xs else (None, None)
+
+
 def pass1_of(results: dict) -> tuple[float | None, float | None]:
     """pass@1 and its standard error of one eval stage, over its benchmarks."""
     ms = [m for m in results.get("benchmarks", {}).values() if isinstance(m.get("pass1"), (int, float))]
@@ -50,7 +58,13 @@ def headline(run: RunData) -> dict:
     out["sampled_per_group"] = _ratio(run.values("num_trajectories"), run.values("num_groups"))
     out["trained_per_group"] = _ratio(run.values("num_kept"), run.values("groups_trained"))
     out["tool_calls_per_trajectory_last"] = _ends(run.values("tool_calls"))[1]
-    out["response_length_last"] = _ends(run.values("response_length"))[1]
+    out["sampled_tool_error_ratio_first"], out["sampled_tool_error_ratio_last"] = _quarters(
+        run.values("sampled_tool_error"))
+    out["error_share_first"], out["error_share_last"] = _quarters(run.values("error_share"))
+    # does outcome reward already punish an error? the pass rates with and without one, as RL starts
+    out["pass_rate_clean_first"] = _quarters(run.values("pass_rate_clean"))[0]
+    out["pass_rate_after_error_first"] = _quarters(run.values("pass_rate_after_error"))[0]
+    out["response_length_first"], out["response_length_last"] = _quarters(run.values("response_length"))
     out["step_time_mean_s"] = _mean(run.values("time_step"))
     for label in LABELS:
         mine = [r for r in run.evals if (r.get("policy") or {}).get("label") == label]

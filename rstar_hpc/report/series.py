@@ -16,6 +16,12 @@ TRAINER_KEYS = {
     "num_kept": "roc/num_kept",                     # trained, over the groups that trained
     "groups_trained": "roc/groups_trained",
     "response_length": "response/length_mean(tokens)",
+    # what the policy does, over every sampled trajectory, before selection (algo/metrics.py behaviour/*)
+    "sampled_tool_error": "behaviour/tool_error_ratio",
+    "sampled_pos_tool_error": "behaviour/tool_error_ratio_pos",
+    "error_share": "behaviour/error_share",
+    "pass_rate_clean": "behaviour/pass_rate_clean",              # trajectories that called the tool and never failed
+    "pass_rate_after_error": "behaviour/pass_rate_after_error",  # ... that failed a call (recovered or not)
     "time_read": "time/read(s)",
     "time_train": "time/train(s)",
     "time_publish": "time/publish(s)",

@@ -44,7 +44,7 @@ from megatron.core import parallel_state
 from rstar_hpc import pipeline
 from rstar_hpc.algo.advantage import group_advantages
 from rstar_hpc.algo.loss import LossStats, policy_loss
-from rstar_hpc.algo.metrics import loss_metrics, response_length_metrics, roc_metrics
+from rstar_hpc.algo.metrics import behaviour_metrics, loss_metrics, response_length_metrics, roc_metrics
 from rstar_hpc.algo.roc import select_step
 from rstar_hpc.config.algo import AlgoConfig, LossConfig
 from rstar_hpc.config.run import RunConfig
@@ -130,6 +130,7 @@ def build_batch(table: pa.Table, step: int, algo: AlgoConfig, trainer: TrainerCo
                "rollout/stale_token_fraction": float(stale[mask.astype(bool)].mean()) if mask.any() else 0.0,
                "rollout/stale_tokens_masked": float(stale_masked),
                **roc_metrics(selection, rewards, cols.p_err, cols.p_format),
+               **behaviour_metrics(rewards, *cols.tool_call_status),
                **response_length_metrics(resp_len, finish == "length")}
     keep = selection.indices
     batch = RLBatch(step=step, num_kept=len(keep), metrics=metrics)

@@ -43,8 +43,18 @@ def test_demo_trains_through_launch_and_reports(slurm_cluster, tmp_path):
     assert out["sampled_per_group"] == {"roc": 8, "grpo": 4}
     assert set(out["trained_per_group"]) == {"roc", "grpo"}
     assert all(v in (None, 4) for v in out["trained_per_group"].values()), out["trained_per_group"]
+    # per mode, what the sampled trajectories did over the first and last quarter of RL steps (the trainer's
+    # behaviour/* records); a ratio is None only where no sampled trajectory made a call
+    assert set(out["modes"]) == {"roc", "grpo"}
+    for key, mode in out["modes"].items():
+        assert {"pass1", "pass1_stderr", "sampled_tool_error_ratio_first", "sampled_tool_error_ratio_last",
+                "response_length_first", "response_length_last"} <= set(mode), mode
+        assert mode["response_length_first"] > 0 and 0 <= mode["pass1"] <= 1, (key, mode)
+        assert all(mode[k] is None or 0 <= mode[k] <= 1 for k in ("sampled_tool_error_ratio_first",
+                                                                   "sampled_tool_error_ratio_last")), (key, mode)
     report = Path(out["report"])
     assert report.is_file() and "GRPO" in report.read_text() and list(report.parent.glob("*.png"))
+    assert "tool-error ratio of sampled trajectories" in report.read_text()
     for label, run in out["runs"].items():
         st = json.loads(subprocess.run([sys.executable, "-m", "rstar_hpc", "run", "status", run, "--json"],
                                        capture_output=True, text=True, env=env, timeout=120).stdout)

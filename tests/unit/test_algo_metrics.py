@@ -5,7 +5,14 @@ import numpy as np
 import pytest
 import torch
 
-from rstar_hpc.algo import loss_metrics, policy_loss, response_length_metrics, roc_downsample, roc_metrics
+from rstar_hpc.algo import (
+    behaviour_metrics,
+    loss_metrics,
+    policy_loss,
+    response_length_metrics,
+    roc_downsample,
+    roc_metrics,
+)
 
 
 def test_roc_metrics_hand_computed():
@@ -32,6 +39,26 @@ def test_roc_metrics_with_nothing_kept_is_nan_not_an_error():
     sel = roc_downsample([0, 0], [0, 0], seed=0, roc_error_ratio=False, roc_answer_format=False)
     m = roc_metrics(sel, [0, 0])
     assert m["roc/num_kept"] == 0 and math.isnan(m["roc/pass_rate_after"])
+
+
+def test_behaviour_metrics_hand_computed():
+    # five trajectories: clean and right; typo, retry, right; two errors of three calls, wrong; no call, right;
+    # one call lost to the sandbox (infra: no verdict) and one clean call, wrong
+    rewards = [1, 1, 0, 1, 0]
+    calls = [["ok"], ["error", "ok"], ["error", "timeout", "ok"], [], ["internal_error", "ok"]]
+    offsets = np.cumsum([0] + [len(c) for c in calls])
+    m = behaviour_metrics(rewards, [s for c in calls for s in c], offsets)
+    # over the four trajectories that made a judged call: 0, 1/2, 2/3, 0 (the infra call counts for nothing)
+    assert m["behaviour/tool_error_ratio"] == pytest.approx((0 + 0.5 + 2 / 3 + 0) / 4)
+    assert m["behaviour/tool_error_ratio_pos"] == pytest.approx(0.25)   # trajectories 0 and 1
+    assert m["behaviour/error_share"] == pytest.approx(2 / 5)
+    assert m["behaviour/tool_calls"] == pytest.approx(8 / 5)
+    assert m["behaviour/no_call_share"] == pytest.approx(1 / 5)
+    assert m["behaviour/pass_rate_clean"] == pytest.approx(1 / 2)       # trajectories 0 (right) and 4 (wrong)
+    assert m["behaviour/pass_rate_after_error"] == pytest.approx(1 / 2)
+    assert behaviour_metrics([], [], [0]) == {}
+    nan = behaviour_metrics([1], [], [0, 0])   # no call at all: the ratios have nothing to average
+    assert math.isnan(nan["behaviour/tool_error_ratio"]) and nan["behaviour/no_call_share"] == 1.0
 
 
 def test_loss_metrics_sum_micro_batches_exactly():

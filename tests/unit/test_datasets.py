@@ -15,7 +15,8 @@ from rstar_hpc.data.prompts import REPEATS, SYSTEM_UNUSED, read_prompt_file
 from rstar_hpc.data.sets import (DEMO_EVAL_PROMPTS, DatasetError, load_chat_jsonl, load_prompt_file, load_prompts,
                                 load_sft_conversations)
 from rstar_hpc.models import chat_format as fmt
-from rstar_hpc.data.demo_task import DIRECT_SHARE, TYPO_SHARE, evaluate, level_of, sft_samples
+from rstar_hpc.data.demo_task import (DIRECT_SHARE, NOISY_DIRECT_SHARE, NOISY_TYPO_SHARE, TYPO_SHARE, evaluate,
+                                     level_of, sft_samples)
 
 
 def _stage(tmp_path, data, kind="rl", **extra):
@@ -56,6 +57,21 @@ def test_demo_sft_traces_mix_direct_answers_tool_calls_and_typos():
         tools = [m["content"] for m in s["messages"] if m["role"] == "tool"]
         assert all(t.startswith("Tool call failure") for t in tools[:-1])
         assert not tools or tools[-1] == f"Tool call success\nstdout: {s['answer']}\n\nexecution time: 0.00s"  # as rendered
+
+
+def test_the_noisy_variant_errs_in_most_traces_and_retries_without_copying_a_number(tmp_path):
+    """demo-noisy: more than half the traces misspell the print and retry with `print(x)` (the session keeps x);
+    its prompts are the demo set's."""
+    chats = load_sft_conversations(_stage(tmp_path, "demo-noisy", kind="sft"), 0, "")
+    tool_turns = [sum(m["role"] == "tool" for m in c) for c in chats[:1000]]
+    shares = [tool_turns.count(k) / 1000 for k in (0, 1, 2)]
+    assert abs(shares[0] - NOISY_DIRECT_SHARE) < 0.05 and abs(shares[2] - NOISY_TYPO_SHARE) < 0.05, shares
+    retries = [c for c, n in zip(chats, tool_turns) if n == 2]
+    for c in retries[:50]:
+        first, second = (m["content"] for m in c if m["role"] == "assistant" and "<tool_call>" in m["content"])
+        assert "prnt(x)" in first and '"code": "print(x)"' in second
+    assert chats[0][1:] != load_sft_conversations(_stage(tmp_path, "demo", kind="sft"), 0, "")[0][1:]
+    assert load_prompts(_stage(tmp_path, "demo-noisy")) == load_prompts(_stage(tmp_path, "demo"))
 
 
 def test_jsonl_and_parquet_with_the_public_datasets_spellings(tmp_path):

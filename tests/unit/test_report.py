@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from rstar_hpc.algo.metrics import response_length_metrics, roc_metrics
+from rstar_hpc.algo.metrics import behaviour_metrics, response_length_metrics, roc_metrics
 from rstar_hpc.algo.roc import roc_downsample
 from rstar_hpc.cli import cli
 from rstar_hpc.config.algo import RoCConfig
@@ -20,8 +20,8 @@ from rstar_hpc.metrics_log import MetricsSink, tb_tag
 
 PNG = b"\x89PNG\r\n\x1a\n"
 STEPS = 5
-PLOTS = ["reward.png", "pass1.png", "positive_tool_error.png", "response_length.png", "tool_calls.png",
-         "step_time.png"]
+PLOTS = ["reward.png", "pass1.png", "positive_tool_error.png", "sampled_tool_error.png", "error_share.png",
+         "response_length.png", "tool_calls.png", "step_time.png"]
 
 
 def _trainer_record(rng, roc: RoCConfig, step: int) -> dict:
@@ -30,7 +30,10 @@ def _trainer_record(rng, roc: RoCConfig, step: int) -> dict:
     rewards = (rng.random(32) < 0.2 + 0.1 * min(step, 5)).astype(float)
     p_err, p_format = rng.random(32) * 0.5, np.zeros(32)
     sel = roc_downsample(uids, rewards, p_err, p_format, roc, seed=step)
+    # one call each, failing less often step by step: a policy that learns to err less
+    statuses = np.where(rng.random(32) < 0.6 - 0.1 * step, "error", "ok")
     return {"reward/mean": float(rewards.mean()), **roc_metrics(sel, rewards, p_err, p_format),
+            **behaviour_metrics(rewards, statuses, np.arange(33)),
             **response_length_metrics(rng.integers(50, 400, 32), rng.random(32) < 0.1),
             "loss": 0.5 / step, "time/read(s)": 0.5, "time/train(s)": 2.0, "time/publish(s)": 0.3,
             "time/checkpoint(s)": 0.4 if step % 2 == 0 else 0.0, "time/step(s)": 3.2}
@@ -155,6 +158,10 @@ def test_report_renders_plots_table_and_compared_run(runs, tmp_path):
     assert head["rl_steps"] == STEPS and head["report"] == str(out / "report.md")
     assert head["compare"]["GRPO"]["positive_tool_error_ratio"] is not None
     assert head["compare"]["GRPO"]["pass1_rl"] is None
+    # what the sampled trajectories did, first and last quarter of the RL steps (here step 1 and step 5)
+    assert head["sampled_tool_error_ratio_first"] > head["sampled_tool_error_ratio_last"]
+    assert head["response_length_first"] > 0 and head["compare"]["GRPO"]["error_share_last"] is not None
+    assert "tool-error ratio of sampled trajectories, first quarter" in md
     # counted from what each step sampled and trained: RoC keeps 4 of 8, this GRPO run trains its 8 whole
     assert (head["sampled_per_group"], head["trained_per_group"]) == (8, 4)
     assert (head["compare"]["GRPO"]["sampled_per_group"], head["compare"]["GRPO"]["trained_per_group"]) == (8, 8)
