@@ -9,19 +9,10 @@ kind's shared FIFO; a session's calls go to the sandbox that holds the session, 
 it dies, when it stops answering (`hang_grace_s` past a call's deadline), or when its sweep after a call
 fails; the other sandboxes keep serving meanwhile.
 
-Sessions (what the caller sees in `result["session"]`):
-  state "new"       first cell of the session: fresh globals
-  state "live"      the session's process was still there: globals as left by its earlier cells
-  state "replayed"  the session had been evicted (idle / memory / capacity) or its sandbox was recycled,
-                    crashed or lost the process: its earlier cells were re-run, output discarded and errors
-                    ignored (as rStar2's jupyter tool does), then this cell ran. Cells are re-run, not
-                    restored: randomness, time and I/O may differ ("replay_note" says why it happened).
-  state "lost"      earlier state could not be rebuilt (its history outgrew max_history_bytes, or this service
-                    never saw the earlier cells, e.g. after the client moved the session off a dead node):
-                    the cell ran on fresh globals.
-  "rolled_back": true   this cell did not finish (timeout, crash, os._exit, ...): the session keeps the
-                    state from before it, and the cell is not part of the replay history.
-A session ends when its caller releases it (`release(sid)`, the service's op "release": its process and history
+Sessions (sandbox/sessions.py: their states, replay and history) live in math sandboxes. A sandbox holds at most
+`max_sessions_per_worker` of them (each is a process, under the sandbox's process limit): a new session beyond
+that evicts the least recently used idle one of any math sandbox, or, while every held session has a cell queued
+or running, waits (its cells parked, in order) until one of those ends. A session ends when its caller releases it (`release(sid)`, the service's op "release": its process and history
 go, after any cells already queued) or, never released (a killed caller), once idle for 4 x session_idle_s.
 """
 from __future__ import annotations
@@ -37,25 +28,10 @@ from sandbox.bwrap import Sandbox, SandboxDied
 from sandbox.limits import Limits
 from sandbox.results import make_result
 from sandbox.route import LIGHT, MATH, route
+from sandbox.sessions import Session
 from sandbox.stats import LATENCY_BUCKETS_MS, Stats
 
 log = logging.getLogger("sandbox")
-
-
-@dataclasses.dataclass
-class Session:
-    sid: str
-    slot: int | None = None
-    live: bool = False             # a holder process exists in `slot`
-    history: list = dataclasses.field(default_factory=list)   # (code, stdin, timeout_s) of kept cells
-    history_bytes: int = 0
-    history_lost: bool = False
-    cells: int = 0
-    pending: int = 0
-    last_used: float = 0.0
-    pss: int = 0
-    why_gone: str | None = None   # why the live state went away (evicted: idle, memory, ...)
-    released: bool = False        # its owner is done with it: forget it once its queued cells have run
 
 
 @dataclasses.dataclass
@@ -90,6 +66,7 @@ class Pool:
         self.queue: collections.deque[_Job] = collections.deque()         # stateless calls for math sandboxes
         self.light_queue: collections.deque[_Job] = collections.deque()   # ... and for light ones
         self.sessions: dict[str, Session] = {}
+        self.unplaced: collections.deque[Session] = collections.deque()   # waiting for room, in arrival order
         self.stats = Stats()
         self.started = time.time()
         self._closing = False
@@ -124,7 +101,8 @@ class Pool:
         if self._housekeeper:
             self._housekeeper.cancel()
         await asyncio.gather(*(s.sandbox.kill() for s in self.slots), return_exceptions=True)
-        for job in list(self.queue) + list(self.light_queue) + [j for s in self.slots for j in s.pinned]:
+        parked = [j for sess in self.unplaced for j in sess.parked]
+        for job in list(self.queue) + list(self.light_queue) + [j for s in self.slots for j in s.pinned] + parked:
             if not job.fut.done():
                 job.fut.set_result(make_result(job.call.get("id"), "unavailable", "service shutting down"))
 
@@ -157,13 +135,16 @@ class Pool:
             sess = self.sessions.get(sid)
             if sess is None:
                 sess = self.sessions[sid] = Session(sid)
-            if sess.slot is None:
-                self._place(sess)
+            if sess.slot is None and not sess.parked and not self._place(sess):
+                self.unplaced.append(sess)
             sess.pending += 1
             sess.last_used = time.time()
-            slot = self.slots[sess.slot]
-            slot.pinned.append(job)
-            slot.wake.set()
+            if sess.slot is None:
+                sess.parked.append(job)
+            else:
+                slot = self.slots[sess.slot]
+                slot.pinned.append(job)
+                slot.wake.set()
         return fut
 
     async def run(self, call: dict) -> dict:
@@ -178,6 +159,7 @@ class Pool:
         sess.released = True
         if sess.pending == 0:
             self._forget(sess)
+            self._admit()
         return True
 
     def _forget(self, sess: Session) -> None:
@@ -186,15 +168,30 @@ class Pool:
         self.sessions.pop(sess.sid, None)
         self.stats.released += 1
 
-    def _place(self, sess: Session) -> None:
-        slot = min(self.math_slots, key=lambda s: (len(s.sessions), len(s.pinned), s.busy))
-        if len(slot.sessions) >= self.limits.max_sessions_per_worker:
-            victims = sorted((self.sessions[x] for x in slot.sessions if self.sessions[x].pending == 0),
-                             key=lambda x: x.last_used)
-            if victims:
-                self._evict(victims[0], "capacity")
+    def _place(self, sess: Session) -> bool:
+        """Give `sess` a math sandbox with room (module docstring); False: none has room yet."""
+        room = [s for s in self.math_slots if len(s.sessions) < self.limits.max_sessions_per_worker]
+        if room:
+            slot = min(room, key=lambda s: (len(s.sessions), len(s.pinned), s.busy))
+        else:
+            idle = [self.sessions[x] for s in self.math_slots for x in s.sessions if self.sessions[x].pending == 0]
+            if not idle:
+                return False
+            victim = min(idle, key=lambda x: x.last_used)
+            slot = self.slots[victim.slot]
+            self._evict(victim, "capacity")
         sess.slot = slot.index
         slot.sessions.add(sess.sid)
+        return True
+
+    def _admit(self) -> None:
+        """Place the waiting sessions while there is room, their parked cells in order."""
+        while self.unplaced and self._place(self.unplaced[0]):
+            sess = self.unplaced.popleft()
+            slot = self.slots[sess.slot]
+            slot.pinned.extend(sess.parked)
+            sess.parked.clear()
+            slot.wake.set()
 
     def _evict(self, sess: Session, why: str) -> None:
         slot = self.slots[sess.slot]
@@ -315,7 +312,7 @@ class Pool:
         if sess is None:
             reply = await self._cell(slot, call["code"], call["stdin"], call["timeout_s"], None)
         else:
-            session_info = self._prepare_session(sess, call)
+            session_info = sess.prepare(call, self.limits.max_history_bytes)
             if session_info["state"] == "replayed":
                 t0 = time.monotonic()
                 # output discarded, errors ignored (the module docstring); a replayed cell that takes the
@@ -324,7 +321,10 @@ class Pool:
                     await self._cell(slot, code, stdin, timeout, sid)
                 session_info["replay_s"] = round(time.monotonic() - t0, 6)
             reply = await self._cell(slot, call["code"], call["stdin"], call["timeout_s"], sid)
-            self._finish_session(sess, call, reply, session_info)
+            sess.finish(call, reply, session_info, self.limits.max_history_bytes)
+            if sess.released and sess.pending == 0:
+                self._forget(sess)
+            self._admit()   # a session between cells can make room
         reply.pop("lost_sessions", None)
         for key in ("session_alive", "session_created", "session_rolled_back", "session_note", "session_pss"):
             reply.pop(key, None)
@@ -337,55 +337,6 @@ class Pool:
         result["sandbox"] = slot.kind
         self.stats.record(result, time.monotonic() - job.submitted)
         job.fut.set_result(result)
-
-    def _prepare_session(self, sess: Session, call: dict) -> dict:
-        info = {"id": sess.sid, "state": "live", "cells": sess.cells}
-        if sess.live:
-            return info
-        if sess.cells == 0 and not sess.history:
-            if call.get("session_seq", 0) > 0:
-                info["state"] = "lost"
-                info["note"] = (f"this service has no record of the session's {call['session_seq']} earlier "
-                                "cell(s) (the session moved here from another service?): fresh globals")
-            else:
-                info["state"] = "new"
-            return info
-        if sess.history_lost:
-            info["state"] = "lost"
-            info["note"] = (f"{sess.why_gone or 'state gone'}; the history outgrew max_history_bytes="
-                            f"{self.limits.max_history_bytes}, so it could not be replayed: fresh globals")
-            sess.history_lost = False
-            return info
-        info["state"] = "replayed"
-        info["replayed_cells"] = len(sess.history)
-        info["note"] = f"{sess.why_gone or 'state gone'}; earlier cells re-run with output discarded"
-        return info
-
-    def _finish_session(self, sess: Session, call: dict, reply: dict, info: dict) -> None:
-        sess.pending -= 1
-        sess.last_used = time.time()
-        alive = bool(reply.get("session_alive"))
-        rolled_back = bool(reply.get("session_rolled_back"))
-        info["rolled_back"] = rolled_back or not alive
-        if reply.get("session_note") and info["state"] == "live":
-            # the holder vanished between calls (e.g. killed by another session's cell): treat as lost
-            info["state"], info["note"] = "lost", reply["session_note"]
-        sess.live = alive
-        sess.pss = int(reply.get("session_pss") or 0)
-        if not alive:
-            sess.why_gone = reply.get("reason") or "session process died"
-        if alive and not rolled_back:
-            sess.cells += 1
-            size = len(call["code"]) + len(call["stdin"])
-            if sess.history_bytes + size > self.limits.max_history_bytes:
-                sess.history_lost = True   # replay would be wrong without every kept cell
-                sess.history.clear()
-            if not sess.history_lost:
-                sess.history.append((call["code"], call["stdin"], call["timeout_s"]))
-                sess.history_bytes += size
-        info["cells"] = sess.cells
-        if sess.released and sess.pending == 0:
-            self._forget(sess)
 
     # ------------------------------------------------------------ eviction and health
     async def _housekeeping(self) -> None:
@@ -412,6 +363,7 @@ class Pool:
                 break
             total -= sess.pss
             self._evict(sess, "memory")
+        self._admit()
         # forget sessions idle for long (their history too): a later cell reports state "lost"
         for sid, sess in list(self.sessions.items()):
             if sess.slot is None and sess.pending == 0 and now - sess.last_used > 4 * self.limits.session_idle_s:

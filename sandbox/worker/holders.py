@@ -56,7 +56,10 @@ def continue_session(status, g):
     (its threads are not carried over: fork copies the calling thread only)."""
     flush_std()
     r, w = os.pipe()
-    pid = os.fork()
+    try:
+        pid = os.fork()
+    except OSError:   # no process left for a next holder (the sandbox's process limit): pid 1 rolls the session
+        pid = -1      # back to the state before this cell, and the cell's own status still stands
     if pid == 0:
         try:
             os.close(r)

@@ -167,3 +167,23 @@ def test_recycled_sandbox_replays_its_sessions():
         assert p.snapshot()["restarts"].get("recycled") == 1
     finally:
         p.close()
+
+
+def test_more_sessions_at_once_than_room_wait_for_it_and_keep_their_state():
+    """A rollout's burst: 30 trajectories each start a session before any of them ends, on a sandbox that holds 2.
+    The sessions beyond the room wait for it (each held one is a process under the sandbox's process limit: taking
+    them all at once exhausted it, and cells then lost their state and reported an exception as ok)."""
+    p = make_pool(num_workers=1, max_sessions_per_worker=2)
+    try:
+        ids = [sid() for _ in range(30)]
+        rs = p.run_many([{"code": f"x = {i}\nprnt(x)", "session": s} for i, s in enumerate(ids)] +
+                        [{"code": "print(x)", "session": s} for s in ids])
+        first, second = rs[:30], rs[30:]
+        assert all(r["status"] == "error" and r["exc_type"] == "NameError" and r["session"]["state"] == "new"
+                   for r in first), [r for r in first if r["status"] != "error"][:2]
+        assert [r["stdout"] for r in second] == [f"{i}\n" for i in range(30)], [r for r in second][:2]
+        assert all(r["session"]["state"] == "live" and not r["session"]["rolled_back"] for r in second)
+        snap = p.snapshot()
+        assert snap["sessions_live"] <= 2 and snap["evictions"].get("capacity", 0) >= 28, snap
+    finally:
+        p.close()
