@@ -90,12 +90,14 @@ class Service:
 
     async def serve_forever(self) -> None:
         """Run until SIGTERM/SIGINT (what Slurm sends at the end of a job step)."""
-        await self.start()
+        # the handlers first: a step stopped while the pool starts (compiling the worker code under $TMPDIR) must
+        # not die by the default SIGTERM action and leave that copy behind
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         try:
+            await self.start()
             await stop.wait()
         finally:
             # first what a step's termination must not leave behind (srun's SIGKILL follows its SIGTERM after

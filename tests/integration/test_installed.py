@@ -70,7 +70,7 @@ def test_the_verbs_run_from_the_install_outside_any_checkout(installed, tmp_path
     finally:
         shutil.rmtree(installed.cwd / "configs")
     bad = installed.rstar("config", "show", "tiny-gpu", env=env, check=False)
-    assert bad.returncode != 0 and "known configs: demo, qwen3-14b, tiny-cpu" in bad.stderr, bad.stderr
+    assert bad.returncode != 0 and "known configs: demo, demo-noisy, qwen3-14b, tiny-cpu" in bad.stderr, bad.stderr
 
 
 @pytest.mark.slurm

@@ -173,7 +173,8 @@ def test_more_sessions_at_once_than_room_wait_for_it_and_keep_their_state():
     """A rollout's burst: 30 trajectories each start a session before any of them ends, on a sandbox that holds 2.
     The sessions beyond the room wait for it (each held one is a process under the sandbox's process limit: taking
     them all at once exhausted it, and cells then lost their state and reported an exception as ok)."""
-    p = make_pool(num_workers=1, max_sessions_per_worker=2)
+    # a generous wall limit: on a loaded machine a session cell's process hand-offs alone can take the tests' 2 s
+    p = make_pool(num_workers=1, max_sessions_per_worker=2, timeout_s=20.0)
     try:
         ids = [sid() for _ in range(30)]
         rs = p.run_many([{"code": f"x = {i}\nprnt(x)", "session": s} for i, s in enumerate(ids)] +
