@@ -90,19 +90,29 @@ class Service:
 
     async def serve_forever(self) -> None:
         """Run until SIGTERM/SIGINT (what Slurm sends at the end of a job step)."""
-        # the handlers first: a step stopped while the pool starts (compiling the worker code under $TMPDIR) must
-        # not die by the default SIGTERM action and leave that copy behind
-        stop = asyncio.Event()
+        stop, stopping = asyncio.Event(), []
         loop = asyncio.get_running_loop()
+
+        def on_stop(signum, frame) -> None:
+            # in the handler itself, before the loop gets to the stop: a step's termination (srun's SIGKILL can
+            # follow its SIGINT within a second) must not leave this process's copy of the worker code in $TMPDIR,
+            # and a busy loop may reach its stop only after the kill. Installed before the pool starts: a stop
+            # during its start does not die by the default action either.
+            stopping.append(signum)
+            remove_compiled_worker()
+            loop.call_soon_threadsafe(stop.set)
+
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
+            signal.signal(sig, on_stop)
         try:
-            await self.start()
+            try:
+                await self.start()
+            except RuntimeError:   # stopped while starting: no sandbox starts once the worker code is removed
+                if not stopping:
+                    raise
             await stop.wait()
         finally:
-            # first what a step's termination must not leave behind (srun's SIGKILL follows its SIGTERM after
-            # KillWait): this process's copy of the worker code under $TMPDIR; the sandboxes are being stopped
-            remove_compiled_worker()
+            remove_compiled_worker()   # any other way out (the sandboxes are being stopped)
             self._log_summary()
             await self.close()
 
