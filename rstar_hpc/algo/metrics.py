@@ -22,6 +22,7 @@ from numpy.typing import ArrayLike
 
 from rstar_hpc.algo.loss import LossStats
 from rstar_hpc.algo.roc import RoCReason, RoCSelection
+from rstar_hpc.exchange.columns import TokenColumn
 from rstar_hpc.exchange.tool_status import FAILED_TOOL_STATUSES, INFRA_TOOL_STATUSES
 
 
@@ -63,21 +64,17 @@ def behaviour_metrics(rewards: ArrayLike, statuses: ArrayLike, offsets: ArrayLik
     """behaviour/* (module docstring) of one step's sampled trajectories: `rewards` one per trajectory, their tool
     calls' statuses flat in `statuses`, trajectory i's at statuses[offsets[i]:offsets[i + 1]]."""
     r = np.asarray(rewards, dtype=np.float64)
-    status, off = np.asarray(statuses, dtype=object), np.asarray(offsets, dtype=np.int64)
+    col = TokenColumn(np.asarray(statuses, dtype=object), np.asarray(offsets, dtype=np.int64))
     if r.size == 0:
         return {}
-
-    def per_row(flags: np.ndarray) -> np.ndarray:
-        c = np.concatenate([[0], np.cumsum(flags)])
-        return c[off[1:]] - c[off[:-1]]
-
-    infra = np.isin(status, sorted(INFRA_TOOL_STATUSES))
-    calls = per_row(np.ones(status.size))
-    judged = per_row(~infra)
-    failed = per_row(np.isin(status, sorted(FAILED_TOOL_STATUSES)) & ~infra)
+    infra = np.isin(col.values, sorted(INFRA_TOOL_STATUSES))
+    calls = col.lengths()
+    judged = col.row_sums(~infra)
+    failed = col.row_sums(np.isin(col.values, sorted(FAILED_TOOL_STATUSES)) & ~infra)
     ratio = np.divide(failed, judged, out=np.zeros(r.size), where=judged > 0)
     pos, made, erred = r != 0, judged > 0, failed > 0
-    return {"behaviour/tool_error_ratio": _mean(ratio[made]), "behaviour/tool_error_ratio_pos": _mean(ratio[made & pos]),
+    return {"behaviour/tool_error_ratio": _mean(ratio[made]),
+            "behaviour/tool_error_ratio_pos": _mean(ratio[made & pos]),
             "behaviour/error_share": _mean(erred.astype(float)), "behaviour/tool_calls": _mean(calls.astype(float)),
             "behaviour/no_call_share": _mean((calls == 0).astype(float)),
             "behaviour/pass_rate_clean": _mean(pos[made & ~erred].astype(float)),

@@ -193,9 +193,8 @@ def step_seed(run_seed: int, step: int) -> int:
 
 def tool_infra_failed(table: pa.Table) -> np.ndarray:
     """Per row: did any of its tool calls fail for the sandbox's reasons (INFRA_TOOL_STATUSES)?"""
-    status, offsets = TrajectoryColumns(table).tool_call_status
-    hits = np.concatenate([[0], np.cumsum(np.isin(status, sorted(INFRA_TOOL_STATUSES)))])
-    return hits[offsets[1:]] > hits[offsets[:-1]]
+    status = TrajectoryColumns(table).tool_call_status
+    return status.row_sums(np.isin(status.values, sorted(INFRA_TOOL_STATUSES))) > 0
 
 
 def select_step(table: pa.Table, cfg: RoCConfig, *, run_seed: int, step: int) -> RoCSelection:

@@ -159,6 +159,7 @@ def _timing(runs: dict, walls: dict, rl_stages: set[str]) -> dict:
 
 def _report(sft, runs: dict, wall_s: float, timing: dict | None = None) -> dict:
     from rstar_hpc.report.build import build_report
+    from rstar_hpc.report.figures import fmt
 
     compare = [("SFT", sft)] + [(label, p) for label, p in runs.items() if label != "RoC"]
     report = build_report(runs["RoC"], label="RoC", compare=compare)
@@ -190,19 +191,16 @@ def _report(sft, runs: dict, wall_s: float, timing: dict | None = None) -> dict:
     click.echo("      rollouts per prompt, sampled / trained: " + ", ".join(
         f"{label} {out['sampled_per_group'][MODES[label][0]]} / {out['trained_per_group'][MODES[label][0]]}"
         for label in runs), err=True)
+    ends = [(label, out["modes"][MODES[label][0]]) for label in runs]
     click.echo("      sampled tool-error ratio, first -> last quarter: " + ", ".join(
-        f"{label} {_f(out['modes'][MODES[label][0]]['sampled_tool_error_ratio_first'])} -> "
-        f"{_f(out['modes'][MODES[label][0]]['sampled_tool_error_ratio_last'])}" for label in runs), err=True)
+        f"{label} {fmt(m['sampled_tool_error_ratio_first'])} -> {fmt(m['sampled_tool_error_ratio_last'])}"
+        for label, m in ends), err=True)
     click.echo(f"      report: {report.html}", err=True)
     return out
 
 
 def _round(x: float | None) -> float | None:
     return None if x is None else round(x, 3)
-
-
-def _f(x: float | None) -> str:
-    return "-" if x is None else f"{x:.3f}"
 
 
 def _pm(out: dict, key: str) -> str:

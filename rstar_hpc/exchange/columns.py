@@ -29,6 +29,11 @@ class TokenColumn(NamedTuple):
     def lengths(self) -> np.ndarray:
         return np.diff(self.offsets)
 
+    def row_sums(self, flags: np.ndarray) -> np.ndarray:
+        """Per row, the sum of `flags` (one per value) over that row's values."""
+        c = np.concatenate([[0], np.cumsum(flags)])
+        return c[self.offsets[1:]] - c[self.offsets[:-1]]
+
 
 # --------------------------------------------------------------------------------------------------- rows -> columns
 def to_record_batches(trajectories: Sequence[Trajectory]) -> Iterable[pa.RecordBatch]:

@@ -27,15 +27,9 @@ def _ratio(num: list[float], den: list[float]) -> float | None:
     return sum(num) / sum(den) if sum(den) > 0 else None
 
 
-def _ends(xs: list[float]) -> tuple[float | None, float | None]:
-    """Means of the first and last tenth (at least one value) of `xs`."""
-    n = max(1, len(xs) // 10)
-    return (_mean(xs[:n]), _mean(xs[-n:])) if xs else (None, None)
-
-
-def _quarters(xs: list[float]) -> tuple[float | None, float | None]:
-    """Means of the first and last quarter (at least one value) of `xs`."""
-    n = max(1, len(xs) // 4)
+def _ends(xs: list[float], parts: int = 10) -> tuple[float | None, float | None]:
+    """Means of the first and last 1/`parts` (at least one value) of `xs`: tenths, or quarters with parts=4."""
+    n = max(1, len(xs) // parts)
     return (_mean(xs[:n]), _mean(xs[-n:])) if xs else (None, None)
 
 
@@ -58,13 +52,13 @@ def headline(run: RunData) -> dict:
     out["sampled_per_group"] = _ratio(run.values("num_trajectories"), run.values("num_groups"))
     out["trained_per_group"] = _ratio(run.values("num_kept"), run.values("groups_trained"))
     out["tool_calls_per_trajectory_last"] = _ends(run.values("tool_calls"))[1]
-    out["sampled_tool_error_ratio_first"], out["sampled_tool_error_ratio_last"] = _quarters(
-        run.values("sampled_tool_error"))
-    out["error_share_first"], out["error_share_last"] = _quarters(run.values("error_share"))
+    out["sampled_tool_error_ratio_first"], out["sampled_tool_error_ratio_last"] = _ends(
+        run.values("sampled_tool_error"), 4)
+    out["error_share_first"], out["error_share_last"] = _ends(run.values("error_share"), 4)
     # does outcome reward already punish an error? the pass rates with and without one, as RL starts
-    out["pass_rate_clean_first"] = _quarters(run.values("pass_rate_clean"))[0]
-    out["pass_rate_after_error_first"] = _quarters(run.values("pass_rate_after_error"))[0]
-    out["response_length_first"], out["response_length_last"] = _quarters(run.values("response_length"))
+    out["pass_rate_clean_first"] = _ends(run.values("pass_rate_clean"), 4)[0]
+    out["pass_rate_after_error_first"] = _ends(run.values("pass_rate_after_error"), 4)[0]
+    out["response_length_first"], out["response_length_last"] = _ends(run.values("response_length"), 4)
     out["step_time_mean_s"] = _mean(run.values("time_step"))
     for label in LABELS:
         mine = [r for r in run.evals if (r.get("policy") or {}).get("label") == label]
