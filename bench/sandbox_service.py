@@ -243,8 +243,7 @@ def main() -> None:
         args.repeats = 1 if args.quick else 5
     from rstar_hpc.scratch import scratch_dir
 
-    # the service's run directory and the baseline's call folders; the service's own scratch (its compiled worker
-    # package, under the $TMPDIR it inherits) goes when it stops
+    # the service's run directory and the baseline's call folders
     with scratch_dir("bench-sandbox-", keep=args.keep) as scratch:
         figures = asyncio.run(main_async(args, str(scratch)))
     print(json.dumps(figures, separators=(",", ":")))

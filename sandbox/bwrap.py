@@ -3,17 +3,16 @@ process running the worker package (sandbox/worker/) as its pid 1, which takes o
 from __future__ import annotations
 
 import asyncio
-import atexit
 import functools
+import importlib.util
 import json
 import logging
+import marshal
 import os
-import py_compile
 import shutil
 import struct
 import sys
 import sysconfig
-import tempfile
 import time
 
 from sandbox.limits import Limits
@@ -45,7 +44,9 @@ def sandbox_uid(limits: Limits, index: int) -> int | None:
     return limits.root_uid_base + (os.getpid() % 100_000) * 1000 + index % 1000
 
 
-def bwrap_argv(limits: Limits, seccomp_fd: int | None, as_root: bool, kind: str = MATH) -> list[str]:
+def bwrap_argv(limits: Limits, seccomp_fd: int | None, as_root: bool, kind: str = MATH,
+               worker_fds: dict[str, int] | None = None) -> list[str]:
+    """bwrap's command line; `worker_fds` from worker_fds() (None: the argv without the worker package)."""
     bwrap = shutil.which("bwrap")
     if bwrap is None:
         raise RuntimeError("bwrap not found on PATH: install bubblewrap (Debian/Ubuntu `bubblewrap`, "
@@ -87,7 +88,12 @@ def bwrap_argv(limits: Limits, seccomp_fd: int | None, as_root: bool, kind: str 
         argv += ["--ro-bind", prefix, prefix]
     for path in ("/etc/ld.so.cache", "/etc/localtime"):
         argv += ["--ro-bind-try", path, path]
-    argv += ["--ro-bind", compiled_worker(), WORKER_DIR, "--chdir", "/tmp", "--hostname", "sandbox", "--clearenv"]
+    # the worker package, readable by the sandbox uid when the service runs as root
+    for d in ("/opt", WORKER_DIR, f"{WORKER_DIR}/{WORKER_PACKAGE}"):
+        argv += ["--perms", "0755", "--dir", d]
+    for name, fd in (worker_fds or {}).items():
+        argv += ["--perms", "0444", "--ro-bind-data", str(fd), f"{WORKER_DIR}/{WORKER_PACKAGE}/{name}"]
+    argv += ["--chdir", "/tmp", "--hostname", "sandbox", "--clearenv"]
     for k, v in bwrap_env().items():
         argv += ["--setenv", k, v]
     # light interpreters skip site: no site-packages, .pth hooks or import finders in every forked cell
@@ -103,51 +109,37 @@ def bwrap_env() -> dict[str, str]:
             "MKL_NUM_THREADS": "1", "NUMEXPR_NUM_THREADS": "1", "MALLOC_ARENA_MAX": "2", "MPLBACKEND": "Agg"}
 
 
-_removed = False   # set on the way out: no sandbox starts after it
-
-
-def compiled_worker() -> str:
-    """A private directory holding the worker package as sourceless .pyc files (nothing is compiled in the
-    sandbox), built once per service from this interpreter and removed at exit."""
-    if _removed:
-        raise RuntimeError("the sandbox service is stopping (its worker code is removed): no sandbox starts now")
-    return _compiled_worker()
-
-
 @functools.cache
-def _compiled_worker() -> str:
-    d = tempfile.mkdtemp(prefix="rstar-sandbox-worker-")
-    atexit.register(shutil.rmtree, d, True)
-    compile_worker(d)
-    return d
-
-
-def remove_compiled_worker() -> None:
-    """Remove the directory of compiled_worker() now, if this process built one: the service calls it as it stops,
-    while its signal handlers still stand (the atexit hook does not run when the step's termination SIGKILLs the
-    process). After it no sandbox starts: one the pool restarted while it stopped (a call cut by the stop) made a
-    new copy, which the step's SIGKILL then left in $TMPDIR."""
-    global _removed
-    _removed = True
-    if _compiled_worker.cache_info().currsize:
-        shutil.rmtree(_compiled_worker(), ignore_errors=True)
-        _compiled_worker.cache_clear()
-
-
-def compile_worker(into: str) -> str:
-    """Compile sandbox/worker/*.py into `into`/_rstar_sandbox/*.pyc, readable by any uid; returns the package."""
-    pkg = os.path.join(into, WORKER_PACKAGE)
-    os.makedirs(pkg, exist_ok=True)
+def compiled_worker() -> dict[str, bytes]:
+    """The worker package as sourceless .pyc images ({file name: bytes}), compiled once per service from this
+    interpreter. They reach each sandbox as data (bwrap copies them into its private root): nothing on the host's
+    disk to remove, so a step killed mid-stop leaves nothing behind."""
+    images = {}
     for name in sorted(os.listdir(WORKER_SRC)):
         if name.endswith(".py"):
-            pyc = os.path.join(pkg, name[:-3] + ".pyc")
-            py_compile.compile(os.path.join(WORKER_SRC, name), cfile=pyc, doraise=True,
-                               dfile=f"{WORKER_DIR}/{WORKER_PACKAGE}/{name}",
-                               invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)
-            os.chmod(pyc, 0o644)
-    for folder in (into, pkg):
-        os.chmod(folder, 0o755)   # the sandbox uid reads it when the service runs as root
-    return pkg
+            with open(os.path.join(WORKER_SRC, name), "rb") as f:
+                source = f.read()
+            code = compile(source, f"{WORKER_DIR}/{WORKER_PACKAGE}/{name}", "exec", dont_inherit=True)
+            # PEP 552's unchecked hash-based header: no source beside it to compare against
+            header = importlib.util.MAGIC_NUMBER + struct.pack("<I", 0b01) + importlib.util.source_hash(source)
+            images[name[:-3] + ".pyc"] = header + marshal.dumps(code)
+    return images
+
+
+def worker_fds() -> dict[str, int]:
+    """One memfd per worker .pyc, at offset 0, for one bwrap start (bwrap reads each to its end); the caller
+    closes them once bwrap has started."""
+    fds = {}
+    try:
+        for name, image in compiled_worker().items():
+            fd = fds[name] = os.memfd_create(name, os.MFD_CLOEXEC)
+            os.write(fd, image)
+            os.lseek(fd, 0, os.SEEK_SET)
+    except BaseException:
+        for fd in fds.values():
+            os.close(fd)
+        raise
+    return fds
 
 
 class Sandbox:
@@ -169,20 +161,22 @@ class Sandbox:
     async def start(self) -> None:
         uid = sandbox_uid(self.limits, self.index)
         sec_r = None
+        fds = worker_fds()
         if self.seccomp_bpf is not None:
             sec_r, sec_w = os.pipe()
             os.write(sec_w, self.seccomp_bpf)   # < 4 KiB: fits in the pipe buffer
             os.close(sec_w)
         try:
-            argv = bwrap_argv(self.limits, sec_r, uid is not None, self.kind)
+            argv = bwrap_argv(self.limits, sec_r, uid is not None, self.kind, fds)
             # a scrubbed environment: bwrap and everything it starts must not carry the launcher's secrets
             self.proc = await asyncio.create_subprocess_exec(
                 *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE, env={"PATH": "/usr/bin:/bin"}, close_fds=True,
-                pass_fds=() if sec_r is None else (sec_r,), start_new_session=True, limit=1 << 26)
+                pass_fds=(*fds.values(), *([] if sec_r is None else [sec_r])), start_new_session=True,
+                limit=1 << 26)
         finally:
-            if sec_r is not None:
-                os.close(sec_r)
+            for fd in (*fds.values(), *([] if sec_r is None else [sec_r])):
+                os.close(fd)
         self._stderr_task = asyncio.create_task(self._drain_stderr())
         path: list[str] = []
         if self.kind == LIGHT:

@@ -19,7 +19,6 @@ from typing import Any, TypeVar
 
 from rstar_hpc.exchange.atomic import atomic_write_text
 from rstar_hpc.exchange.rendezvous import announce
-from sandbox.bwrap import remove_compiled_worker
 from sandbox.limits import Limits
 from sandbox.pool import Pool
 from sandbox.protocol import MAX_BATCH, FrameTooLarge, encode, read_frame, validate_call
@@ -89,30 +88,22 @@ class Service:
         await self.pool.close()
 
     async def serve_forever(self) -> None:
-        """Run until SIGTERM/SIGINT (what Slurm sends at the end of a job step)."""
-        stop, stopping = asyncio.Event(), []
+        """Run until SIGTERM/SIGINT (what Slurm sends at the end of a job step). The handlers come first: a step
+        stopped while the pool starts ends the service cleanly rather than by the signal's default action."""
+        stop = asyncio.Event()
         loop = asyncio.get_running_loop()
-
-        def on_stop(signum, frame) -> None:
-            # in the handler itself, before the loop gets to the stop: a step's termination (srun's SIGKILL can
-            # follow its SIGINT within a second) must not leave this process's copy of the worker code in $TMPDIR,
-            # and a busy loop may reach its stop only after the kill. Installed before the pool starts: a stop
-            # during its start does not die by the default action either.
-            stopping.append(signum)
-            remove_compiled_worker()
-            loop.call_soon_threadsafe(stop.set)
-
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, on_stop)
+            loop.add_signal_handler(sig, stop.set)
         try:
-            try:
-                await self.start()
-            except RuntimeError:   # stopped while starting: no sandbox starts once the worker code is removed
-                if not stopping:
-                    raise
-            await stop.wait()
+            starting = asyncio.ensure_future(self.start())
+            stopped = asyncio.ensure_future(stop.wait())
+            await asyncio.wait((starting, stopped), return_when=asyncio.FIRST_COMPLETED)
+            if not starting.done():
+                starting.cancel()
+            elif not stopped.done():
+                starting.result()   # a start that failed raises here
+            await stopped
         finally:
-            remove_compiled_worker()   # any other way out (the sandboxes are being stopped)
             self._log_summary()
             await self.close()
 

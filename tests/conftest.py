@@ -15,6 +15,31 @@ for _k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
 REPO = Path(__file__).resolve().parents[1]
 
 
+# Files that read one session fixture too costly to build once per xdist worker run on one worker (`--dist loadfile`
+# otherwise spreads them): the launched all-stage run and the installed wheel, and the model taught the tool format.
+SHARED_FIXTURE_GROUPS = {
+    "sbatch_run": ("tests/integration/test_launch.py", "tests/integration/test_installed.py",
+                   "tests/integration/test_launch_chaos.py"),
+    "tool_format_model": ("tests/rollout/test_e2e.py", "tests/rollout/test_levers_e2e.py"),
+}
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    group_of = {f: g for g, files in SHARED_FIXTURE_GROUPS.items() for f in files}
+
+    class FilesAndSharedFixtures(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            return group_of.get(path, path)
+
+    return FilesAndSharedFixtures(config, log)
+
+
 def _local_cluster(prefix: str, spec=None):
     """Up a LocalCluster in a fresh short state directory (munge's socket path must fit), down and gone after."""
     from rstar_hpc.cluster import LocalCluster

@@ -600,7 +600,7 @@ def test_the_worker_as_pid_1_outside_bwrap_neither_sweeps_nor_wipes(tmp_path):
     import subprocess
     import sys
 
-    from sandbox.bwrap import _BOOT, WORKER_DIR, compile_worker
+    from sandbox.bwrap import _BOOT, WORKER_DIR, WORKER_PACKAGE, compiled_worker
     from sandbox.limits import Limits
 
     # the bind hides everything under /tmp, a checkout there included: the worker is compiled into the directory
@@ -610,7 +610,10 @@ def test_the_worker_as_pid_1_outside_bwrap_neither_sweeps_nor_wipes(tmp_path):
         pytest.skip(f"the interpreter itself lives under /tmp ({python})")
     keep = tmp_path / "keep"
     keep.write_text("host file")
-    compile_worker(str(tmp_path / "worker"))
+    pkg = tmp_path / "worker" / WORKER_PACKAGE
+    pkg.mkdir(parents=True)
+    for name, image in compiled_worker().items():
+        (pkg / name).write_bytes(image)
     boot = _BOOT.replace(repr(WORKER_DIR), repr("/tmp/worker"))
     script = f"mount --bind {tmp_path} /tmp && exec {python} -I -S -u -B -c \"{boot}\""
     proc = subprocess.Popen(["unshare", "-fpm", "--mount-proc", "sh", "-c", script], stdin=subprocess.PIPE,
