@@ -13,6 +13,27 @@ for _k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
     os.environ.setdefault(_k, "1")
 
 REPO = Path(__file__).resolve().parents[1]
+_SCRATCH = pytest.StashKey[str]()
+
+
+def pytest_configure(config):
+    """The session's scratch, removed when it ends: what the tests and the processes they start leave under $TMPDIR
+    (a killed engine's IPC sockets and caches, a killed keeper's Open MPI folder, W&B's and multiprocessing's
+    folders) goes there, not into the node's /tmp (a run once left ~60 entries). pytest's own tmp_path folders stay
+    where they were, kept for a failure's post-mortem. Set by the controller; xdist workers and every process the
+    tests start inherit it."""
+    if hasattr(config, "workerinput"):
+        return
+    root = tempfile.gettempdir()
+    os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", root)
+    config.stash[_SCRATCH] = os.environ["TMPDIR"] = tempfile.mkdtemp(prefix="rstar-tests-", dir=root)
+    tempfile.tempdir = None   # gettempdir() cached the old one
+
+
+def pytest_unconfigure(config):
+    scratch = config.stash.get(_SCRATCH, None)
+    if scratch:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 # Files that read one session fixture too costly to build once per xdist worker run on one worker (`--dist loadfile`
