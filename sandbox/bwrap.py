@@ -20,7 +20,7 @@ from sandbox.route import LIGHT, MATH
 
 log = logging.getLogger("sandbox")
 WORKER_SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker")
-# pid 1 imports the worker compiled, from this read-only bind: run from source, it would be compiled anew in
+# pid 1 imports the worker compiled, from read-only files in this folder: run from source, it would be compiled anew in
 # every sandbox, and the compiler's leftovers (~2.5 MB of half-used allocator arenas) would sit in every forked
 # cell's address space, which fork copies and exit frees per call (~10% of a trivial call's CPU). Its package
 # name is one no cell would give a module of its own (a cell's `import x` finds what pid 1 imported first).
