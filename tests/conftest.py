@@ -1,4 +1,5 @@
-"""Shared fixtures: a real local Slurm cluster and a tiny model, each built once per test session."""
+"""The session's set-up: its own $TMPDIR, the xdist groups of files that share a costly fixture, and the shared
+fixtures: a real local Slurm cluster and a tiny model, each built once per test session."""
 from __future__ import annotations
 
 import os
