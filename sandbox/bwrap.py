@@ -13,6 +13,7 @@ import shutil
 import struct
 import sys
 import sysconfig
+import tempfile
 import time
 
 from sandbox.limits import Limits
@@ -127,12 +128,12 @@ def compiled_worker() -> dict[str, bytes]:
 
 
 def worker_fds() -> dict[str, int]:
-    """One memfd per worker .pyc, at offset 0, for one bwrap start (bwrap reads each to its end); the caller
-    closes them once bwrap has started."""
+    """One file descriptor per worker .pyc, at offset 0, for one bwrap start (bwrap reads each to its end); the
+    caller closes them once bwrap has started."""
     fds = {}
     try:
         for name, image in compiled_worker().items():
-            fd = fds[name] = os.memfd_create(name, os.MFD_CLOEXEC)
+            fd = fds[name] = _nameless_file(name)
             os.write(fd, image)
             os.lseek(fd, 0, os.SEEK_SET)
     except BaseException:
@@ -140,6 +141,16 @@ def worker_fds() -> dict[str, int]:
             os.close(fd)
         raise
     return fds
+
+
+def _nameless_file(name: str) -> int:
+    """A file with no path, so nothing is left to remove: a memfd, or on kernels without memfd_create (before
+    3.17: RHEL 7) an unlinked file under $TMPDIR."""
+    try:
+        return os.memfd_create(name, os.MFD_CLOEXEC)
+    except OSError:
+        with tempfile.TemporaryFile() as f:
+            return os.dup(f.fileno())
 
 
 class Sandbox:

@@ -77,3 +77,31 @@ def test_an_environment_under_tmp_is_neither_walked_nor_slow():
         assert tree(venv) == before   # nothing under the bound environment was removed or changed
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.parametrize("memfd", [True, False], ids=["memfd", "no-memfd"])
+def test_the_worker_code_reaches_sandboxes_as_files_without_a_path(memfd, monkeypatch, tmp_path):
+    """The worker package goes into each sandbox as data (bwrap's --ro-bind-data): nothing of it under $TMPDIR for a
+    killed service to leave behind, a copy there once was. Kernels without memfd_create (before 3.17: RHEL 7) get
+    unlinked files instead."""
+    import errno
+
+    from tests.helpers.sandbox_pools import make_pool
+
+    if not memfd:
+        def missing(*a, **k):
+            raise OSError(errno.ENOSYS, "Function not implemented")
+        monkeypatch.setattr(os, "memfd_create", missing)
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setenv("TMPDIR", str(scratch))
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    p = make_pool(num_workers=1, light_workers=1)
+    try:
+        for code, kind in (("print(6 * 7)", "light"), ("import sympy\nprint(6 * 7)", "math")):
+            r = p.run(code)
+            assert r["status"] == "ok" and r["stdout"] == "42\n" and r["sandbox"] == kind, r
+        assert not list(scratch.iterdir())   # while the sandboxes run, too
+    finally:
+        p.close()
+    assert not list(scratch.iterdir())
