@@ -45,9 +45,9 @@ def sandbox_uid(limits: Limits, index: int) -> int | None:
     return limits.root_uid_base + (os.getpid() % 100_000) * 1000 + index % 1000
 
 
-def bwrap_argv(limits: Limits, seccomp_fd: int | None, as_root: bool, kind: str = MATH,
-               worker_fds: dict[str, int] | None = None) -> list[str]:
-    """bwrap's command line; `worker_fds` from worker_fds() (None: the argv without the worker package)."""
+def bwrap_argv(limits: Limits, seccomp_fd: int | None, as_root: bool, kind: str, worker: dict[str, int]
+               ) -> list[str]:
+    """bwrap's command line; `worker`: the worker package's file descriptors, from worker_fds()."""
     bwrap = shutil.which("bwrap")
     if bwrap is None:
         raise RuntimeError("bwrap not found on PATH: install bubblewrap (Debian/Ubuntu `bubblewrap`, "
@@ -92,7 +92,7 @@ def bwrap_argv(limits: Limits, seccomp_fd: int | None, as_root: bool, kind: str 
     # the worker package, readable by the sandbox uid when the service runs as root
     for d in ("/opt", WORKER_DIR, f"{WORKER_DIR}/{WORKER_PACKAGE}"):
         argv += ["--perms", "0755", "--dir", d]
-    for name, fd in (worker_fds or {}).items():
+    for name, fd in worker.items():
         argv += ["--perms", "0444", "--ro-bind-data", str(fd), f"{WORKER_DIR}/{WORKER_PACKAGE}/{name}"]
     argv += ["--chdir", "/tmp", "--hostname", "sandbox", "--clearenv"]
     for k, v in bwrap_env().items():
@@ -172,21 +172,22 @@ class Sandbox:
     async def start(self) -> None:
         uid = sandbox_uid(self.limits, self.index)
         sec_r = None
-        fds = worker_fds()
-        if self.seccomp_bpf is not None:
-            sec_r, sec_w = os.pipe()
-            os.write(sec_w, self.seccomp_bpf)   # < 4 KiB: fits in the pipe buffer
-            os.close(sec_w)
+        worker = worker_fds()
+        passed = list(worker.values())   # bwrap's own copies; ours close once it has started
         try:
-            argv = bwrap_argv(self.limits, sec_r, uid is not None, self.kind, fds)
+            if self.seccomp_bpf is not None:
+                sec_r, sec_w = os.pipe()
+                passed.append(sec_r)
+                os.write(sec_w, self.seccomp_bpf)   # < 4 KiB: fits in the pipe buffer
+                os.close(sec_w)
+            argv = bwrap_argv(self.limits, sec_r, uid is not None, self.kind, worker)
             # a scrubbed environment: bwrap and everything it starts must not carry the launcher's secrets
             self.proc = await asyncio.create_subprocess_exec(
                 *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE, env={"PATH": "/usr/bin:/bin"}, close_fds=True,
-                pass_fds=(*fds.values(), *([] if sec_r is None else [sec_r])), start_new_session=True,
-                limit=1 << 26)
+                pass_fds=passed, start_new_session=True, limit=1 << 26)
         finally:
-            for fd in (*fds.values(), *([] if sec_r is None else [sec_r])):
+            for fd in passed:
                 os.close(fd)
         self._stderr_task = asyncio.create_task(self._drain_stderr())
         path: list[str] = []

@@ -98,11 +98,12 @@ class Service:
             starting = asyncio.ensure_future(self.start())
             stopped = asyncio.ensure_future(stop.wait())
             await asyncio.wait((starting, stopped), return_when=asyncio.FIRST_COMPLETED)
-            if not starting.done():
+            if stopped.done():   # stopped while starting: the start unwinds before the pool closes
                 starting.cancel()
-            elif not stopped.done():
+                await asyncio.gather(starting, return_exceptions=True)
+            else:
                 starting.result()   # a start that failed raises here
-            await stopped
+                await stopped
         finally:
             self._log_summary()
             await self.close()

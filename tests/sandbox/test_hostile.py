@@ -583,7 +583,7 @@ def test_an_interpreter_under_tmp_is_bound_over_the_private_scratch(monkeypatch)
     from sandbox.limits import Limits
 
     monkeypatch.setattr(sys, "prefix", "/tmp/fresh/.venv")
-    argv = bwrap_argv(Limits(), None, as_root=True)
+    argv = bwrap_argv(Limits(), None, as_root=True, kind="math", worker={})
     scratch = next(i for i in range(len(argv) - 1) if argv[i:i + 2] == ["--tmpfs", "/tmp"])
     venv = next(i for i in range(len(argv) - 2) if argv[i:i + 3] == ["--ro-bind", sys.prefix, sys.prefix])
     assert scratch < venv

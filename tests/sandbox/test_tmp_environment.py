@@ -4,6 +4,7 @@ sandbox's /tmp; the wipe after each call must not walk or delete it. It once did
 instead of ~1 ms, walking 66,000 entries of a real environment."""
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -13,6 +14,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from tests.helpers.sandbox_pools import make_pool
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -84,10 +86,6 @@ def test_the_worker_code_reaches_sandboxes_as_files_without_a_path(memfd, monkey
     """The worker package goes into each sandbox as data (bwrap's --ro-bind-data): nothing of it under $TMPDIR for a
     killed service to leave behind, a copy there once was. Kernels without memfd_create (before 3.17: RHEL 7) get
     unlinked files instead."""
-    import errno
-
-    from tests.helpers.sandbox_pools import make_pool
-
     if not memfd:
         def missing(*a, **k):
             raise OSError(errno.ENOSYS, "Function not implemented")
