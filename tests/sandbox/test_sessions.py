@@ -182,7 +182,9 @@ def test_more_sessions_at_once_than_room_wait_for_it_and_keep_their_state():
         first, second = rs[:30], rs[30:]
         assert all(r["status"] == "error" and r["exc_type"] == "NameError" and r["session"]["state"] == "new"
                    for r in first), [r for r in first if r["status"] != "error"][:2]
-        assert [r["stdout"] for r in second] == [f"{i}\n" for i in range(30)], [r for r in second][:2]
+        # the message names each failed call's status and reason (a flake under CI's load once lost them to truncation)
+        assert [r["stdout"] for r in second] == [f"{i}\n" for i in range(30)], \
+            [(i, r["status"], r.get("reason"), r["session"]) for i, r in enumerate(second) if r["stdout"] != f"{i}\n"]
         assert all(r["session"]["state"] == "live" and not r["session"]["rolled_back"] for r in second)
         snap = p.snapshot()
         assert snap["sessions_live"] <= 2 and snap["evictions"].get("capacity", 0) >= 28, snap
