@@ -234,12 +234,22 @@ class Sessions:
         """(pid, pidfd) of the cell the holder says it forked; (None, None) if it said nothing usable."""
         msg = self.message(h, wait)
         cell = msg.get("forked") if msg else None
-        if not (isinstance(cell, int) and cell > 1 and ppid(cell) == h["pid"]):
+        if not (isinstance(cell, int) and cell > 1):
             return None, None
+        # a quick cell can run to its end and be reaped by the holder before this line on a busy node: a pid
+        # already gone is that cell, "exited" at once (its output waits in the pipes; its status comes next).
+        # A live one must be the holder's child: the pidfd, taken first, keeps the check about that process
         try:
-            return cell, os.pidfd_open(cell)
+            pidfd = os.pidfd_open(cell)
         except ProcessLookupError:
-            return cell, os.eventfd(1)   # it already ended (and was reaped by the holder): "exited" at once
+            return cell, os.eventfd(1)
+        parent = ppid(cell)
+        if parent is None:   # reaped between the two reads
+            return cell, pidfd
+        if parent != h["pid"]:
+            os.close(pidfd)
+            return None, None
+        return cell, pidfd
 
     def ended(self, sid, h, cell, wait):
         """(wait status, CPU s) the holder reports for its cell; (None, CPU s) if it did not (it is dropped)."""

@@ -1,11 +1,15 @@
 """Sessions: notebook-like state per trajectory, ordered, isolated, and evicted/replayed as documented."""
 from __future__ import annotations
 
+import os
+import select
+import socket
 import time
 import uuid
 
 import pytest
 
+from sandbox.worker.sessions import Sessions
 from tests.helpers.sandbox_pools import make_pool
 
 
@@ -190,3 +194,45 @@ def test_more_sessions_at_once_than_room_wait_for_it_and_keep_their_state():
         assert snap["sessions_live"] <= 2 and snap["evictions"].get("capacity", 0) >= 28, snap
     finally:
         p.close()
+
+
+def _holder_says(peer: socket.socket, cell: int) -> None:
+    peer.sendall(b'{"forked": %d}\n' % cell)
+
+
+def test_pid_1_takes_a_cell_its_holder_already_reaped_and_refuses_a_pid_that_is_not_the_holders_child():
+    """The holder reports the cell it forked, then waits for it. A quick cell can end and be reaped before
+    pid 1 reads that report (a busy node): it is that cell, exited, not a holder that failed to start one
+    (that race lost cells' output and their sessions as internal_error). A live pid that is not the holder's
+    child is refused. The real pid-1 code, on host processes: this process plays the holder."""
+    ours, peer = socket.socketpair()
+    h = {"pid": os.getpid(), "sock": ours, "buf": b""}
+    sessions = Sessions(server=None)
+    try:
+        quick = os.fork()
+        if quick == 0:
+            os._exit(0)
+        os.waitpid(quick, 0)   # reaped: the pid names no process now
+        _holder_says(peer, quick)
+        cell, fd = sessions.forked(h, 5.0)
+        assert cell == quick and fd is not None and select.select([fd], [], [], 0)[0], (cell, fd)
+        os.close(fd)
+
+        live = os.fork()
+        if live == 0:
+            time.sleep(30)
+            os._exit(0)
+        try:
+            _holder_says(peer, live)
+            cell, fd = sessions.forked(h, 5.0)
+            assert cell == live and not select.select([fd], [], [], 0)[0]   # running: its pidfd is not readable
+            os.close(fd)
+            h["pid"] = os.getppid()   # the same live process, but the "holder" is now not its parent
+            _holder_says(peer, live)
+            assert sessions.forked(h, 5.0) == (None, None)
+        finally:
+            os.kill(live, 9)
+            os.waitpid(live, 0)
+    finally:
+        ours.close()
+        peer.close()
