@@ -81,13 +81,30 @@ def _vocab_range(weight: torch.Tensor, vocab_size: int, group) -> tuple[int, int
     return first, max(0, min(rows, vocab_size - first))
 
 
+_CPU_BLOCK_BYTES = 2 << 20
+
+
+def _logits(w: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """w @ h.t() ([rows, c]). On the CPU in blocks of vocabulary rows whose output stays in cache (~2 MiB): one
+    GEMM of a skinny [151,936, ~100] output re-streams it from memory for every panel of the hidden dimension;
+    blocked, the chunked forward ran 1.16x faster on this project's 2-core CPU (fp32, 14B output layer)."""
+    if w.device.type != "cpu" or w.size(0) * h.size(0) * w.element_size() <= 4 * _CPU_BLOCK_BYTES:
+        return w @ h.t()   # a GPU, or a small vocabulary (the demo's): one call
+    out = w.new_empty(w.size(0), h.size(0))
+    rows = max(256, _CPU_BLOCK_BYTES // max(1, h.size(0) * w.element_size()))
+    ht = h.t().contiguous()
+    for a in range(0, w.size(0), rows):
+        torch.mm(w[a:a + rows], ht, out=out[a:a + rows])
+    return out
+
+
 def _chunk(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, first: int, valid: int, group
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One chunk of c tokens: (exp(logits - max) [valid, c] in fp32, its sum over the whole vocabulary [c], local
     target row [c], target owned here [c], log p(target) [c]); max, sum-exp and target logit over the
     tensor-parallel group. Vocabulary-major ([valid, c], the weight first: on the CPU that matmul ran ~1.4x faster
     than [c, valid] at c = 96); the exponentials are made in place of the logits, one fp32 buffer."""
-    logits = (weight[:valid] @ h.t()).float()
+    logits = _logits(weight[:valid], h).float()
     local = targets - first
     mine = (local >= 0) & (local < valid)
     row = local.clamp(0, max(valid - 1, 0))

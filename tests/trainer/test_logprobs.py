@@ -79,3 +79,19 @@ def test_chunked_equals_full_logits_at_tp2(dist1, tmp_path):
     tp2 = torch.load(out)
     for padded in (False, True):
         _same(tp2[padded], _reference(padded))
+
+
+def test_cpu_logits_of_a_large_vocabulary_go_in_blocks_with_the_same_numbers(monkeypatch):
+    """The chunk's logits GEMM runs in vocabulary blocks on the CPU when its output outgrows the cache (a
+    14B-sized vocabulary); a small one stays one call. Same values either way."""
+    from rstar_hpc.trainer import logprobs
+
+    calls = []
+    mm = torch.mm
+    monkeypatch.setattr(torch, "mm", lambda *a, **k: calls.append(a[0].shape) or mm(*a, **k))
+    gen = torch.Generator().manual_seed(0)
+    for rows, tokens, blocked in ((9001, 300, True), (512, 300, False)):
+        w, h = torch.randn(rows, 64, generator=gen), torch.randn(tokens, 64, generator=gen)
+        calls.clear()
+        torch.testing.assert_close(logprobs._logits(w, h), w @ h.t(), **TOL)
+        assert (len(calls) > 1 and sum(s[0] for s in calls) == rows) if blocked else not calls, calls
