@@ -89,7 +89,7 @@ class Peak:
             self.bytes = _status("VmHWM") - self.base
 
 
-def _weighted_nll(logprobs, tokens):
+def _weighted_nll(logprobs, tokens, entropy):
     """The bench's loss: a SUM over tokens, each with its own upstream gradient (as the RL loss gives)."""
     return -(logprobs * tokens.extras["w"]).sum(), {}
 

@@ -101,9 +101,10 @@ class LossConfig(Section):
     """Divide group advantages by the (unbiased) group std."""
     kl_coef: float = Field(0.0, ge=0)
     """Coefficient of the low-variance (k3) KL penalty against reference log-probs passed to the loss;
-    0 (the paper) disables it."""
+    0 (the paper) disables it. The trainer keeps no reference policy: rl stages refuse > 0."""
     entropy_coef: float = Field(0.0, ge=0)
-    """Entropy bonus; 0 (the paper) disables it."""
+    """Entropy bonus; 0 (the paper) disables it. The trainer logs the entropy (train/entropy) without its
+    gradient: rl stages refuse > 0."""
     log_ratio_clamp: float = Field(20.0, gt=0)
     """Clamp on log(pi/pi_old) before exp, as verl does, against overflow."""
     tis_cap: float | None = Field(2.0, ge=1)

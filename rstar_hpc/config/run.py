@@ -152,6 +152,19 @@ class RunConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _rl_loss_terms_the_trainer_computes(self) -> RunConfig:
+        # the trainer keeps no reference policy, and its chunked logprobs (trainer/logprobs.py) give each token's
+        # entropy as a statistic without its gradient: either term would fail at the first step or not train
+        loss, rl = self.algo.loss, [s.name for s in self.stages if s.kind == "rl"]
+        bad = [f"{k}={v:g}" for k, v in (("kl_coef", loss.kl_coef), ("entropy_coef", loss.entropy_coef)) if v > 0]
+        if rl and bad:
+            raise ValueError(f"algo.loss {', '.join(bad)} in rl stages ({', '.join(rl)}): the trainer has no KL "
+                             f"penalty (it keeps no reference policy) and no entropy bonus (its chunked "
+                             f"log-probabilities give the entropy as a metric, train/entropy, without a gradient). "
+                             f"Set both to 0, as the rStar2-Agent recipe does")
+        return self
+
+    @model_validator(mode="after")
     def _sandbox_beats_within_the_hang_timeout(self) -> RunConfig:
         # a sandbox service's announcements are its heartbeat (launch/watch.py): refreshed every stats_interval_s
         hang, every = self.launch.hang_timeout_s, self.sandbox.stats_interval_s

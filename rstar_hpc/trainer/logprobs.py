@@ -98,11 +98,23 @@ def _logits(w: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _chunk(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, first: int, valid: int, group
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _sum_xlogx(exps: torch.Tensor) -> torch.Tensor:
+    """Per column, the sum of exps * log(exps) ([valid, c] -> [c]; 0 log 0 = 0), a sixteenth of the rows at a
+    time: its temporaries stay small beside the chunk's buffer."""
+    out = exps.new_zeros(exps.size(1))
+    rows = max(1, -(-exps.size(0) // 16))
+    for a in range(0, exps.size(0), rows):
+        block = exps[a:a + rows]
+        out += torch.xlogy(block, block).sum(0)
+    return out
+
+
+def _chunk(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, first: int, valid: int, group,
+           entropy: bool = False) -> tuple[torch.Tensor, ...]:
     """One chunk of c tokens: (exp(logits - max) [valid, c] in fp32, its sum over the whole vocabulary [c], local
-    target row [c], target owned here [c], log p(target) [c]); max, sum-exp and target logit over the
-    tensor-parallel group. Vocabulary-major ([valid, c], the weight first: on the CPU that matmul ran ~1.4x faster
+    target row [c], target owned here [c], log p(target) [c], the entropy of each token's distribution [c] if
+    `entropy`, else None); max, sum-exp, target logit and entropy sum over the tensor-parallel group.
+    Entropy: H = -sum p log p = log S - sum(e log e) / S with e = exp(logits - max) and S = sum e. Vocabulary-major ([valid, c], the weight first: on the CPU that matmul ran ~1.4x faster
     than [c, valid] at c = 96); the exponentials are made in place of the logits, one fp32 buffer."""
     logits = _logits(weight[:valid], h).float()
     local = targets - first
@@ -114,11 +126,13 @@ def _chunk(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, first: 
         torch.distributed.all_reduce(m, op=ReduceOp.MAX, group=group)
     exps = logits.sub_(m[None, :]).exp_()
     s = exps.sum(0)   # a rank holding only padding adds 0
+    ent = _sum_xlogx(exps) if entropy else None
     if group is not None:
-        both = torch.stack([s, tgt])
-        torch.distributed.all_reduce(both, group=group)
-        s, tgt = both[0], both[1]
-    return exps, s, row, mine, tgt - m - torch.log(s)
+        sums = torch.stack([s, tgt] + ([ent] if entropy else []))
+        torch.distributed.all_reduce(sums, group=group)
+        s, tgt, ent = sums[0], sums[1], (sums[2] if entropy else None)
+    log_s = torch.log(s)
+    return exps, s, row, mine, tgt - m - log_s, (log_s - ent / s if entropy else None)
 
 
 def _bounds(tokens: int, chunk: int, unit: int = 8) -> list[tuple[int, int]]:
@@ -175,10 +189,10 @@ class _FusedLoss(torch.autograd.Function):
         total = flat.new_zeros((), dtype=torch.float32)
         for a, b in _bounds(mb.num_tokens, chunk):
             h = flat.index_select(0, src[a:b])
-            exps, sums, row, mine, lp = _chunk(h, weight, targets[a:b], first, valid, group)
+            exps, sums, row, mine, lp, ent = _chunk(h, weight, targets[a:b], first, valid, group, entropy=True)
             with torch.enable_grad():
                 lp = lp.masked_fill(starts[a:b], 0.0).requires_grad_()
-                loss, m = loss_fn(lp, mb.tokens(a, b))
+                loss, m = loss_fn(lp, mb.tokens(a, b), ent.masked_fill(starts[a:b], 0.0))
                 g = torch.autograd.grad(loss, lp)[0] if loss.requires_grad else torch.zeros_like(lp)
             total += loss.detach().float()
             for k, v in m.items():
@@ -218,7 +232,8 @@ def fused_loss(hidden: torch.Tensor, weight: torch.Tensor, mb, vocab_size: int, 
     The loss functions are sums over tokens of a function of each token's log-probability, so each chunk's
     d loss / d log p is known as soon as its log-probabilities are: the forward computes the chunk's logits once,
     and its gradients with them (three matmuls of the output layer, as with full logits; none recomputed). `loss_fn`
-    sees the chunk's log-probabilities and `mb.tokens(a, b)`."""
+    sees the chunk's log-probabilities, `mb.tokens(a, b)` and each token's entropy (a statistic: no gradient goes
+    through it)."""
     metrics: dict = {}
     loss = _FusedLoss.apply(hidden.reshape(-1, hidden.size(-1)), weight, mb, vocab_size, max(1, int(chunk)),
                             _tp_group(), loss_fn, metrics)

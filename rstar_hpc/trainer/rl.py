@@ -198,10 +198,10 @@ def rl_step(model, optimizer, scheduler, batch: RLBatch, loss_cfg: LossConfig, t
         metrics["time/recompute_old_logprobs(s)"] = time.perf_counter() - t0
     stats: list[LossStats] = []
 
-    def loss_fn(logprobs: torch.Tensor, mb: TokenSlice) -> tuple[torch.Tensor, dict]:
+    def loss_fn(logprobs: torch.Tensor, mb: TokenSlice, entropy: torch.Tensor) -> tuple[torch.Tensor, dict]:
         loss, s = policy_loss(logprobs, mb.old_logprobs, mb.advantages, mb.loss_mask, loss_cfg,
                               global_num_tokens=None,  # a sum: train_step divides by the step's global count
-                              is_weight=mb.extras.get("is_weight"))
+                              entropy=entropy, is_weight=mb.extras.get("is_weight"))
         stats.append(s)
         return loss, {}
 

@@ -37,17 +37,20 @@ from rstar_hpc.trainer.parallel import Policy, dp_sum, from_last_stage
 
 
 class LossFn(Protocol):
-    def __call__(self, logprobs: torch.Tensor, mb: TokenSlice) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def __call__(self, logprobs: torch.Tensor, mb: TokenSlice, entropy: torch.Tensor
+                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Return (SUM of the per-token loss over these tokens, metric sums to add up over the step: 0-dim
         tensors, read once a step). Called on
         consecutive chunks of a micro-batch's tokens (trainer.logprob_chunk_tokens), so each token's loss must
-        depend on its own log-probability only (trainer/logprobs.py)."""
+        depend on its own log-probability only (trainer/logprobs.py). `entropy`: each token's entropy of the
+        distribution it is predicted from (0 at sample starts), for metrics: no gradient flows through it."""
 
 
-def sft_loss(logprobs: torch.Tensor, mb: TokenSlice) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Negative log-likelihood of the trained tokens (summed)."""
+def sft_loss(logprobs: torch.Tensor, mb: TokenSlice, entropy: torch.Tensor
+             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Negative log-likelihood of the trained tokens (summed); their entropy, as train/entropy."""
     nll = -(logprobs * mb.loss_mask).sum()
-    return nll, {"nll_sum": nll.detach()}
+    return nll, {"nll_sum": nll.detach(), "train/entropy": (entropy * mb.loss_mask).sum()}
 
 
 # --------------------------------------------------------------------------------------------------

@@ -16,13 +16,23 @@ def reference_aligned(hidden: torch.Tensor, weight: torch.Tensor, mb, vocab_size
 
     logits = F.linear(hidden, weight)
     if mb.padded_len is not None:
-        rows = mb.rows()
-        lp = token_logprobs(logits, torch.roll(rows, -1, dims=1), vocab_size)
-        lp = torch.cat([lp.new_zeros(lp.size(0), 1), lp[:, :-1]], dim=1)
-        return torch.cat([lp[r, :n] for r, n in enumerate(mb.seqlens)])
-    ids = mb.input_ids
-    lp = token_logprobs(logits, torch.roll(ids, -1)[None], vocab_size)[0]
-    out = torch.cat([lp.new_zeros(1), lp[:-1]])
+        return _aligned(token_logprobs(logits, torch.roll(mb.rows(), -1, dims=1), vocab_size), mb)
+    return _aligned(token_logprobs(logits, torch.roll(mb.input_ids, -1)[None], vocab_size), mb)
+
+
+def reference_entropy(hidden: torch.Tensor, weight: torch.Tensor, mb, vocab_size: int) -> torch.Tensor:
+    """Token-aligned entropy [T] of each token's predicting distribution (0 at sample starts), padding rows out."""
+    from rstar_hpc.algo.loss import entropy_from_logits
+
+    return _aligned(entropy_from_logits(F.linear(hidden, weight)[..., :vocab_size]), mb)
+
+
+def _aligned(per_row: torch.Tensor, mb) -> torch.Tensor:
+    """[b, s] values of the rows that predict the next token -> token-aligned [T], 0 at sample starts."""
+    if mb.padded_len is not None:
+        shifted = torch.cat([per_row.new_zeros(per_row.size(0), 1), per_row[:, :-1]], dim=1)
+        return torch.cat([shifted[r, :n] for r, n in enumerate(mb.seqlens)])
+    out = torch.cat([per_row.new_zeros(1), per_row[0, :-1]])
     starts = torch.tensor([0] + list(mb.seqlens[:-1])).cumsum(0)
     return out.index_fill(0, starts, 0.0)
 
@@ -49,9 +59,10 @@ def case(padded: bool = False, seed: int = 3):
     return hidden, weight, mb
 
 
-def rl_loss(logprobs: torch.Tensor, mb):
-    """The GRPO-RoC loss as rl_step calls it (a sum), with its statistics."""
+def rl_loss(logprobs: torch.Tensor, mb, entropy: torch.Tensor):
+    """The GRPO-RoC loss as rl_step calls it (a sum), with its statistics (the entropy's sum among them)."""
     from rstar_hpc.algo.loss import policy_loss
 
-    loss, stats = policy_loss(logprobs, mb.old_logprobs, mb.advantages, mb.loss_mask, global_num_tokens=None)
+    loss, stats = policy_loss(logprobs, mb.old_logprobs, mb.advantages, mb.loss_mask, global_num_tokens=None,
+                              entropy=entropy)
     return loss, {k: v for k, v in stats.items()}

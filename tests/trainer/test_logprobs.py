@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.helpers.logprobs_ref import VOCAB, case, reference_aligned, rl_loss
+from tests.helpers.logprobs_ref import VOCAB, case, reference_aligned, reference_entropy, rl_loss
 from tests.helpers.trainer import free_port
 
 from rstar_hpc.trainer.logprobs import aligned_logprobs, fused_loss
@@ -24,7 +24,7 @@ def _reference(padded: bool, loss_fn=rl_loss) -> dict:
     hidden, weight, mb = case(padded)
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     lp = reference_aligned(h, w, mb, VOCAB)
-    loss, metrics = loss_fn(lp, mb)
+    loss, metrics = loss_fn(lp, mb, reference_entropy(hidden, weight, mb, VOCAB))
     loss.backward()
     return {"lp": lp.detach(), "loss": loss.detach(), "metrics": metrics, "hidden_grad": h.grad,
             "weight_grad": w.grad}
@@ -37,6 +37,7 @@ def _same(got: dict, ref: dict) -> None:
     for k, v in ref["metrics"].items():
         assert abs(float(got["metrics"][k]) - float(v)) <= 1e-5 * max(1.0, abs(float(v))), k
     assert ref["hidden_grad"].abs().sum() > 0 and ref["weight_grad"][:VOCAB].abs().sum() > 0
+    assert "entropy_sum" not in ref["metrics"] or ref["metrics"]["entropy_sum"] > 1.0   # the entropy is checked
     torch.testing.assert_close(got["hidden_grad"], ref["hidden_grad"], **TOL)
     torch.testing.assert_close(got["weight_grad"], ref["weight_grad"], **TOL)
 
@@ -63,7 +64,8 @@ def test_the_sft_loss_through_the_chunks(dist1):
     loss.backward()
     ref = _reference(False, sft_loss)
     torch.testing.assert_close(loss.detach(), ref["loss"], **TOL)
-    assert abs(float(metrics["nll_sum"]) - float(ref["metrics"]["nll_sum"])) < 1e-4
+    for k in ("nll_sum", "train/entropy"):
+        assert abs(float(metrics[k]) - float(ref["metrics"][k])) < 1e-4, k
     torch.testing.assert_close(h.grad, ref["hidden_grad"], **TOL)
     torch.testing.assert_close(w.grad, ref["weight_grad"], **TOL)
 

@@ -1,6 +1,8 @@
 """The RL step on hand-made trajectories: direction of the update, RoC, the logprob gap, exactly-once reads."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from tests.helpers.trainer import BACKENDS, free_port, make_optimizer, make_policy, rl_train
@@ -76,6 +78,10 @@ def test_rl_step_moves_positive_tokens_up_and_negative_down(dist1, tiny_hf_dir, 
     assert metrics["train/old_logprob_gap_mean"] == pytest.approx(0.05, abs=1e-4)  # engine minus trainer
     assert metrics["train/approx_kl"] == pytest.approx(0.0, abs=1e-6)  # pi_old recomputed: ratio 1 at the start
     assert metrics["train/num_tokens"] == 8 * 9 and metrics["tokens_per_s"] > 0
+    # the policy's entropy on the trained tokens (the chunks' values are checked in test_logprobs): a fresh tiny
+    # model is near uniform over its vocabulary
+    vocab = cfg.model.tiny.vocab_size
+    assert 0.5 * math.log(vocab) < metrics["train/entropy"] <= math.log(vocab) + 1e-4, metrics["train/entropy"]
     for a, b0, b1 in zip(adv, before, after):
         assert (b1 - b0) * a > 0, (a, b0, b1)  # every positive sample up, every negative one down
 

@@ -280,3 +280,13 @@ def test_rl_sampling_the_trainer_cannot_reproduce_is_refused():
             load_config("tiny-cpu", [bad])
     no_rl = ["stages=[{name: e, kind: eval, benchmarks: {demo: demo}, max_response_length: 512}]"]
     assert load_config("tiny-cpu", [*no_rl, "rollout.agent.top_p=0.9"]).rollout.agent.top_p == 0.9
+
+
+def test_loss_terms_the_trainer_does_not_compute_are_refused_before_the_run():
+    """A KL penalty (no reference policy) or an entropy bonus (the chunks give no entropy gradient) would fail at
+    the first RL step or train without its term: refused when the config loads, naming both fixes."""
+    for bad in ("algo.loss.kl_coef=0.01", "algo.loss.entropy_coef=0.001"):
+        with pytest.raises(ConfigError, match=rf"algo.loss {bad.split('loss.')[1]} in rl stages.*Set both to 0"):
+            load_config("tiny-cpu", [bad])
+    no_rl = ["stages=[{name: e, kind: eval, benchmarks: {demo: demo}, max_response_length: 512}]"]
+    assert load_config("tiny-cpu", [*no_rl, "algo.loss.entropy_coef=0.001"]).algo.loss.entropy_coef == 0.001
