@@ -96,13 +96,15 @@ def publish_policy(paths, src: Path, version: int, trainer_step: int, scale: flo
     return paths.policies().commit(version, tmp, stage=stage, trainer_step=trainer_step)
 
 
-def rl_config(work: Path, name: str, sft: Path, *, prompts: int, samples: int, num_steps: int, **scheduler) -> Path:
+def rl_config(work: Path, name: str, sft: Path, *, prompts: int, samples: int, num_steps: int, kv_mb: int = 16,
+              **scheduler) -> Path:
     """configs/tiny-cpu.yaml for a rollout test: an sft stage (done by publishing) then `num_steps` rl steps of
-    `prompts` x `samples` on the demo set, on the SFT model, 16 MiB of KV per engine (~15 worst-case trajectories)."""
+    `prompts` x `samples` on the demo set, on the SFT model, `kv_mb` MiB of KV per engine (16: ~15 worst-case
+    trajectories, so admission waits for room)."""
     cfg = yaml.safe_load((REPO / "configs/tiny-cpu.yaml").read_text())
     cfg["run"] = {"name": name, "root": str(work / "runs"), "seed": 0}
     cfg["model"] = {"path": str(sft)}
-    cfg["rollout"]["engine"]["kv_cache_memory_mb"] = 16
+    cfg["rollout"]["engine"]["kv_cache_memory_mb"] = kv_mb
     cfg["rollout"]["agent"].update(max_prompt_length=768, max_response_length=256, temperature=TEMPERATURE)
     cfg["rollout"]["scheduler"].update(scheduler)
     cfg["algo"]["num_samples_per_prompt"] = samples

@@ -32,6 +32,11 @@ PROMPTS, SAMPLES = 6, 4
 # a step closes once 2 of its 6 groups are complete: at half (3 groups) a step once ended with its last 5
 # trajectories finishing as the close reached them, nothing left to carry; at 2 about half are still running
 CLOSE_FRACTION = 0.25
+# KV for all 24 trajectories on one engine: an engine is admitted to once warm, and under CI's load one warmed
+# up 2.7 s after the other. With 16 MiB the first took 12, the late one got the other 12 and the step closed
+# 0.8 s later, before they made a token: nothing was paused mid-way. With room for all on the first, every
+# trajectory still running at the close has run since the step began, and holds tokens to carry
+KV_MB = 64
 
 pytestmark = [pytest.mark.skipif(shutil.which("ompi-server") is None or shutil.which("bwrap") is None,
                                  reason="needs Open MPI's ompi-server and bwrap"), pytest.mark.slow, pytest.mark.vllm]
@@ -49,7 +54,7 @@ def levers(tool_format_model, tmp_path_factory):
     publish_policy(paths, sft, 1, trainer_step=1, scale=1.5, stage="sft")  # the rl stage starts from it (step 0)
     publish_policy(paths, sft, 2, trainer_step=1, scale=0.7)   # as if trained on rl step 0: step 1 runs it
     cfg_path = rl_config(work, "levers", sft, prompts=PROMPTS, samples=SAMPLES, num_steps=2,
-                         heartbeat_s=0.1, engine_timeout_s=20, policy_wait_s=60, max_policy_lag=0,
+                         kv_mb=KV_MB, heartbeat_s=0.1, engine_timeout_s=20, policy_wait_s=60, max_policy_lag=0,
                          partial_rollouts=True, partial_close_fraction=CLOSE_FRACTION,
                          migrate_on_tool_call=True, migrate_margin=-1.0)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
