@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import threading
 
 from rstar_hpc.exchange.errors import storage_guard
 
@@ -16,9 +17,11 @@ TMP_MARK = ".tmp-"   # every temporary name contains this; readers and listings 
 
 
 def tmp_name(path: str | os.PathLike) -> str:
-    """A sibling temporary name unique to this host and process (several writers may race for one path)."""
+    """A sibling temporary name unique to this host, process and thread (several writers may race for one path:
+    the trainer's heartbeat thread and its main thread both write heartbeat/trainer.json, and with one name per
+    process one's rename took the file from under the other's)."""
     head, tail = os.path.split(os.fspath(path))
-    return os.path.join(head, f".{tail}{TMP_MARK}{socket.gethostname()}-{os.getpid()}")
+    return os.path.join(head, f".{tail}{TMP_MARK}{socket.gethostname()}-{os.getpid()}-{threading.get_native_id()}")
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes, what: str = "file") -> None:

@@ -2,7 +2,7 @@
 
 Commit protocol (write into a temporary directory, fsync, publish by rename, then move `latest`), for
 `<root>/<prefix>-00000123/`:
-  1. `begin(123)` makes `<root>/.<prefix>-00000123.tmp-<host>-<pid>/`; it inherits the root's Lustre layout.
+  1. `begin(123)` makes `<root>/.<prefix>-00000123.tmp-<host>-<pid>-<thread>/`; it inherits the root's Lustre layout.
   2. The caller's ranks write (and fsync) their files into it.
   3. `commit(123, tmp)` fsyncs every file, writes the marker COMMITTED.json (file sizes + caller metadata)
      atomically inside, renames the directory to its final name, fsyncs the root, and only then replaces

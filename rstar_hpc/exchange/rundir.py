@@ -5,7 +5,7 @@
       stages/<stage>/state.json                    StageState: status, step, data cursor, policy version
       stages/<stage>/cursors/<consumer>.json       a consumer's exactly-once cursor over trajectory steps
       ckpt/<stage>/step-00000123/                  a checkpoint; complete iff it holds COMMITTED.json
-      ckpt/<stage>/.step-00000123.tmp-<host>-<pid>/  one being written (never read; pruned on retention)
+      ckpt/<stage>/.step-00000123.tmp-<host>-<pid>-<thread>/  one being written (never read; pruned on retention)
       ckpt/<stage>/latest                          "step-00000123": moved only after a complete commit
       policy/v-00000007/                           weights published for rollout engines (same protocol)
       policy/latest                                "v-00000007"

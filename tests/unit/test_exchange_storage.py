@@ -3,6 +3,7 @@ leaves nothing a reader would take, and succeeds once space is freed. A real tmp
 from __future__ import annotations
 
 import errno
+import json
 import os
 import subprocess
 import sys
@@ -193,3 +194,30 @@ def test_storage_failures_are_found_behind_wrappers():
     assert is_storage_failure(RuntimeError("[Errno 2] No such file or directory")) is None
     assert is_storage_failure(OSError(errno.ENOENT, "missing")) is None
     assert is_storage_failure(ValueError("bad")) is None
+
+
+def test_threads_of_one_process_write_one_file_at_once_without_taking_each_others_temporary(tmp_path):
+    """The trainer's heartbeat thread and its main thread both write heartbeat/trainer.json: with one temporary name
+    per process, one's rename moved the file from under the other's (FileNotFoundError, the trainer died)."""
+    import threading
+
+    from rstar_hpc.exchange.atomic import tmp_name
+
+    names, errors = [], []
+    path = tmp_path / "beat.json"
+
+    def write(k: int) -> None:
+        names.append(tmp_name(path))
+        try:
+            for i in range(200):
+                atomic_write_json(path, {"thread": k, "i": i})
+        except OSError as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=write, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(set(names)) == 4 and not errors, (names, errors[:1])
+    assert json.loads(path.read_text())["i"] == 199 and [p.name for p in tmp_path.iterdir()] == ["beat.json"]
