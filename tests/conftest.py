@@ -55,11 +55,29 @@ def pytest_xdist_make_scheduler(config, log):
     group_of = {f: g for g, files in SHARED_FIXTURE_GROUPS.items() for f in files}
 
     class FilesAndSharedFixtures(LoadFileScheduling):
+        ordered = False
+
         def _split_scope(self, nodeid: str) -> str:
             path = super()._split_scope(nodeid)
             return group_of.get(path, path)
 
+        def _assign_work_unit(self, node) -> None:
+            # the longest scopes first: xdist orders them by their number of tests, which put the shared launched
+            # run (~15 min of one worker, few tests) last, and the suite ended on one worker while the other idled
+            if not self.ordered:
+                self.ordered = True
+                queue = sorted(self.workqueue.items(), key=lambda kv: _slow_first(kv[0], len(kv[1])))
+                self.workqueue.clear()
+                self.workqueue.update(queue)
+            super()._assign_work_unit(node)
+
     return FilesAndSharedFixtures(config, log)
+
+
+def _slow_first(scope: str, tests: int) -> tuple:
+    """Scheduling order: the shared-fixture groups, then the integration files (minute-scale runs each), then the
+    rest by number of tests."""
+    return (scope not in SHARED_FIXTURE_GROUPS, not scope.startswith("tests/integration/"), -tests)
 
 
 def _local_cluster(prefix: str, spec=None):
