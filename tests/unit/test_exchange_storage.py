@@ -7,11 +7,12 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 from tests.helpers.storage_fault import fill, small_fs
 
-from rstar_hpc.exchange.atomic import atomic_write_json
+from rstar_hpc.exchange.atomic import atomic_write_json, tmp_name
 from rstar_hpc.exchange.checkpoints import CommittedDirs
 from rstar_hpc.exchange.columns import from_table
 from rstar_hpc.exchange.errors import StorageError, is_storage_failure
@@ -199,10 +200,6 @@ def test_storage_failures_are_found_behind_wrappers():
 def test_threads_of_one_process_write_one_file_at_once_without_taking_each_others_temporary(tmp_path):
     """The trainer's heartbeat thread and its main thread both write heartbeat/trainer.json: with one temporary name
     per process, one's rename moved the file from under the other's (FileNotFoundError, the trainer died)."""
-    import threading
-
-    from rstar_hpc.exchange.atomic import tmp_name
-
     names, errors = [], []
     path = tmp_path / "beat.json"
 
