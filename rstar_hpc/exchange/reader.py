@@ -28,6 +28,7 @@ from rstar_hpc.exchange.atomic import atomic_write_json
 from rstar_hpc.exchange.columns import conform, from_table
 from rstar_hpc.exchange.commit import load_commit_record
 from rstar_hpc.exchange.errors import CorruptShardError, ExchangeError, StepNotReadyError
+from rstar_hpc.exchange.poll import Backoff
 from rstar_hpc.exchange.rundir import RunPaths
 from rstar_hpc.exchange.schema import SCHEMA, Trajectory
 
@@ -43,7 +44,7 @@ class StepReader:
 
     def wait(self, step: int, producers: Sequence[str], timeout_s: float, poll_s: float = 0.5) -> dict[str, dict]:
         """Block until every producer in `producers` committed `step`; StepNotReadyError lists the missing ones."""
-        start = time.monotonic()
+        start, backoff = time.monotonic(), Backoff(max_s=poll_s)
         while True:
             records = self.commits(step)
             missing = [p for p in producers if p not in records]
@@ -53,7 +54,7 @@ class StepReader:
             if waited >= timeout_s:
                 raise StepNotReadyError(str(self.paths.traj_step_dir(self.stage, step)), step, missing,
                                         sorted(records), waited)
-            time.sleep(min(poll_s, max(timeout_s - waited, 0.01)))
+            backoff.sleep(cap_s=max(timeout_s - waited, 0.01))
 
     def read(self, step: int, producers: Sequence[str] | None = None,
              records: dict[str, dict] | None = None) -> pa.Table:

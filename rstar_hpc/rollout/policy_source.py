@@ -14,6 +14,7 @@ import logging
 import time
 
 from rstar_hpc.config.rollout import SchedulerConfig
+from rstar_hpc.exchange.poll import Backoff
 from rstar_hpc.exchange.rundir import RunPaths
 
 log = logging.getLogger("rstar_hpc.rollout")
@@ -54,11 +55,18 @@ def wait_for_policy(sc: SchedulerConfig, paths: RunPaths, need, *, what: str = "
 
     dirs = paths.policies()
     t0, wall0 = time.monotonic(), time.time()
-    waited = False
+    waited, backoff, checked_at = False, Backoff(max_s=poll_s), t0 - poll_s   # taken_back: at once, then each poll_s
+    markers: dict[int, dict] = {}   # a complete version's marker never changes: each is read once, not every look
+
+    def marker(v: int) -> dict:
+        if v not in markers:
+            markers[v] = dirs.marker(v)
+        return markers[v]
+
     while True:
         files = next((v for v in sorted(dirs.complete_steps(), reverse=True)
-                      if dirs.marker(v).get("stage") == need.stage
-                      and int(dirs.marker(v).get("trainer_step", -1)) >= need.trainer_step), None)
+                      if marker(v).get("stage") == need.stage
+                      and int(marker(v).get("trainer_step", -1)) >= need.trainer_step), None)
         # read after the files: the trainer offers a version before it publishes it, so a version seen as files is
         # seen in the offer too; the same version in both is synced in memory (the faster way), files the fallback
         offer = in_memory(paths, need)
@@ -69,7 +77,9 @@ def wait_for_policy(sc: SchedulerConfig, paths: RunPaths, need, *, what: str = "
         if not waited:
             log.info("%s waits for %s (policy lag %d, mode %s)", what, need, sc.policy_lag, sc.mode)
             waited = True
-        gone = taken_back() if taken_back is not None else []
+        gone = []
+        if taken_back is not None and time.monotonic() - checked_at >= poll_s:   # rare; reads every cursor and commit
+            gone, checked_at = taken_back(), time.monotonic()
         if gone:
             raise StepGivesWay(f"{what} waits for {need}, which is trained on steps {gone} of stage {need.stage}: "
                                f"no longer committed (taken back as corrupt); writing them again first")
@@ -81,7 +91,7 @@ def wait_for_policy(sc: SchedulerConfig, paths: RunPaths, need, *, what: str = "
                 f"under {dirs.root}); the trainer said nothing for {sc.policy_wait_s:.0f}s (heartbeat/trainer.json)."
                 f" Is it running? (rollout.scheduler.max_policy_lag allows older policies; policy_wait_s waits "
                 f"longer)")
-        time.sleep(poll_s)
+        backoff.sleep()
 
 
 

@@ -51,6 +51,7 @@ from rstar_hpc.config.run import RunConfig
 from rstar_hpc.config.trainer import TrainerConfig
 from rstar_hpc.exchange.columns import TrajectoryColumns
 from rstar_hpc.exchange.errors import CorruptShardError, ExchangeError, StepNotReadyError
+from rstar_hpc.exchange.poll import Backoff
 from rstar_hpc.exchange.quarantine import quarantine_commit
 from rstar_hpc.exchange.reader import Consumer
 from rstar_hpc.exchange.rundir import RunPaths
@@ -258,14 +259,17 @@ class TrajectorySource:
         return batch
 
     def _wait(self, step: int, stop_requested: Callable[[], bool], poll_s: float) -> dict[str, dict] | None:
-        """The commit records of `step` once every producer committed it on every rank; None on a stop."""
+        """The commit records of `step` once every producer committed it on every rank; None on a stop. Looks
+        again after a tenth of the time waited, at most every `poll_s` (exchange/poll.py)."""
         reader, start, wall0 = self.consumer.reader, time.monotonic(), time.time()
         rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+        backoff, said = Backoff(max_s=poll_s), -1
         while True:
             records = reader.commits(step)
             missing = [p for p in self.consumer.producers if p not in records]
             waited = time.monotonic() - start
-            if missing and rank0 and int(waited) % 5 == 0:
+            if missing and rank0 and int(waited) // 5 != said:   # one heartbeat every 5 s of waiting
+                said = int(waited) // 5
                 write_heartbeat(reader.paths, "trainer", f"stage {self.stage}: waiting for the trajectories of step "
                                 f"{step} since {waited:.0f}s", stage=self.stage, step=step)
             # late: the producers said nothing for trajectory_timeout_s (a long rollout stage in between is fine)
@@ -279,7 +283,7 @@ class TrajectorySource:
             if late:
                 raise StepNotReadyError(str(reader.paths.traj_step_dir(self.stage, step)), step, missing,
                                         sorted(records), waited)
-            time.sleep(poll_s)
+            backoff.sleep()   # the same on every rank: the interval follows the wait, which _any_rank keeps equal
 
     def _take_back(self, step: int, records: dict[str, dict], corrupt: CorruptShardError | None) -> None:
         """Collective: a shard of `step` is corrupt on some rank. Rank 0 quarantines the commit that lists it (every

@@ -1,0 +1,28 @@
+"""How often a role looks at shared storage while it waits for another role (a committed step, a published policy).
+
+    wait = Backoff(max_s=1.0)
+    while not ready():
+        wait.sleep()
+
+The interval is a tenth of the time waited so far, between `min_s` and `max_s`: a wait that ends within seconds
+(a tiny run's step, where a fixed 1 s poll cost the trainer and the rollout ~0.7 s a step each) is seen within a
+tenth of its length, and a wait of minutes (a 14B step on a cluster) costs one look every `max_s` after its first
+10 s, as a fixed poll did: ~40 looks more in those seconds, nothing a Lustre metadata server notices.
+"""
+from __future__ import annotations
+
+import time
+
+
+class Backoff:
+    def __init__(self, max_s: float = 1.0, min_s: float = 0.1, fraction: float = 0.1):
+        self.max_s, self.min_s, self.fraction = max_s, min(min_s, max_s), fraction
+        self.t0 = time.monotonic()
+
+    def interval(self) -> float:
+        return min(self.max_s, max(self.min_s, self.fraction * (time.monotonic() - self.t0)))
+
+    def sleep(self, cap_s: float | None = None) -> None:
+        """Sleep one interval (at most `cap_s`: a deadline's remainder)."""
+        s = self.interval()
+        time.sleep(max(0.0, min(s, cap_s)) if cap_s is not None else s)
