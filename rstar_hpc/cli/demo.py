@@ -22,6 +22,7 @@ import json
 import os
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import click
@@ -71,16 +72,21 @@ def derive(cfg, name: str, stages: list, overrides: list[str], folder: Path):
     return load_config(str(path), overrides)
 
 
-def _launch(cfg, env: dict, timeout_s: float) -> None:
+def _launch(cfg, env: dict, timeout_s: float) -> dict:
+    """Launch `cfg`'s run and follow it to its end; where its time went (report/phases.py)."""
+    from rstar_hpc.exchange.rundir import RunPaths
     from rstar_hpc.launch.launcher import launch_run
+    from rstar_hpc.report.phases import run_phases
 
-    info = launch_run(cfg, "sbatch", wait=True, env=env, timeout_s=timeout_s, poll_s=3.0,
+    t0 = time.time()
+    info = launch_run(cfg, "sbatch", wait=True, env=env, timeout_s=timeout_s, poll_s=1.0,
                       echo=lambda line: click.echo(f"      {line}", err=True))
     status = info.get("status")
     if status is not None and not status["done"]:
         click.echo("run {} stopped before it was done:\n  {}".format(cfg.run.name, "\n  ".join(status["problems"])),
                    err=True)
         sys.exit(EXIT_FAILED)
+    return run_phases(RunPaths(cfg.run.dir), [s.name for s in cfg.stages], submitted_at=t0, ended_at=time.time())
 
 
 @click.command("demo")
@@ -101,6 +107,7 @@ def command(config: str, overrides: tuple[str, ...], modes: str, state_dir, keep
     from rstar_hpc.cluster import LocalCluster
     from rstar_hpc.config import load_config
     from rstar_hpc.exchange.rundir import RunPaths
+    from rstar_hpc.models.resolve import resolve_model
 
     t0 = time.monotonic()
     cfg = load_config(config, list(overrides))     # a bad config fails here, before anything starts
@@ -114,16 +121,20 @@ def command(config: str, overrides: tuple[str, ...], modes: str, state_dir, keep
     configs = cfg.run.root_dir / f"{base}-configs"
 
     _say("[1/4] local Slurm cluster")
-    cluster = LocalCluster(state_dir)
-    was_up = cluster.is_up()
-    cluster.up()
+    phases: dict = {}
+    with _timed(phases, "cluster"):
+        cluster = LocalCluster(state_dir)
+        was_up = cluster.is_up()
+        cluster.up()
     env = {**cluster.env, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     click.echo(f"      {'already up' if was_up else 'started'}: nodes {', '.join(cluster.node_names)}", err=True)
     try:
         _say(f"[2/4] SFT run: {', '.join(s.name for s in sft_stages)}")
         sft = derive(cfg, f"{base}-sft", sft_stages, [], configs)
-        _launch(sft, env, timeout_s)
+        with _timed(phases, "model"):
+            resolve_model(sft)   # the tiny model, built once (the launch's preflight finds it)
+        phases["sft_run"] = _launch(sft, env, timeout_s)
         latest = RunPaths(sft.run.dir).policies().latest()
         if latest is None:
             raise click.ClickException(f"the SFT run {sft.run.dir} published no policy")
@@ -133,16 +144,46 @@ def command(config: str, overrides: tuple[str, ...], modes: str, state_dir, keep
             name = f"{base}-{label.lower()}"
             rl = derive(cfg, name, rl_stages, [*MODES[label][1], f"model.path={latest[1]}"], configs)
             t_run = time.monotonic()
-            _launch(rl, env, timeout_s)
+            phases.setdefault("rl_runs", {})[MODES[label][0]] = _launch(rl, env, timeout_s)
             runs[label], walls[label] = RunPaths(rl.run.dir), time.monotonic() - t_run
         _say("[4/4] report")
-        summary = _report(RunPaths(sft.run.dir), runs, time.monotonic() - t0,
-                          timing=_timing(runs, walls, {s.name for s in rl_stages if s.kind == "rl"}))
+        with _timed(phases, "report"):
+            summary = _report(RunPaths(sft.run.dir), runs, time.monotonic() - t0,
+                              timing=_timing(runs, walls, {s.name for s in rl_stages if s.kind == "rl"}))
     finally:
         if not was_up and not keep_cluster:
             cluster.down()
             click.echo("local cluster stopped (it was started by this demo; --keep-cluster keeps it)", err=True)
+    summary["wall_s"] = round(time.monotonic() - t0, 1)
+    summary["phases"] = phases
+    _print_phases(phases, summary["wall_s"])
     click.echo(json.dumps(summary))
+
+
+@contextmanager
+def _timed(phases: dict, name: str):
+    t0 = time.monotonic()
+    try:
+        yield
+    finally:
+        phases[name] = round(time.monotonic() - t0, 1)
+
+
+def _print_phases(phases: dict, wall_s: float) -> None:
+    """The demo's time by phase, each run's by stage (report/phases.py): the next slowdown shows in its row."""
+    from rstar_hpc.report.phases import phase_line
+
+    rows = [("cluster start", phases.get("cluster"), ""), ("model build", phases.get("model"), "")]
+    if "sft_run" in phases:
+        rows.append(("SFT run", phases["sft_run"]["wall"], phase_line(phases["sft_run"])))
+    for label, (key, _) in MODES.items():
+        run = phases.get("rl_runs", {}).get(key)
+        if run is not None:
+            rows.append((f"RL {label}", run["wall"], phase_line(run)))
+    rows += [("report", phases.get("report"), ""), ("total", wall_s, "")]
+    click.echo("      wall time by phase (s; a run's stages: from the previous stage's end to its own):", err=True)
+    for name, secs, detail in rows:
+        click.echo(f"        {name:<14} {'-' if secs is None else f'{secs:7.1f}'}   {detail}".rstrip(), err=True)
 
 
 def _timing(runs: dict, walls: dict, rl_stages: set[str]) -> dict:

@@ -168,6 +168,11 @@ class RunPaths:
         return self.dir / "launch" / "jobs.json"
 
     @property
+    def allocation(self) -> Path:
+        """The job's latest start: its Slurm job, restart count, time and each role's nodes (launch/nodes.py)."""
+        return self.dir / "launch" / "allocation.json"
+
+    @property
     def launch_events(self) -> Path:
         """What the launchers did about faults (a role restarted, hung, a sandbox service gone): one JSON line each,
         appended (exchange/events.py); `run status` names them."""

@@ -53,15 +53,11 @@ def lost_nodes(nodelist: str | None) -> dict[str, tuple[str, str]]:
     return {n: s for n, s in states.items() if any(bad in s[0].upper() for bad in LOST_STATES)}
 
 
-def _allocation_file(paths: RunPaths):
-    return paths.launch_events.parent / "allocation.json"
-
-
 def note_requeue_after_node_loss(paths: RunPaths, nodes_by_role: dict[str, str | None]) -> list[dict]:
     """Record this start's allocation; after a requeue of the same job, a `node_lost` event for each node the previous
     start had and this one lacks that Slurm holds lost. Returns the events recorded. Never raises for I/O."""
     job, restart = os.environ.get("SLURM_JOB_ID"), int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
-    path = _allocation_file(paths)
+    path = paths.allocation
     try:
         before = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):

@@ -59,6 +59,17 @@ def test_demo_trains_through_launch_and_reports(slurm_cluster, tmp_path):
         st = json.loads(subprocess.run([sys.executable, "-m", "rstar_hpc", "run", "status", run, "--json"],
                                        capture_output=True, text=True, env=env, timeout=120).stdout)
         assert st["done"], (label, st["stages"])
+    # where the time went: the demo's phases, each run's by stage, adding up to the run's wall
+    phases = out["phases"]
+    assert phases["cluster"] >= 0 and phases["model"] >= 0 and phases["report"] >= 0, phases
+    runs = {"sft": phases["sft_run"], **phases["rl_runs"]}
+    assert set(phases["rl_runs"]) == {"roc", "grpo"}
+    for key, run in runs.items():
+        rows = {k: v for k, v in run.items() if k != "wall"}
+        assert None not in rows.values() and all(v >= 0 for v in rows.values()), (key, run)
+        assert abs(sum(rows.values()) - run["wall"]) <= 0.1 * len(rows), (key, run)
+    assert list(phases["sft_run"])[:4] == ["start", "eval-base", "sft", "eval-sft"]
+    assert "wall time by phase" in proc.stderr and "RL GRPO" in proc.stderr
     assert "local cluster stopped" not in proc.stderr   # it was up already: the demo leaves it up
     left = sorted(str(p.relative_to(scratch)) for p in scratch.rglob("*"))
     shutil.rmtree(scratch, ignore_errors=True)

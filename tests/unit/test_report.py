@@ -189,3 +189,24 @@ def test_a_run_without_metrics_gets_a_clear_message(tmp_path):
     assert missing.exit_code == 4 and "no run directory" in missing.output
     bad = CliRunner().invoke(cli, ["report", str(tmp_path / "empty"), "--compare", "GRPO"])
     assert bad.exit_code == 2 and "LABEL=RUN" in bad.output
+
+
+def test_run_phases_add_up_to_the_wall_between_stage_ends(tmp_path):
+    from rstar_hpc.exchange.state import StageState, write_stage_state
+    from rstar_hpc.report.phases import phase_line, run_phases
+
+    paths = RunPaths(tmp_path / "run")
+    paths.allocation.parent.mkdir(parents=True)
+    atomic_write_json(paths.allocation, {"job": "1", "restart": 0, "time": 1000.0, "nodes": {}})
+    # eval-base ends while the trainer trains (overlapping stages); eval-sft after sft; the RL stage never ran
+    for name, done in (("eval-base", 1025.0), ("sft", 1240.0), ("eval-sft", 1281.5)):
+        write_stage_state(paths, StageState(stage=name, status="DONE", updated_at=done))
+    got = run_phases(paths, ["eval-base", "sft", "eval-sft"], submitted_at=997.0, ended_at=1286.0)
+    assert got == {"start": 3.0, "eval-base": 25.0, "sft": 215.0, "eval-sft": 41.5, "end": 4.5, "wall": 289.0}
+    assert sum(v for k, v in got.items() if k != "wall") == pytest.approx(got["wall"])
+    assert phase_line(got) == "start 3 | eval-base 25 | sft 215 | eval-sft 42 | end 4"
+    # a stage not done shows as None; a run whose job never started counts from its submission
+    write_stage_state(paths, StageState(stage="rl", status="RUNNING", updated_at=1300.0))
+    assert run_phases(paths, ["eval-base", "rl"], submitted_at=997.0, ended_at=1300.0)["rl"] is None
+    bare = run_phases(RunPaths(tmp_path / "never"), ["sft"], submitted_at=5.0, ended_at=9.0)
+    assert bare == {"start": None, "sft": None, "end": 4.0, "wall": 4.0}
