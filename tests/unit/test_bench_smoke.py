@@ -23,7 +23,11 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-SCRIPTS = sorted(p.name for p in (REPO / "bench").glob("*.py") if "if __name__ == \"__main__\":" in p.read_text())
+# demo_path.py runs the demo through a Slurm cluster (minutes even at --quick): its quick size is the run of
+# tests/integration/test_demo.py, which checks the phases it reads; its arithmetic is checked below
+CLUSTER_BENCHES = {"demo_path.py"}
+SCRIPTS = sorted(p.name for p in (REPO / "bench").glob("*.py")
+                 if "if __name__ == \"__main__\":" in p.read_text() and p.name not in CLUSTER_BENCHES)
 TARGET_FLAG = {"exchange.py": "meets_target"}   # exit status 1 = this figure is false
 TIMEOUT_S = 300                                 # each takes seconds; a loaded 2-core machine gets a wide margin
 
@@ -46,6 +50,33 @@ def test_the_glob_finds_the_benches():
     assert {"exchange.py", "logprobs.py", "roc.py", "rollout_balance.py", "sandbox_service.py", "trainer.py"} <= \
         set(SCRIPTS)
     assert "trainer_sized.py" not in SCRIPTS   # a module of trainer.py, no script
+    assert all((REPO / "bench" / name).is_file() for name in CLUSTER_BENCHES)
+
+
+def test_demo_path_figures_put_each_runs_wall_beside_its_roles_work(tmp_path):
+    """bench/demo_path.py's figures from a demo summary: the work is the trainer's compute (not its waits) plus the
+    rollout's generation, from the runs' own metrics; wall / work is the path's overhead."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("demo_path", REPO / "bench" / "demo_path.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    runs = {}
+    for name, trainer, rollout in (("sft", [{"time/train(s)": 0.5, "time/read(s)": 9.0}] * 4,
+                                    [{"generation_wall_s": 3.0}]),
+                                   ("roc", [{"time/train(s)": 1.0, "time/publish(s)": 0.1, "time/read(s)": 4.0,
+                                             "time/checkpoint(s)": 0.4}] * 2, [{"generation_wall_s": 2.5}] * 2)):
+        (tmp_path / name / "metrics").mkdir(parents=True)
+        for role, rows in (("trainer", trainer), ("rollout", rollout)):
+            (tmp_path / name / "metrics" / f"{role}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        runs[name] = str(tmp_path / name)
+    summary = {"runs": {"SFT": runs["sft"], "RoC": runs["roc"]},
+               "phases": {"sft_run": {"start": 2.0, "sft": 8.0, "end": 1.0, "wall": 11.0},
+                          "rl_runs": {"roc": {"start": 2.0, "rl": 15.0, "end": 1.0, "wall": 18.0}}}}
+    got = bench.figures(summary)
+    assert got["sft"]["work_s"] == 5.0 and got["sft"]["overhead_ratio"] == 2.2
+    assert got["roc"]["trainer_s"] == 3.0 and got["roc"]["rollout_s"] == 5.0 and got["roc"]["overhead_ratio"] == 2.25
+    assert got["roc"]["phases"] == {"start": 2.0, "rl": 15.0, "end": 1.0}
 
 
 @pytest.fixture
