@@ -7,6 +7,7 @@
     plots.py     the PNG plots (matplotlib, Agg), compared runs overlaid
     render.py    report.md and report.html from one document
     build.py     all of it: build_report(run, compare, out) -> Report
+    phases.py    where a run's wall time went: the job's start, each stage from the previous one's end, the end
 
 Nothing here is imported by a role; matplotlib is imported only when plotting.
 """
