@@ -9,8 +9,8 @@ trainer's `time/train(s)` and checkpoint, the rollout's generation wall per step
 what the path adds around the work (Slurm and role start-up, vLLM's engine start and warm-up, the waits between
 the trainer and the rollout, commits). A slower start, a longer poll or a new wait raises it while the work stays;
 a slower kernel raises the work seconds, which bench/trainer.py compares with plain PyTorch. On the 2-core machine
-the RL run's ratio was 2.66 before the waits between the roles looked again after a tenth of the time waited
-(exchange/poll.py) and ~2.2 after (the figures of each change are in the README's demo section).
+(2026-11-28, defaults): the SFT run 67.4 s for 41.3 s of work (1.63), the RL run 53.0 s for 23.3 s (2.27), of which
+~20 s is vLLM's engine start; docs/demo-measurements.md has what each change of that day cost the whole demo.
 
 --quick: the CI-sized demo of tests/integration/test_demo.py (30 SFT steps, one step a RL stage), RoC only.
 The cluster is the demo's: one that is up is used, else the demo starts one and stops it (--state-dir: a cluster
