@@ -50,9 +50,11 @@ def run_work(run_dir: Path) -> dict:
 
 def figures(summary: dict) -> dict:
     """From the demo's JSON line: per run its phases, its work and wall / work."""
+    from rstar_hpc.cli.demo import MODES
+
     phases = summary["phases"]
     runs = {"sft": (phases["sft_run"], summary["runs"]["SFT"])}
-    label_of = {"roc": "RoC", "grpo": "GRPO", "random": "Random", "topk": "RoC-topk", "overlap": "RoC-overlap"}
+    label_of = {key: label for label, (key, _) in MODES.items()}
     for key, ph in phases.get("rl_runs", {}).items():
         runs[key] = (ph, summary["runs"][label_of[key]])
     out = {}

@@ -138,18 +138,17 @@ def command(config: str, overrides: tuple[str, ...], modes: str, state_dir, keep
         latest = RunPaths(sft.run.dir).policies().latest()
         if latest is None:
             raise click.ClickException(f"the SFT run {sft.run.dir} published no policy")
-        runs, walls = {}, {}
+        runs = {}
         for i, label in enumerate(labels):
             _say(f"[3/4] RL run {i + 1}/{len(labels)} ({label}): {', '.join(s.name for s in rl_stages)}")
             name = f"{base}-{label.lower()}"
             rl = derive(cfg, name, rl_stages, [*MODES[label][1], f"model.path={latest[1]}"], configs)
-            t_run = time.monotonic()
             phases.setdefault("rl_runs", {})[MODES[label][0]] = _launch(rl, env, timeout_s)
-            runs[label], walls[label] = RunPaths(rl.run.dir), time.monotonic() - t_run
+            runs[label] = RunPaths(rl.run.dir)
         _say("[4/4] report")
         with _timed(phases, "report"):
-            summary = _report(RunPaths(sft.run.dir), runs, time.monotonic() - t0,
-                              timing=_timing(runs, walls, {s.name for s in rl_stages if s.kind == "rl"}))
+            summary = _report(RunPaths(sft.run.dir), runs,
+                              timing=_timing(runs, phases["rl_runs"], {s.name for s in rl_stages if s.kind == "rl"}))
     finally:
         if not was_up and not keep_cluster:
             cluster.down()
@@ -186,19 +185,19 @@ def _print_phases(phases: dict, wall_s: float) -> None:
         click.echo(f"        {name:<14} {'-' if secs is None else f'{secs:7.1f}'}   {detail}".rstrip(), err=True)
 
 
-def _timing(runs: dict, walls: dict, rl_stages: set[str]) -> dict:
+def _timing(runs: dict, rl_phases: dict, rl_stages: set[str]) -> dict:
     """Each RL run's wall seconds and its roles' idle fractions over all its rl steps (its own metrics)."""
     from rstar_hpc.launch.status import rollout_idle, trainer_idle
 
     out = {}
     for label, paths in runs.items():
         t, r = trainer_idle(paths.dir, last=None), rollout_idle(paths.dir, rl_stages, last=None)
-        out[MODES[label][0]] = {"wall_s": round(walls[label], 1),
+        out[MODES[label][0]] = {"wall_s": rl_phases[MODES[label][0]]["wall"],
                                 "idle_fraction": {"trainer": t and t["idle_fraction"], "rollout": r and r["idle_fraction"]}}
     return out
 
 
-def _report(sft, runs: dict, wall_s: float, timing: dict | None = None) -> dict:
+def _report(sft, runs: dict, timing: dict | None = None) -> dict:
     from rstar_hpc.report.build import build_report
     from rstar_hpc.report.figures import fmt
 
@@ -226,7 +225,7 @@ def _report(sft, runs: dict, wall_s: float, timing: dict | None = None) -> dict:
             f"{label} {timing[MODES[label][0]]['wall_s']:.0f}s, "
             + " / ".join("-" if v is None else f"{v:.0%}" for v in timing[MODES[label][0]]["idle_fraction"].values())
             for label in runs), err=True)
-    out.update(wall_s=round(wall_s, 1), report=str(report.markdown), html=str(report.html),
+    out.update(report=str(report.markdown), html=str(report.html),
                runs={"SFT": str(sft.dir), **{k: str(p.dir) for k, p in runs.items()}})
     click.echo(f"      pass@1: base {_pm(out, 'base')}, SFT {_pm(out, 'sft')}, RL (GRPO-RoC) {_pm(out, 'rl')}", err=True)
     click.echo("      rollouts per prompt, sampled / trained: " + ", ".join(

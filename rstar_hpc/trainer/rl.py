@@ -283,7 +283,7 @@ class TrajectorySource:
             if late:
                 raise StepNotReadyError(str(reader.paths.traj_step_dir(self.stage, step)), step, missing,
                                         sorted(records), waited)
-            backoff.sleep()   # the same on every rank: the interval follows the wait, which _any_rank keeps equal
+            backoff.sleep()   # ranks may sleep slightly different intervals: _any_rank meets them at every look
 
     def _take_back(self, step: int, records: dict[str, dict], corrupt: CorruptShardError | None) -> None:
         """Collective: a shard of `step` is corrupt on some rank. Rank 0 quarantines the commit that lists it (every
