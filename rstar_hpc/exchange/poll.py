@@ -26,3 +26,9 @@ class Backoff:
         """Sleep one interval (at most `cap_s`: a deadline's remainder)."""
         s = self.interval()
         time.sleep(max(0.0, min(s, cap_s)) if cap_s is not None else s)
+
+
+def expected_lateness_s(wait_s: float, max_s: float = 1.0, min_s: float = 0.1, fraction: float = 0.1) -> float:
+    """How long after a wait of `wait_s` ends a Backoff poller sees it, on average: half the interval it polls at
+    by then (the planner's hand-off between the roles)."""
+    return min(max_s, max(min(min_s, max_s), fraction * max(0.0, wait_s))) / 2

@@ -9,12 +9,15 @@ rollout.engine.tensor_parallel_size GPUs):
   training_s    model FLOPs (trainer/plan.py's model_flops: forward + backward, plus the pi_old forward: 4 passes)
                 of prompts_per_step x G x kept_fraction trajectories of prompt + mean response tokens, / (trainer
                 GPUs x peak x MFU), or / the run's measured FLOP/s per trainer device
-  sync_s        the bf16 policy (2 bytes per parameter) / sync_gbs, plus the roles' polling (handoff_s)
+  sync_s        the bf16 policy (2 bytes per parameter) / sync_gbs
   checkpoint_s  14 bytes per parameter / ckpt_gbs, every trainer.checkpoint.save_every_steps steps
+  handoff_s     how late the waiting role sees the other's hand-off (exchange/poll.py expected_lateness_s of its
+                wait, rates.poll_s): on-policy, the trainer waits out generation and the rollout training + sync;
+                in overlap, the faster role waits the difference
 
-  on_policy  step = generation + training + sync + max(0, checkpoint - generation) / save_every
+  on_policy  step = generation + training + sync + max(0, checkpoint - generation) / save_every + handoff
              (the trainer checkpoints after it publishes, while the rollout generates the next step)
-  overlap    step = max(generation, training + checkpoint / save_every) + sync
+  overlap    step = max(generation, training + checkpoint / save_every) + sync + handoff
 
 Idle fraction of a role: 1 - its GPUs' busy time / step (trainer: training; rollout: the engines' busy time, which
 leaves out the tail's idle engines). GPU-hours per step: step x (trainer + rollout GPUs) / 3600; sandbox nodes are
@@ -27,7 +30,9 @@ the fewest GPU-hours over the recipe's rl steps.
 from __future__ import annotations
 
 import math
+from functools import partial
 
+from rstar_hpc.exchange.poll import expected_lateness_s
 from rstar_hpc.models.shapes import model_shape
 from rstar_hpc.planner import generation as gen
 from rstar_hpc.planner.rates import PAPER, Rates
@@ -106,17 +111,20 @@ def stage_step(cfg, stage, rl_index: int, split: tuple[int, int], rates: Rates, 
     t_devices, r_devices = t_nodes * devices_per_node(lt), r_nodes * devices_per_node(lr)
     per_device = rates.train_flops or rates.peak_tflops * 1e12 * rates.mfu
     phases = {"generation_s": g["generation_s"], "tool_s": rates.tool_calls_per_traj * rates.tool_latency_s,
-              "training_s": flops / (t_devices * per_device), "sync_s": 2.0 * n_params / (rates.sync_gbs * 1e9) + rates.handoff_s,
+              "training_s": flops / (t_devices * per_device), "sync_s": 2.0 * n_params / (rates.sync_gbs * 1e9),
               "checkpoint_s": CKPT_BYTES_PER_PARAM * n_params / (rates.ckpt_gbs * 1e9),
               "trajectories_per_engine": per_engine, "mean_response_tokens": round(mean, 1),
               "trained_tokens": sum(seqlens), "tail_idle_fraction": round(g["idle_fraction"], 4)}
     every = cfg.trainer.checkpoint.save_every_steps
     gen_s, train_s, sync_s, ckpt_s = (phases[k] for k in ("generation_s", "training_s", "sync_s", "checkpoint_s"))
-    steps = {"on_policy": gen_s + train_s + sync_s + max(0.0, ckpt_s - gen_s) / every,
-             "overlap": max(gen_s, train_s + ckpt_s / every) + sync_s}
+    late = partial(expected_lateness_s, max_s=rates.poll_s)
+    busy_trainer = train_s + ckpt_s / every
+    handoff = {"on_policy": late(gen_s) + late(train_s + sync_s), "overlap": late(abs(gen_s - busy_trainer))}
+    steps = {"on_policy": gen_s + train_s + sync_s + max(0.0, ckpt_s - gen_s) / every + handoff["on_policy"],
+             "overlap": max(gen_s, busy_trainer) + sync_s + handoff["overlap"]}
     out = {"stage": stage.name, "steps": stage.num_steps, **{k: _r(v) for k, v in phases.items()}}
     for mode, step in steps.items():
-        out[mode] = {"step_s": _r(step), "gpu_hours_per_step": _r(step * (t_devices + r_devices) / 3600, 4),
+        out[mode] = {"step_s": _r(step), "handoff_s": _r(handoff[mode], 3), "gpu_hours_per_step": _r(step * (t_devices + r_devices) / 3600, 4),
                      "idle_fraction": {"trainer": _frac(1 - train_s / step), "rollout": _frac(1 - g["busy_s"] / step)}}
     return out
 

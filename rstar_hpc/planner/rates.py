@@ -47,9 +47,10 @@ Moving weights and checkpoints (assumed; shared storage varies most between site
   ckpt_gbs 10    a distributed checkpoint (bf16 weights, fp32 main weights and AdamW's two moments: 14 bytes per
                  parameter) written by every trainer node at once: ~2.5 GB/s per client node x 4 nodes.
 
-Hand-offs: the rollout polls for the next policy every 1 s (rollout/step.py wait_for_policy) and the trainer for
-the next committed step every 1 s (trainer/rl.py RLTrajectorySource.next): on average half of each, handoff_s 1.0,
-in every step of either mode.
+Hand-offs: the rollout polls for the next policy (rollout/policy_source.py wait_for_policy) and the trainer for the
+next committed step (trainer/rl.py) with exchange/poll.py's Backoff: every tenth of the time waited so far, between
+0.1 s and poll_s (1 s). Each sees the other's hand-off half an interval late on average (model.py: per step, from the
+waits the step's phases imply): ~1 s a step for a 14B model's minutes-long waits, ~0.1 s for a tiny run's.
 
 The paper's own cost (PAPER): 64 MI300X for about a week (7 days) over 510 RL steps: 10752 GPU-hours, 21.1 per
 step, ~1186 s per step.
@@ -91,7 +92,7 @@ class Rates:
     ckpt_gbs: float = 10.0
     response_tokens: dict[str, float] = field(default_factory=dict)   # stage -> mean response tokens (all default)
     kept_fraction: float = 1.0             # of prompts_per_step x G that RoC keeps and trains (groups dropped: less)
-    handoff_s: float = 1.0                 # polling between the roles, on the critical path of every on-policy step
+    poll_s: float = 1.0                    # the roles' longest poll interval (their hand-offs: model.py)
     # measured rates (--from-run): when set they replace the modelled ones
     decode_tok_s: float | None = None      # one engine's generated tokens per second of a step's generation wall
     train_flops: float | None = None       # the trainer's achieved model FLOP/s, all its ranks together

@@ -19,7 +19,7 @@ def format_run_plan(p: dict) -> str:
              f"{p['nodes']} GPU nodes x {p['gpus_per_node']} devices; configured split "
              f"{p['configured_split']['trainer_nodes']} trainer + {p['configured_split']['rollout_nodes']} rollout", ""]
     head = f"{'stage':<10}{'steps':>6}{'gen s':>9}{'tool s':>8}{'train s':>9}{'sync s':>8}{'ckpt s':>8}" \
-           f"{'step s':>9}{'GPU-h/step':>11}{'idle trainer':>13}{'idle rollout':>13}"
+           f"{'handoff s':>10}{'step s':>9}{'GPU-h/step':>11}{'idle trainer':>13}{'idle rollout':>13}"
     for mode in MODES:
         m, split = p[mode], p[mode]["recommended_split"]
         lines += [f"{mode}: recommended split {split['trainer_nodes']} trainer + {split['rollout_nodes']} rollout "
@@ -28,7 +28,8 @@ def format_run_plan(p: dict) -> str:
                   f"trainer {_pct(m['idle_fraction']['trainer'])}, rollout {_pct(m['idle_fraction']['rollout'])}",
                   "  " + head]
         lines += [f"  {s['stage']:<10}{s['steps']:>6}{s['generation_s']:>9.1f}{s['tool_s']:>8.1f}"
-                  f"{s['training_s']:>9.1f}{s['sync_s']:>8.1f}{s['checkpoint_s']:>8.1f}{s['step_s']:>9.1f}"
+                  f"{s['training_s']:>9.1f}{s['sync_s']:>8.1f}{s['checkpoint_s']:>8.1f}{s['handoff_s']:>10.2f}"
+                  f"{s['step_s']:>9.1f}"
                   f"{s['gpu_hours_per_step']:>11.3g}{_pct(s['idle_fraction']['trainer']):>13}"
                   f"{_pct(s['idle_fraction']['rollout']):>13}" for s in m["stages"]]
         lines.append("")

@@ -26,6 +26,7 @@ def test_launch_runs_every_stage_kind_as_one_hetjob(sbatch_run):
     # the planner, with this run's own rates, predicts its mean on-policy RL step within 35% (rstar-hpc plan)
     plan = json.loads(rstar("plan", "tiny-cpu", "--from-run", str(run), "--json", env=env).stdout.splitlines()[-1])
     assert plan["measured_steps"] == 6 and plan["rates"]["decode_tok_s"] > 0, plan
+    print(json.dumps({"on_policy_predicted_step_s": plan["predicted_step_s"], "measured": plan["measured_stage_step_s"]}))
     assert abs(plan["predicted_step_s"] / plan["measured_step_s"] - 1) <= 0.35, (plan["predicted_step_s"],
                                                                                  plan["measured_stage_step_s"])
     script = (run / "launch" / "run.sbatch").read_text()
@@ -68,6 +69,7 @@ def test_launch_through_submitit_runs_the_same_stages(gpu_cluster, tiny_model_di
     assert all(used[n] == ("sft", 20) for n in (0, 1)) and all(used[n][0] == "rl-short" and used[n][1] >= n - 1
                                                               for n in (2, 3)), used
     plan = json.loads(rstar("plan", "tiny-cpu", "--from-run", str(run), "--json", env=env).stdout.splitlines()[-1])
+    print(json.dumps({"overlap_predicted_step_s": plan["predicted_step_s"], "measured": plan["measured_stage_step_s"]}))
     assert plan["measured_mode"] == "overlap" and plan["predicted_step_s"] == plan["at_configured_split"]["overlap"][
         "step_s"]
     # a looser bound than on-policy's 35%: with both roles at work at once on two shared cores, how much of the

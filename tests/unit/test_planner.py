@@ -41,6 +41,9 @@ def test_overlap_costs_at_most_three_quarters_of_on_policy(recipe):
             assert all(0.0 <= v <= 1.0 for v in s["idle_fraction"].values())
         for s in mode["stages"]:
             assert s["step_s"] >= max(s["generation_s"], s["training_s"]) > 0
+    # minutes-long waits: each role sees the other's hand-off ~half its 1 s poll late, once a step overlapped
+    assert all(s["handoff_s"] == pytest.approx(1.0) for s in on["stages"])
+    assert all(s["handoff_s"] == pytest.approx(0.5) for s in ov["stages"])
     # on-policy waits: the roles idle more than overlapped
     assert on["idle_fraction"]["rollout"] > ov["idle_fraction"]["rollout"]
     assert [s["stage"] for s in on["stages"]] == ["rl-8k", "rl-12k", "rl-hard"]

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from rstar_hpc.exchange.poll import Backoff
+from rstar_hpc.exchange.poll import Backoff, expected_lateness_s
 
 
 def test_the_interval_is_a_tenth_of_the_wait_within_its_bounds(monkeypatch):
@@ -34,3 +34,11 @@ def test_a_long_wait_looks_about_as_often_as_a_fixed_one_second_poll():
         t += min(b.max_s, max(b.min_s, b.fraction * t))
         looks += 1
     assert 600 <= looks <= 650, looks
+
+
+def test_a_hand_off_is_seen_half_an_interval_late():
+    assert expected_lateness_s(0.5) == pytest.approx(0.05)      # a tiny run's wait: at the floor
+    assert expected_lateness_s(4.0) == pytest.approx(0.2)
+    assert expected_lateness_s(900.0) == pytest.approx(0.5)     # a 14B step's wait: half the 1 s ceiling
+    assert expected_lateness_s(900.0, max_s=5.0) == pytest.approx(2.5)
+    assert expected_lateness_s(-1.0) == pytest.approx(0.05)     # no wait: the first look's floor
