@@ -101,6 +101,24 @@ def _pick_stage(cfg, name: str | None, none_left_ok: bool = False):
     raise click.UsageError("no sft/rl stage left to train in this config (all DONE, or none); pass --stage")
 
 
+STEP_OPTS_ENV = "RSTAR_TRAINER_STEP_OPTS"   # sbatch/trainer.sbatch's srun takes its GPU and memory options from it
+
+
+def submit_options(cfg, stage_name: str, env=None) -> tuple[list[str], dict[str, str]]:
+    """The sbatch options and the environment of `train --submit`'s job (sbatch/trainer.sbatch), as the run's
+    launcher sizes its trainer: the trainer component's resources (hetjob.role_options: GPUs per node, never per
+    task; the node's memory for a GPU role unless launch.trainer.mem says otherwise), and the srun step asking for
+    the GPUs and memory the launcher's trainer step does (placement.step_resources), in STEP_OPTS_ENV."""
+    from rstar_hpc.exchange.rundir import RunPaths
+    from rstar_hpc.launch import hetjob, placement
+
+    logs = RunPaths(cfg.run.dir).logs
+    sbatch_args = [*hetjob.role_options(cfg, "trainer"), f"--signal=B:USR2@{cfg.launch.signal_lead_s}",
+                   *hetjob.site_options(cfg), f"--output={logs}/trainer-{stage_name}-%j.out"]
+    env = {**(os.environ if env is None else env), STEP_OPTS_ENV: " ".join(placement.step_resources(cfg, "trainer"))}
+    return sbatch_args, env
+
+
 def _submit_and_follow(cfg, config: str, overrides: tuple[str, ...], stage) -> None:
     from tqdm import tqdm
 
@@ -109,13 +127,8 @@ def _submit_and_follow(cfg, config: str, overrides: tuple[str, ...], stage) -> N
 
     res, paths = cfg.launch.trainer, RunPaths(cfg.run.dir)
     paths.create()
-    sbatch_args = [f"--partition={res.partition}", f"--nodes={res.num_nodes}",
-                   f"--ntasks-per-node={res.tasks_per_node}", f"--cpus-per-task={res.cpus_per_task}",
-                   f"--time={res.time_min}", f"--signal=B:USR2@{cfg.launch.signal_lead_s}",
-                   f"--output={paths.logs}/trainer-{stage.name}-%j.out"]
-    if res.gpus_per_node:
-        sbatch_args.append(f"--gpus-per-node={res.gpus_per_node}")
-    job = submit("trainer", [config, *overrides, "--stage", stage.name], sbatch_args=sbatch_args)
+    sbatch_args, env = submit_options(cfg, stage.name)
+    job = submit("trainer", [config, *overrides, "--stage", stage.name], sbatch_args=sbatch_args, env=env)
     click.echo(f"submitted job {job}: stage {stage.name}; log {paths.logs}/trainer-{stage.name}-{job}.out")
     metrics = paths.metrics("trainer")
     bar = tqdm(total=stage.num_steps, desc=f"job {job} {stage.name}", unit="step")

@@ -48,11 +48,13 @@ def job_options(cfg, run_dir: str | Path) -> list[str]:
     launch = cfg.launch
     opts = [f"--job-name=rstar-{cfg.run.name}", f"--output={Path(run_dir) / 'logs' / 'run-%j.out'}",
             "--open-mode=append", "--requeue", f"--signal=B:USR2@{launch.signal_lead_s}"]
-    if launch.account:
-        opts.append(f"--account={launch.account}")
-    if launch.qos:
-        opts.append(f"--qos={launch.qos}")
-    return opts
+    return opts + site_options(cfg)
+
+
+def site_options(cfg) -> list[str]:
+    """What every job of a run is charged to: launch.account and launch.qos."""
+    launch = cfg.launch
+    return ([f"--account={launch.account}"] if launch.account else []) + ([f"--qos={launch.qos}"] if launch.qos else [])
 
 
 def header(cfg, run_dir: str | Path) -> str:

@@ -76,6 +76,27 @@ def role_mem(cfg, role: str) -> str | None:
     return "0" if res.gpus_per_node or res.exclusive else None
 
 
+def step_gpus(cfg, role: str) -> list[str]:
+    """The GPUs a role's step asks Slurm for: its nodes' (`--gpus-per-node`; every task of the step sees them, and
+    each takes its own: a trainer rank its local rank's, an engine its block), none without GRES (launch.gpu_gres:
+    false) or GPUs. Never `--gpus-per-task`: see the module's docstring."""
+    gpus = getattr(cfg.launch, role).gpus_per_node if cfg.launch.gpu_gres else 0
+    return [f"--gpus-per-node={gpus}"] if gpus and role != "sandbox" else []
+
+
+def step_mem(cfg, role: str) -> list[str]:
+    """The memory a GPU role's step asks for, as its job did (role_mem): without it a step gets the site's default
+    memory per CPU, often far below what a GPU node's ranks need."""
+    mem = role_mem(cfg, role)
+    return [f"--mem={mem}"] if getattr(cfg.launch, role).gpus_per_node and mem is not None else []
+
+
+def step_resources(cfg, role: str) -> list[str]:
+    """A role's step's GPU and memory options (step_gpus, step_mem): what step_argv asks for besides tasks and
+    cores, for a step started elsewhere (sbatch/trainer.sbatch under `rstar-hpc train --submit`)."""
+    return [*step_gpus(cfg, role), *step_mem(cfg, role)]
+
+
 def rollout_tasks_per_node(cfg) -> int:
     """Tasks the rollout component allocates per node: its engines, plus room for rank 0 (on node 0; every node of a
     component gets the same count)."""
@@ -216,31 +237,29 @@ def step_argv(cfg, role: str, run_dir: str | Path, *, het_group: int | None = No
     # starts the role again. One sandbox service or one rollout engine dying leaves the others working (an engine's
     # keeper starts it again; rank 0's end ends the other tasks: rollout/keeper.py).
     srun.append("--kill-on-bad-exit=" + ("1" if role == "trainer" else "0"))
-    gpus = res.gpus_per_node if launch.gpu_gres else 0
+    gpus = step_gpus(cfg, role)
     argv = role_argv(cfg, role, run_dir)
     # --ntasks always: inside another step (submitit's) srun would take that step's SLURM_NTASKS as its own
     if role == "trainer":
         srun += [f"--nodes={res.num_nodes}", f"--ntasks={res.num_nodes * res.tasks_per_node}",
                  f"--ntasks-per-node={res.tasks_per_node}", f"--cpus-per-task={res.cpus_per_task}"]
-        srun += [f"--gpus-per-node={gpus}"] if gpus else []   # every rank sees the node's GPUs: NVLink between them
+        srun += gpus   # every rank sees the node's GPUs: NVLink between them
     elif role == "rollout" and launch.mpi == "none":
         # one task holding the node's engines' cores and GPUs; the command (the ranks' keeper) starts every rank
         srun += ["--nodes=1", "--ntasks=1", f"--cpus-per-task={rollout_tasks_per_node(cfg) * res.cpus_per_task}"]
-        srun += [f"--gpus-per-node={gpus}"] if gpus else []
+        srun += gpus
         argv = [*argv, "--engines", str(num_engines(cfg))]
     elif role == "rollout":
         # one task per rank, each its own MPI process: no PMI wire-up (rollout/links.py)
         srun += ["--mpi=none", f"--nodes={res.num_nodes}", f"--ntasks={1 + num_engines(cfg)}",
                  "--distribution=arbitrary", f"--cpus-per-task={res.cpus_per_task}"]
-        srun += [f"--gpus-per-node={gpus}"] if gpus else []
+        srun += gpus
     else:
         srun += [f"--nodes={res.num_nodes}", f"--ntasks={res.num_nodes}", "--ntasks-per-node=1",
                  f"--cpus-per-task={res.cpus_per_task}"]
     if launch.cpu_bind and not (role == "rollout" and launch.mpi == "none"):
         srun.append(f"--cpu-bind={launch.cpu_bind}")
-    mem = role_mem(cfg, role)
-    if res.gpus_per_node and mem is not None:   # a step asks for its memory, as its job did
-        srun.append(f"--mem={mem}")
+    srun += step_mem(cfg, role)   # a step asks for its memory, as its job did
     return [*srun, *container.srun_options(cfg, role), *container.command_prefix(cfg, role), *argv]
 
 

@@ -5,7 +5,8 @@ three jobs at once, without dependencies: trainer (launch.trainer), rollout (lau
 (launch.sandbox). They need none, because they meet only in the run directory: the rollout waits for the sandbox's
 announcement and for each policy it needs, the trainer for each step's trajectories. Each job runs a `RoleJob`:
 - it starts the role's command (rstar_hpc.launch.roles) as a child process and starts it again if it dies before
-  the role is done, or if its heartbeat is older than launch.hang_timeout_s (its step killed first), up to
+  the role is done, or if its heartbeat is older than launch.hang_timeout_s (its step killed first, and cancelled
+  through Slurm if its srun hangs too: the step is named rstar-<role>, as the supervisor's are), up to
   launch.role_restarts times, like the sbatch supervisor does (events in RUN/launch/events.jsonl);
 - on USR2 (`launch.signal_lead_s` before the time limit, or preemption), submitit calls `checkpoint`: the child
   is told to save (USR2) and waited for, then submitit requeues the job (launch.max_restarts times at most) and the
@@ -34,7 +35,7 @@ from rstar_hpc.exchange.rundir import RunPaths
 from rstar_hpc.launch import container, placement
 from rstar_hpc.launch.roles import (ROLES, hostnames, local_ranks_env, role_argv, role_done, role_env, roles_needed,
                                     run_done)
-from rstar_hpc.launch.watch import end_step, kill_step, stale
+from rstar_hpc.launch.watch import end_step, kill_step, named_step, stale
 
 log = logging.getLogger("rstar_hpc.launch")
 
@@ -106,7 +107,13 @@ class RoleJob:
     def argv(self, cfg, attempt: int) -> tuple[list[str], dict[str, str]]:
         """The child's command and environment: the role's tasks started with srun --overlap inside this job
         (placement.step_argv, as the sbatch supervisor starts them), or the role's command itself where it is one
-        task; a one-node rollout (or launch.mpi=none) runs the command itself, which starts every rank."""
+        task; a one-node rollout (or launch.mpi=none) runs the command itself, which starts every rank. An srun
+        step is named after the role (watch.named_step, as the supervisor names its steps), so that a hung one is
+        cancelled through Slurm (watch.kill_step) rather than left holding its resources."""
+        argv, env = self._command(cfg, attempt)
+        return named_step(argv, self.role), env
+
+    def _command(self, cfg, attempt: int) -> tuple[list[str], dict[str, str]]:
         res = getattr(cfg.launch, self.role)
         nodes = os.environ.get("SLURM_JOB_NODELIST")
         env = role_env(cfg, self.role, nodes, attempt)

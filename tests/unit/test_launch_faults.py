@@ -208,3 +208,39 @@ def test_end_step_lets_a_role_run_without_srun_clean_up(tmp_path):
     t0 = time.monotonic()
     end_step(stubborn, [sys.executable], grace_s=1)
     assert stubborn.returncode == -9 and time.monotonic() - t0 < 20
+
+
+def test_a_submitit_role_whose_srun_hangs_has_its_named_step_cancelled(tmp_path, monkeypatch):
+    """The submitit RoleJob's hang handling is the supervisor's: a role whose heartbeat goes stale while its srun
+    hangs too (here an `srun` that stops itself) has srun's process group killed and its step, named rstar-<role>,
+    cancelled through Slurm (watch.cancel_step, which the supervisor calls the same way), then counts as a restart."""
+    import os
+    import stat
+
+    from rstar_hpc.config import dump_config, load_config
+    from rstar_hpc.launch import watch
+    from rstar_hpc.launch.submitit_launch import RoleJob
+
+    cfg = load_config("tiny-cpu", [f"run.root={tmp_path}", "run.name=hung", "launch.role_restarts=0",
+                                   "launch.trainer.tasks_per_node=2"])
+    paths = RunPaths(tmp_path / "hung")
+    paths.create()
+    (paths.dir / "config.yaml").write_text(dump_config(cfg))
+    bin_dir, seen = tmp_path / "bin", tmp_path / "srun-args"
+    bin_dir.mkdir()
+    srun = bin_dir / "srun"
+    srun.write_text(f'#!/bin/sh\necho "$@" > {seen}\nkill -STOP $$\n')
+    srun.chmod(srun.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.delenv("SLURM_JOB_NODELIST", raising=False)
+    cancelled = []
+    monkeypatch.setattr(watch, "cancel_step", lambda name, wait_s=60.0: cancelled.append(name))
+    job = RoleJob(str(paths.dir), "trainer")
+    job.hang_timeout_s = 1.0
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="trainer hung 1 times, more than launch.role_restarts=0"):
+        job()
+    assert time.monotonic() - t0 < 30
+    assert seen.read_text().split()[:2] == ["--job-name=rstar-trainer", "--overlap"]
+    assert cancelled == ["rstar-trainer"]
+    assert [(e["kind"], e["role"]) for e in read_events(paths)] == [("hang", "trainer"), ("gave_up", "trainer")]

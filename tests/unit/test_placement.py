@@ -10,6 +10,7 @@ from collections import defaultdict
 import pytest
 
 from rstar_hpc.config import load_config
+from rstar_hpc.exchange.rundir import RunPaths
 from rstar_hpc.launch import placement
 from rstar_hpc.launch.binding import task_devices, task_gpus
 
@@ -139,7 +140,8 @@ def test_each_role_runs_its_own_image_with_the_images_python_and_the_configs_pat
     argv, _ = RoleJob(str(root / "tiny-cpu"), "sandbox").argv(cfg, 0)
     assert argv[:2] == ["apptainer", "exec"] and "/img/sandbox.sif" in argv and host not in argv, argv
     argv, _ = RoleJob(str(root / "tiny-cpu"), "rollout").argv(cfg, 0)
-    assert argv[:2] == ["srun", "--overlap"] and "--container-image=/img/rollout.sqsh" in argv, argv
+    assert argv[:3] == ["srun", "--job-name=rstar-rollout", "--overlap"], argv   # named: a hung one is cancelled
+    assert "--container-image=/img/rollout.sqsh" in argv, argv
     assert argv[-2:] == ["--engines", "1"] and "/opt/venv/bin/python" in argv and host not in argv
     # the dry run prints the same lines
     proc = subprocess.run([sys.executable, "-m", "rstar_hpc", "launch", "tiny-cpu", f"run.root={root}",
@@ -147,6 +149,44 @@ def test_each_role_runs_its_own_image_with_the_images_python_and_the_configs_pat
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "--container-image=/img/rollout.sqsh" in proc.stdout and "python3 -m rstar_hpc rollout" in proc.stdout
+
+
+def test_submitit_role_steps_are_named_and_placed_as_the_supervisors(tmp_path, monkeypatch):
+    """A submitit RoleJob starts a role's tasks with the supervisor's srun line, --overlap, under the step name the
+    supervisor gives it (rstar-<role>), so that a hung step is found and cancelled through Slurm (watch.kill_step):
+    the GPUs of the trainer's node for every rank, never one GPU per task, and the node's memory."""
+    from rstar_hpc.launch import submitit_launch, supervise
+    from rstar_hpc.launch.submitit_launch import RoleJob
+
+    monkeypatch.delenv("SLURM_JOB_NODELIST", raising=False)   # the rollout's hostfile: no Slurm asked here
+    monkeypatch.setattr(submitit_launch, "hostnames", lambda nodes: ["gpu1"])
+    monkeypatch.setattr(placement, "write_hostfile", lambda cfg, run_dir, nodes: tmp_path / "hosts")
+    cfg = load_config("qwen3-14b", [f"run.root={tmp_path}", *BASE])
+    run = str(tmp_path / "run")
+    sup = supervise.Supervisor(cfg, RunPaths(run), placement.het_groups(cfg))
+    for role in ("trainer", "rollout", "sandbox"):
+        argv, _ = RoleJob(run, role).argv(cfg, 0)
+        assert argv[:3] == ["srun", f"--job-name=rstar-{role}", "--overlap"], argv
+        assert argv[3:] == [a for a in sup.step_argv(role) if not a.startswith(("--het-group=", "--job-name="))][1:]
+    trainer, _ = RoleJob(run, "trainer").argv(cfg, 0)
+    assert "--gpus-per-node=8" in trainer and "--mem=0" in trainer
+    assert not any(a.startswith("--gpus-per-task") for a in trainer), trainer
+    # a role run as its command alone (one task, no image) is no step of its own: nothing to name
+    one = load_config("tiny-cpu", [f"run.root={tmp_path}"])
+    argv, _ = RoleJob(str(tmp_path / "tiny-cpu"), "sandbox").argv(one, 0)
+    assert argv[0] != "srun" and not any(a.startswith("--job-name") for a in argv), argv
+
+
+def test_step_resources_are_the_gpus_and_memory_of_the_launchers_steps(tmp_path):
+    """placement.step_resources (what `train --submit`'s step asks for) is what step_argv puts in a role's line."""
+    cfg = load_config("qwen3-14b", [f"run.root={tmp_path}", *BASE, "launch.trainer.mem=200G"])
+    assert placement.step_resources(cfg, "trainer") == ["--gpus-per-node=8", "--mem=200G"]
+    line = placement.step_argv(cfg, "trainer", tmp_path / "run")
+    assert all(o in line for o in placement.step_resources(cfg, "trainer"))
+    assert placement.step_resources(cfg, "sandbox") == []
+    no_gres = load_config("qwen3-14b", [f"run.root={tmp_path}", *BASE, "launch.gpu_gres=false"])
+    assert placement.step_resources(no_gres, "trainer") == ["--mem=0"]   # each rank's GPU from SLURM_LOCALID
+    assert placement.step_resources(load_config("tiny-cpu", [f"run.root={tmp_path}"]), "trainer") == []
 
 
 def test_each_task_takes_its_block_of_the_gpus_slurm_gave_it():
