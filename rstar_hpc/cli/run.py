@@ -96,6 +96,12 @@ def _render(st: dict) -> None:
         roles.add_row(role, *(("(never heard from)", "-", "-", "-") if beat is None else
                               (beat["doing"], f"{_dur(beat['age_s'])} ago", beat["host"] or "-", beat["job"] or "-")))
     console.print(roles)
+    engines = (st["roles"].get("rollout") or {}).get("engines")
+    if engines:   # rank 0's judgment of each engine in the step (rollout/roster.py)
+        table = Table("engine rank", "state", "last moved", "doing", title="rollout engines")
+        for rank, e in engines.items():
+            table.add_row(rank, e["state"], f"{_dur(e['moved_s_ago'])} ago", e.get("doing", "-"))
+        console.print(table)
     seen = [t for t in st.get("placement", []) if t["observed"]]
     if seen:   # one row per node a role's tasks said they ran on
         place = Table("role", "node", "ranks", "GPUs each task computes on", "CPUs per task",

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import AliasChoices, Field
+from pydantic import AliasChoices, Field, model_validator
 
 from rstar_hpc.config.base import Section
 
@@ -97,7 +97,14 @@ class SchedulerConfig(Section):
     policy_load_timeout_s: float = Field(600.0, gt=0)
     """How long engine ranks may take to load a new policy in place before rank 0 gives up on them."""
     engine_timeout_s: float = Field(60.0, gt=0)
-    """An engine rank silent for this long is declared dead; its unfinished trajectories run elsewhere."""
+    """An engine rank silent for this long is declared dead; its unfinished trajectories run elsewhere. A starting
+    engine reports while it loads its policy, so this holds during start-up too."""
+    engine_stall_s: float = Field(180.0, gt=0)
+    """An engine whose requests make no token for this long while its rank goes on reporting is hung (a vLLM engine
+    core stuck in a kernel or a collective): rank 0 drops it, re-queues its trajectories and has its keeper restart
+    it whole (rollout/roster.py). Trajectories waiting for a tool do not count (the sandbox bounds that wait). It
+    must outlast the longest pause of a healthy engine inside a step: a prefill at max_model_len behind a full
+    batch, a preempted batch's recompute (seconds on a GPU); at least 5 reports (rollout.scheduler.heartbeat_s)."""
     sibling_aware: bool = True
     """`kv_aware` only: GRPO siblings (one prompt's samples) share the prompt's KV through vLLM's prefix cache, so the
     prompt is booked once per engine hosting the group and a sibling goes where its group already runs while that
@@ -130,6 +137,14 @@ class SchedulerConfig(Section):
     """How often rank 0 commits a step's finished trajectories to the step's journal (rollout/journal.py), so a
     step killed halfway (time limit, preemption, a crash) keeps them and its rerun runs only the rest; 0: only
     the final commit (a killed step starts over)."""
+
+    @model_validator(mode="after")
+    def _stall_needs_reports(self) -> "SchedulerConfig":
+        if self.engine_stall_s < 5 * self.heartbeat_s:
+            raise ValueError(f"rollout.scheduler.engine_stall_s={self.engine_stall_s:g} is judged from the engines' "
+                             f"reports, every heartbeat_s={self.heartbeat_s:g}: give it at least 5 of them "
+                             f"({5 * self.heartbeat_s:g} s), or report more often")
+        return self
 
     @property
     def policy_lag(self) -> int:

@@ -17,11 +17,13 @@ import time
 
 from rstar_hpc.exchange.rundir import RunPaths
 
-KINDS = ("crash", "hang", "gave_up", "node_lost", "engine_lost", "engine_back", "engine_gave_up")
+KINDS = ("crash", "hang", "gave_up", "node_lost", "engine_lost", "engine_hung", "engine_back", "engine_gave_up")
 """crash: a role's step ended before its stages were done; hang: its heartbeat went stale and its step was killed;
 gave_up: it failed more often than launch.role_restarts allows; node_lost: a node of the job went DOWN or stopped
 answering (launch/nodes.py), so the job was requeued onto the nodes that are left. The rollout's own: engine_lost:
-an engine rank died or went silent, its unfinished trajectories requeued (`requeued`); engine_back: it joined
+an engine rank died or went silent, its unfinished trajectories requeued (`requeued`); engine_hung: its rank went
+on reporting but its engine made no token for rollout.scheduler.engine_stall_s (the evidence in `reason`), requeued
+the same way and its keeper told to kill it whole and start it again; engine_back: it joined
 again (rollout/keeper.py started it again); engine_gave_up: it died more often than launch.rollout.engine_restarts
 allows, and the job goes on without it."""
 

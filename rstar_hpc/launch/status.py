@@ -199,6 +199,8 @@ def run_status(cfg, paths: RunPaths, env=None, *, with_slurm: bool = True) -> di
         beat = read_heartbeat(paths, role) if role != "sandbox" else _sandbox_beat(paths)
         roles[role] = {"doing": beat["doing"], "age_s": round(now - beat["time"], 1), "host": beat.get("host"),
                        "job": beat.get("slurm_job_id")} if beat else None
+        if beat and beat.get("engines"):   # the rollout's: each engine's state and how long since it last moved
+            roles[role]["engines"] = beat["engines"]
     status = {"run": paths.name, "dir": str(paths.dir), "done": all(s["state"] == "done" for s in stages),
               "cancelled": cancelled(paths), "stages": stages, "jobs": jobs, "roles": roles,
               "placement": placement_status(cfg, paths)}
@@ -253,6 +255,9 @@ def _minutes(seconds) -> str:
 ENGINE_EVENTS = {
     "engine_lost": lambda e: (f"rollout engine rank {e.get('rank')} lost in step {e.get('step')} of stage "
                               f"{e.get('stage')} ({e.get('reason')}): {e.get('requeued', 0)} trajectories requeued"),
+    "engine_hung": lambda e: (f"rollout engine rank {e.get('rank')} hung in step {e.get('step')} of stage "
+                              f"{e.get('stage')} ({e.get('reason')}): {e.get('requeued', 0)} trajectories requeued, "
+                              f"its keeper restarts it"),
     "engine_back": lambda e: (f"rollout engine rank {e.get('rank')} back (pid {e.get('pid')}): it takes part from "
                               f"step {e.get('step')} of stage {e.get('stage')}"),
     "engine_gave_up": lambda e: (f"rollout engine rank {e.get('rank')} died {e.get('restarts', 0) + 1}x, more than "

@@ -54,6 +54,9 @@ class KVState:
     waiting: int = 0
     preemptions: int = 0
     updated_at: float = 0.0
+    tokens: int = 0
+    """Tokens the engine core has prefilled and generated so far: its progress, which stops when the core does
+    (rank 0 judges a hung engine by it: rollout/roster.py)."""
 
     @property
     def free_tokens(self) -> int:
@@ -73,6 +76,8 @@ def _stat_logger_factory(state_holder: list):
                 return
             # what vLLM's own logger counts as preemptions (KV ran out: a request lost its blocks)
             st.preemptions += int(getattr(iteration_stats, "num_preempted_reqs", 0) or 0)
+            prefilled = getattr(getattr(iteration_stats, "prompt_token_stats", None), "computed", 0)
+            st.tokens += int(getattr(iteration_stats, "num_generation_tokens", 0) or 0) + int(prefilled or 0)
             if scheduler_stats is None:
                 return
             st.usage = float(scheduler_stats.kv_cache_usage)
@@ -160,6 +165,7 @@ class VLLMEngine:
         self.max_model_len = int(self.llm.vllm_config.model_config.max_model_len)
         self._warned_context = False
         self.warm_s: float | None = None   # how long warm_up took (None: not yet)
+        self.generating = 0                # requests inside the engine now (rank 0 judges progress while > 0)
         tok = self.llm.vllm_config.model_config
         from transformers import AutoTokenizer
         self.tokenizer = AutoTokenizer.from_pretrained(tok.tokenizer)
@@ -204,12 +210,16 @@ class VLLMEngine:
         if max_tokens <= 0:
             return Generation([], [], "length")
         params = self._SamplingParams(max_tokens=max_tokens, seed=seed, **{**self._params, **(sampling or {})})
-        if stop is not None:
-            return await self._generate_pausable(TokensPrompt(prompt_token_ids=list(prompt_ids)), params, request_id,
-                                                 stop)
-        final = None
-        async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)), params, request_id):
-            final = out
+        self.generating += 1
+        try:
+            if stop is not None:
+                return await self._generate_pausable(TokensPrompt(prompt_token_ids=list(prompt_ids)), params,
+                                                     request_id, stop)
+            final = None
+            async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)), params, request_id):
+                final = out
+        finally:
+            self.generating -= 1
         if final is None:
             raise RuntimeError(f"vLLM returned no output for {request_id}")
         c = final.outputs[0]

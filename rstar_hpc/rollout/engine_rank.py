@@ -46,15 +46,30 @@ async def run_engine_rank(comm, MPI, sc: SchedulerConfig, agent_cfg: AgentConfig
         raise RuntimeError(f"engine rank {rank}: expected the start of a step, got tag {tag}")
     stage, step, limits = start["stage"], start["step"], StageLimits(*start["limits"])
     syncs = rank in (start.get("policy_memory") or {}).get("first_ranks", {})
-    comm.send({"loading": start["policy_version"] != engine.policy_version or syncs}, dest=0, tag=TAG_ACK)
-    weights = await _load_weights(engine, start, rank)
-    if hasattr(engine, "warm_up"):   # before HELLO: the step admits to a warm engine (VLLMEngine.warm_up)
-        await engine.warm_up()
+    loading = start["policy_version"] != engine.policy_version or syncs
+    comm.send({"loading": loading}, dest=0, tag=TAG_ACK)
+    doing = ["loading the policy" if loading else "warming up"]
+    reports = asyncio.create_task(_report_start(comm, sc, doing))   # rank 0 hears a slow load move, or its death
+    try:
+        weights = await _load_weights(engine, start, rank)
+        if hasattr(engine, "warm_up"):   # before HELLO: the step admits to a warm engine (VLLMEngine.warm_up)
+            doing[0] = "warming up"
+            await engine.warm_up()
+    finally:
+        reports.cancel()
     agent = AgentLoop(engine, tools, engine.tokenizer, agent_cfg, max_response_length=limits.max_response_length,
                       max_turns=limits.max_turns, sampling=limits.sampling())
     comm.send({"capacity_tokens": engine.kv.capacity_tokens, "policy_version": engine.policy_version,
                "weights": weights}, dest=0, tag=TAG_HELLO)
     return await _EngineStep(comm, MPI, sc, engine, agent, run_seed=run_seed, stage=stage, step=step).serve()
+
+
+async def _report_start(comm, sc: SchedulerConfig, doing: list[str]) -> None:
+    """While the engine starts (policy load, warm-up): a report every heartbeat_s saying what it does, so rank 0
+    tells a long load from a lost engine (engine_timeout_s of silence) without waiting out policy_load_timeout_s."""
+    while True:
+        await asyncio.sleep(sc.heartbeat_s)
+        comm.send({"starting": doing[0]}, dest=0, tag=TAG_KV)
 
 
 def _test_fails_sync(start: dict, rank: int) -> bool:
@@ -138,8 +153,10 @@ class _EngineStep:
             now = time.monotonic()
             if now - self.last_beat > self.sc.heartbeat_s:
                 self.comm.send({"kv_usage": self.engine.kv.usage, "running": len(self.tasks),
-                                "contexts": dict(self.contexts),
-                                "movable": self.movable()}, dest=0, tag=TAG_KV)
+                                "contexts": dict(self.contexts), "movable": self.movable(),
+                                # progress (roster.py): the core's token counter while requests are inside it
+                                "tokens": getattr(self.engine.kv, "tokens", None),
+                                "generating": getattr(self.engine, "generating", 0)}, dest=0, tag=TAG_KV)
                 self.last_beat = now
             await asyncio.sleep(0.005)
             now = time.monotonic()

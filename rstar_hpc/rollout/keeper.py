@@ -26,11 +26,13 @@ from rstar_hpc.exchange.events import record_event
 from rstar_hpc.exchange.rundir import RunPaths
 from rstar_hpc.parentage import die_with_parent
 from rstar_hpc.rollout.links import (LOCAL_RANK_ENV, RANK_ENV, SESSION_ENV, SIZE_ENV, Session, mpi_env,
-                                     report_engine_end, session_dir, wait_for)
+                                     report_engine_end, session_dir, take_restart_request, wait_for)
 from rstar_hpc.scratch import scratch_dir
 
 POLL_S = 0.2
 STOP_GRACE_S = 10.0   # engines leave on their own once rank 0 has (ABORT, EXIT); then TERM, then KILL
+RESTART_BACKOFF_S, RESTART_BACKOFF_MAX_S = 1.0, 60.0   # a dead engine's restarts: 1, 2, 4, ... s apart
+GROUP_GONE_S = 60.0   # how long a restart waits for the dead engine's processes (and their GPU memory) to be gone
 log = logging.getLogger("rstar_hpc.rollout")
 
 
@@ -58,6 +60,8 @@ class _Rank:
     done: bool = False
     code: int | None = None
     extra_env: dict = field(default_factory=dict)
+    restart_at: float | None = None   # a dead engine's next start: after its back-off, once its old group is gone
+    old_group: int | None = None
 
 
 class Keeper:
@@ -151,9 +155,16 @@ class Keeper:
     def _check(self) -> None:
         over = self.session.over.exists()
         for r in self.ranks:
-            if r.done or r.proc is None:
+            if r.restart_at is not None:
+                if over or self.stopping:   # the job ends: no restart
+                    r.done, r.code, r.restart_at = True, r.proc.poll(), None
+                else:
+                    self._start_when_due(r)
+            if r.done or r.proc is None or r.restart_at is not None:
                 continue
             code = r.proc.poll()
+            if code is None and r.rank != 0 and not over:
+                code = self._restart_if_asked(r)
             if code is None:
                 if over and r.rank != 0:
                     self._stop_all()   # rank 0 has left: the engines get the grace time, then go
@@ -166,6 +177,20 @@ class Keeper:
                 self._stop_all()
                 continue
             self._engine_ended(r, code, over)
+
+    def _restart_if_asked(self, r: _Rank) -> int | None:
+        """Rank 0 judged this engine hung: its process group is killed whole (SIGKILL ends a stopped engine core
+        too), and it ends as any dead engine does (reported, started again). Its exit code, or None."""
+        why = take_restart_request(self.session, r.rank, r.proc.pid)
+        if why is None:
+            return None
+        log.error("engine rank %d (pid %d) is hung by rank 0's judgment (%s): killing it whole", r.rank, r.proc.pid,
+                  why)
+        _kill_group(r.proc.pid)
+        try:
+            return r.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:   # in the kernel (a D state): its death shows at a later poll
+            return None
 
     def _engine_ended(self, r: _Rank, code: int, over: bool) -> None:
         if code == 0 or over or self.stopping:
@@ -185,8 +210,24 @@ class Keeper:
             r.done, r.code = True, code
             return
         r.restarts += 1
-        log.error("engine rank %d died (%s): starting it again (%d of %d)", r.rank, _describe(code), r.restarts,
-                  self.engine_restarts)
+        backoff = min(RESTART_BACKOFF_MAX_S, RESTART_BACKOFF_S * 2 ** (r.restarts - 1))
+        r.restart_at, r.old_group = time.monotonic() + backoff, pid
+        log.error("engine rank %d died (%s): starting it again in %.0f s, once its processes are gone (%d of %d)",
+                  r.rank, _describe(code), backoff, r.restarts, self.engine_restarts)
+
+    def _start_when_due(self, r: _Rank) -> None:
+        """A dead engine's restart: after its back-off, and once every process of its old group is gone (on a GPU
+        they hold the memory the new engine needs), or GROUP_GONE_S after that at the latest, said in the log."""
+        now = time.monotonic()
+        if now < r.restart_at:
+            return
+        if _group_alive(r.old_group) and now < r.restart_at + GROUP_GONE_S:
+            _kill_group(r.old_group)
+            return
+        if _group_alive(r.old_group):
+            log.error("engine rank %d: processes of its old group %d outlived SIGKILL for %.0f s (stuck in the "
+                      "kernel?); starting it anyway", r.rank, r.old_group, GROUP_GONE_S)
+        r.restart_at = r.old_group = None
         self._start(r)
 
     def _forward(self, signum, frame) -> None:
@@ -222,6 +263,18 @@ def _singleton_env(env: dict) -> dict:
     for a rank of another launcher's world (PMIX_*, PMI_*, OMPI_COMM_WORLD_*)."""
     return {k: v for k, v in env.items()
             if k != "SLURM_NODELIST" and not k.startswith(("PMIX_", "PMI_", "OMPI_COMM_WORLD_"))}
+
+
+def _group_alive(pgid: int | None) -> bool:
+    if pgid is None:
+        return False
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
 
 
 def _kill_group(pgid: int, sig: int = signal.SIGKILL) -> None:

@@ -69,6 +69,9 @@ class Session:
     def engine_report(self, rank: int) -> Path:
         return self.dir / f"engine-{rank}.json"
 
+    def restart_request(self, rank: int) -> Path:
+        return self.dir / f"restart-{rank}.json"
+
 
 def session_dir(paths: RunPaths, session: str) -> Path:
     return paths.rendezvous_dir("rollout") / session
@@ -156,6 +159,14 @@ class RankZeroLinks:
                 if report and report.get("pid") == self.pids.get(rank):
                     self.links.pop(rank)
                     self._inbox.append((rank, TAG_DEAD, f"its process {report['pid']} ended ({report['exit']})"))
+
+    def request_restart(self, rank: int, why: str) -> None:
+        """Ask engine rank `rank`'s keeper to kill its process whole and start it again (rank 0 judged it hung: it
+        may be too stuck to leave on its own). Named by pid: a later incarnation is not touched."""
+        pid = self.pids.get(rank)
+        if pid is not None:
+            atomic_write_json(self.session.restart_request(rank), {"rank": rank, "pid": pid, "why": why,
+                                                                   "time": time.time()})
 
     def wait_joined(self, timeout_s: float, stop=lambda: None) -> list[int]:
         """Wait until every engine rank has joined (or `timeout_s`); the ranks missing."""
@@ -272,6 +283,17 @@ def _read_json(path: Path) -> dict | None:
         return json.loads(path.read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return None
+
+
+def take_restart_request(session: Session, rank: int, pid: int) -> str | None:
+    """Rank 0's request that this keeper restart process `pid` of engine rank `rank` (its reason), taken: None if
+    there is none for that process."""
+    path = session.restart_request(rank)
+    req = _read_json(path)
+    if req is None:
+        return None
+    path.unlink(missing_ok=True)
+    return str(req.get("why", "")) if req.get("pid") == pid else None
 
 
 def report_engine_end(session: Session, rank: int, pid: int, exit_desc: str, restarts: int) -> None:

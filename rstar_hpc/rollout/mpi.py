@@ -1,4 +1,4 @@
-"""The MPI conversation of a rollout job: rank 0 (scheduler.py) and the engine ranks 1..N (engine_rank.py), each
+"""The MPI conversation of a rollout job: rank 0 (scheduler.py, roster.py) and the engine ranks 1..N (engine_rank.py), each
 engine over an intercommunicator of its own with rank 0 (links.py).
 
 Every message has its own tag, listed here and nowhere else; both sides import the tags from this module. Payloads
@@ -10,7 +10,9 @@ are pickled Python objects; sends are never blocking where the peer may be dead.
     ACK      e -> 0   {loading}                                          START received (sent at once, before loading)
     HELLO    e -> 0   {capacity_tokens, policy_version}                  policy loaded: ready, with this much KV
     WORK     0 -> e   [step.WorkItem, ...]                               admitted trajectories (any number of times)
-    KV       e -> 0   {kv_usage, running, contexts, movable}             the engine's heartbeat (every heartbeat_s)
+    KV       e -> 0   {kv_usage, running, contexts, movable, tokens,     the engine's report (every heartbeat_s): KV
+                       generating} | {starting}                          booking and progress; while it starts, what
+                                                                         it does (loading the policy, warming up)
     RESULT   e -> 0   messages.TrajectoryResult                          one trajectory, finished or paused (its state)
     TURN     e -> 0   messages.TurnDelta                                 partial rollouts: one passed a turn boundary
     MIGRATE  0 -> e   {key}                                              pause it at its next turn boundary
@@ -22,7 +24,8 @@ are pickled Python objects; sends are never blocking where the peer may be dead.
     STATS    e -> 0   {done, paused, idle_s, wall_s, ...}                the engine's figures of the step
     EXIT     0 -> e   {finalize}                                         after the job's last step: leave
     BYE      e -> 0   None                                               after a rank's death: this rank has shut down
-    ABORT    0 -> e   "reason"                                           at any point: rank 0 failed, engine ranks leave
+    ABORT    0 -> e   "reason"                                           at any point: rank 0 failed, engine ranks
+                                                                         leave; or rank 0 judged this engine hung
     JOIN     e -> 0   {rank, pid}                                        first, on connecting (links.py): this rank is here
 
 A step already committed gets SKIP instead of START. PAUSE: partial rollouts; every live trajectory comes back

@@ -1,44 +1,43 @@
-"""Rank 0 of a rollout step: admit each trajectory to an engine rank, collect results, commit, publish metrics.
+"""Rank 0 of a rollout step: the queue of its trajectories and the loop that admits, collects and commits them.
 
     rstar-hpc rollout --config tiny-cpu --engines 2 --step 0       # or one srun task per rank under Slurm
 
-`StepScheduler.run` reads top-down as the step's stages:
+Four parts, each its own module: the engines (roster.py: who takes part, their states, keep-alive, whether each
+moves; it returns what it lost), the queue (queue.py: the work items, their bookings and latest states, the
+results), the tally (tally.py: the step's clock, counters and summary), and this loop, which moves messages between
+them. Data flows back as return values: nothing calls back into the loop. `StepScheduler.run` reads top-down as the
+step's stages:
 
-    start_engines    wait for the policy the step needs (pipeline.policy_need), name it, the stage, step, limits
-                     and sampling in START; each engine rank acks at once, loads it if new, says HELLO with its KV
-    admit            FIFO: the shared admission (admission.py: `kv_aware` or `static`) places the head of the queue
-                     on an engine rank, which keeps it for all its turns; nothing jumps the queue
-    dispatch         send each engine rank its admitted work (never a blocking send)
-    collect          results (release the booking, score off the generation path), heartbeats (KV booking from
-                     the live trajectories' context lengths), turn boundaries, deaths; every `journal_every_s` the
-                     new results go to a journal part, so a restart runs only the unfinished trajectories
-    keep_alive       heartbeat the engines; an engine rank silent for `engine_timeout_s` is dropped
-    finish_engines   DONE; each engine rank answers with its figures
-    commit           all trajectories, in item order, in ONE committed shard set (producer "rollout"), then the
-                     journal parts go: readers see a step whole or not at all
-    publish_metrics  the step's summary, appended to metrics/rollout.jsonl and returned
+    start      wait for the policy the step needs (policy_source.py), START every engine rank (the roster: each
+               acks, loads the policy if new, reports while it loads, says HELLO with its KV)
+    admit      the queue's FIFO: the shared admission (admission.py) places its head on an engine rank, which keeps
+               it for all its turns; nothing jumps the queue
+    dispatch   send each engine rank its admitted work (never a blocking send)
+    collect    results (release the booking, score off the generation path), reports (KV booking from the live
+               trajectories' context lengths; progress), turn boundaries, deaths; every `journal_every_s` the new
+               results go to a journal part, so a restart runs only the unfinished trajectories
+    check      the roster's keep-alive and judgment: an engine silent for engine_timeout_s, or hung (holding
+               requests that made no token for engine_stall_s), is lost and its work re-queued
+    finish     DONE; each engine rank answers with its figures
+    commit     all trajectories, in item order, in ONE committed shard set (producer "rollout"), then the journal
+               parts go: readers see a step whole or not at all; the tally's summary to metrics/rollout.jsonl
 
-State: everything rank 0 keeps for a step is declared, typed, in `StepScheduler.__init__`; the long-tail levers
-(levers.py) keep their own and return decisions (migrate this key, requeue or carry this paused trajectory, close
-the step, the trained/carried split), which the scheduler applies (its sends, queue and admission bookings).
-docs/architecture.md draws the loop as a state diagram.
+The long-tail levers (levers.py) keep their own state and return decisions (migrate this key, requeue or carry this
+paused trajectory, close the step, the trained/carried split), which the loop applies. docs/architecture.md draws
+the loop as a state diagram.
 
 Tool calls are not dispatched here: each engine rank runs its trajectories as agent-loop coroutines (agent.py)
 that call the sandbox service themselves, so a trajectory waiting for its tool never holds up generation.
 
-Engine death (it reports its engine dead, its keeper reports its process dead: links.py, or it is silent for
-`engine_timeout_s`): it is dropped until it joins again, its unfinished trajectories go back to the front of the
-queue, from their last turn boundary (partial rollouts: TURN deltas) or pause, else from the start; a late result
-or delta of one re-run is ignored (they carry their step and key, and only the key's engine is heard). Rank 0
-heartbeats too and sends ABORT when it fails; an engine rank that hears nothing from it for `engine_timeout_s`
-leaves. The messages are mpi.py's; the engine ranks' side is engine_rank.py.
+A lost engine's unfinished trajectories go back to the front of the queue, from their last turn boundary (partial
+rollouts: TURN deltas) or pause, else from the start; a late result or delta of one re-run is ignored (they carry
+their step and key, and only the key's engine is heard). The messages are mpi.py's; the engine ranks' side is
+engine_rank.py.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
-from collections import deque
 
 from rstar_hpc import pipeline
 from rstar_hpc.config.rollout import SchedulerConfig
@@ -47,18 +46,18 @@ from rstar_hpc.exchange.rundir import RunPaths
 from rstar_hpc.exchange.schema import Trajectory
 from rstar_hpc.exchange.writer import ShardWriter
 from rstar_hpc.rollout import carry as carry_mod
-from rstar_hpc.rollout.admission import Admission, make_admission
+from rstar_hpc.rollout.admission import make_admission
 from rstar_hpc.rollout.journal import Journal
 from rstar_hpc.rollout.levers import Levers, Route
-from rstar_hpc.rollout.agent import AgentResult
-from rstar_hpc.rollout.messages import TrajectoryResult, TurnDelta
-from rstar_hpc.rollout.mpi import (TAG_ACK, TAG_ALIVE, TAG_DEAD, TAG_DONE, TAG_HELLO, TAG_KV, TAG_MIGRATE, TAG_MOVED,
-                                   TAG_PAUSE, TAG_RESULT, TAG_SKIP, TAG_START, TAG_STATS, TAG_TURN, TAG_WORK,
-                                   wait_sent)
+from rstar_hpc.rollout.messages import TrajectoryResult
+from rstar_hpc.rollout.mpi import (TAG_DEAD, TAG_KV, TAG_MIGRATE, TAG_MOVED, TAG_PAUSE, TAG_RESULT, TAG_SKIP,
+                                   TAG_TURN, TAG_WORK)
 from rstar_hpc.rollout.policy_source import MEMORY, StepWeights, wait_for_policy
-from rstar_hpc.rollout.step import Scorer, StepHooks, StepSpec, WorkItem, publish_summary
+from rstar_hpc.rollout.queue import StepQueue
+from rstar_hpc.rollout.roster import EngineRoster, Lost
+from rstar_hpc.rollout.step import Scorer, StepHooks, StepSpec, WorkItem
+from rstar_hpc.rollout.tally import StepTally
 
-FILE_BEAT_S = 10.0   # the role's heartbeat file during a phase: often enough for `run status`, cheap on Lustre
 log = logging.getLogger("rstar_hpc.rollout")
 
 
@@ -74,226 +73,131 @@ class StepScheduler:
     def __init__(self, comm, MPI, sc: SchedulerConfig, paths: RunPaths, spec: StepSpec, *, score: Scorer,
                  hooks: StepHooks | None = None, dead_ranks: set[int] | None = None, engine_workers: int = 1,
                  engine_versions: dict[int, int | None] | None = None):
-        # what the step is, and who it reports to
-        self.comm, self.MPI, self.sc, self.paths, self.score = comm, MPI, sc, paths, score
-        self.stage, self.step, self.limits, self.need = spec.stage, spec.step, spec.limits, spec.need
-        self.items: list[WorkItem] = list(spec.items)   # in item order; the carry goes first (Levers.carry_in)
-        self.dropped = list(spec.dropped)
-        hooks = hooks or StepHooks()
-        self.progress, self.beat_file, self.stop, self.taken_back = hooks.progress, hooks.beat, hooks.stop, \
-            hooks.taken_back
-        self.dead_ranks: set[int] = set() if dead_ranks is None else dead_ranks   # the job's, updated in place
+        self.sc, self.paths, self.spec, self.score = sc, paths, spec, score
+        self.stage, self.step = spec.stage, spec.step
+        self.hooks = hooks or StepHooks()
+        self.roster = EngineRoster(comm, MPI, sc, dead_ranks=dead_ranks)
         # how the engines get the step's weights (files or an in-memory session) and how they got them
         self.weights = StepWeights(paths, spec.stage, spec.step, spec.need, engine_workers, engine_versions)
-        # the engines
-        self.engines: list[int] = []              # those that said HELLO
-        self.alive: dict[int, float] = {}         # engine rank -> when it was last heard from
-        self.dead: list[int] = []                 # engine ranks lost in this step
-        self.admission: Admission | None = None   # made from the HELLOs' KV capacities (prepare_admission)
-        self.policy_version: int | None = None    # the model policy the step generates with (None: the base model)
-        # the queue and the results
-        self.by_key: dict[tuple, WorkItem] = {}   # every item by key, with its latest resume state
-        self.pending: deque[WorkItem] = deque()   # FIFO, not admitted yet
-        self.queued_at: dict[tuple, float] = {}   # seconds into generation each item was last admitted
-        self.results: dict[tuple, Trajectory] = {}
-        # MPI and time
-        self.sends: list = []                     # non-blocking sends in flight
-        self.last_beat = 0.0
-        self.last_file_beat, self.last_phase = 0.0, ""
-        self.t_start = time.monotonic()           # generation's start (run resets it once the policy is there)
-        # counters of the step's summary
-        self.reward_s = 0.0
-        self.policy_wait_s = 0.0
-        self.reruns = 0
-        self.reruns_resumed = 0                   # of the reruns, those resumed from a boundary, not the start
-        self.infra_failures = 0
-        self.journal = Journal(paths, spec.stage, spec.step, sc.journal_every_s)
+        self.tally = StepTally(spec.stage, spec.step, dropped=list(spec.dropped))
+        self.queue = StepQueue(spec.step, list(spec.items))
         self.levers = Levers(sc)
+        self.journal = Journal(paths, spec.stage, spec.step, sc.journal_every_s)
 
     def run(self) -> dict:
         """The step, stage by stage; returns its summary (also appended to metrics/rollout.jsonl)."""
-        engines = self.live_engines()
+        engines = self.roster.candidates(f"step {self.step} of stage {self.stage}")
         if ShardWriter.is_committed(self.paths, self.stage, self.step, pipeline.PRODUCER):
             return self.skip(engines)
-        policy_ref = wait_for_policy(self.sc, self.paths, self.need, what=f"step {self.step} of stage {self.stage}",
-                                     beat=lambda text: self.waiting(engines, text), taken_back=self.taken_back)
-        self.policy_wait_s = time.monotonic() - self.t_start   # the rollout idle, waiting on the trainer
-        self.t_start = time.monotonic()
-        self.policy_version = policy_ref[0] if policy_ref is not None else None
+        policy_ref = wait_for_policy(self.sc, self.paths, self.spec.need,
+                                     what=f"step {self.step} of stage {self.stage}",
+                                     beat=lambda text: self.waiting(engines, text), taken_back=self.hooks.taken_back)
+        self.tally.policy_ready()
+        self.tally.policy_version = policy_ref[0] if policy_ref is not None else None
         hello = self.start_engines(engines, policy_ref)
-        self.items, carried = self.levers.carry_in(self.paths, self.stage, self.step, self.items)
+        q = self.queue
+        q.items, carried = self.levers.carry_in(self.paths, self.stage, self.step, q.items)
         self.prepare_admission(hello)
-        self.results.update(carried)
+        q.results.update(carried)
         self.resume_from_journal()
         self.close_if_due()   # a rerun whose journal already completes enough groups closes at once
-        while not self.levers.over(self.items, self.results):
-            self.dispatch(self.admit())
+        while not self.levers.over(q.items, q.results):
+            self.dispatch(q.admit())
             got = self.collect()
-            self.keep_alive()
-            self.journal.maybe_write(self.results)
-            if self.stop():
-                self.journal.maybe_write(self.results, force=True)
-                self.drain_sends()
-                raise StopRequested(f"{self.stop()}: step {self.step} of stage {self.stage} stopped with "
-                                    f"{len(self.results)} of {len(self.items)} trajectories in its journal")
+            self.requeue(self.roster.check())
+            self.heartbeat(f"generating, {len(q.results)}/{len(q.items)} trajectories done", "generate")
+            self.journal.maybe_write(q.results)
+            if self.hooks.stop():
+                self.journal.maybe_write(q.results, force=True)
+                self.roster.drain()
+                raise StopRequested(f"{self.hooks.stop()}: step {self.step} of stage {self.stage} stopped with "
+                                    f"{len(q.results)} of {len(q.items)} trajectories in its journal")
             if not got:
                 time.sleep(0.005)
-        generation_s = time.monotonic() - self.t_start
-        self.beat("committing", "commit", every_s=0.0)
-        engine_stats = self.finish_engines()
+        generation_s = self.tally.elapsed()
+        self.heartbeat("committing", "commit", every_s=0.0)
+        engine_stats, lost = self.roster.finish(self.step)
+        self.requeue(lost)
         trajs = self.commit()
-        return self.publish_metrics(trajs, generation_s, engine_stats)
+        return self.tally.summary(self.paths, trajs, generation_s, last_admit_s=q.last_admit_s(),
+                                  admission=self.sc.admission, lost=[x.rank for x in self.roster.lost],
+                                  engine_stats=engine_stats, weights_via=self.weights.via,
+                                  levers=self.levers.metrics())
+
+    def heartbeat(self, text: str, phase: str, every_s: float | None = None) -> None:
+        """The role's heartbeat file, with each engine's state (`run status`)."""
+        kw = {} if every_s is None else {"every_s": every_s}
+        self.hooks.heartbeat(f"step {self.step} of stage {self.stage}: {text}", phase,
+                             engines=self.roster.views(), **kw)
 
     # ----------------------------------------------------------------------------------------------- start
-    def live_engines(self) -> list[int]:
-        engines = [e for e in range(1, self.comm.Get_size()) if e not in self.dead_ranks]
-        if not engines:
-            raise RuntimeError(f"no engine rank can run step {self.step}: of {self.comm.Get_size() - 1}, these died "
-                               f"or never joined: {sorted(self.dead_ranks)}")
-        return engines
-
-    def drain_sends(self) -> None:
-        """Before rank 0 leaves: let the engines take what was sent. A message past Open MPI's eager limit (a WORK
-        batch of two long prompts) is read from the sender's memory; if rank 0 has exited by then the engine rank's
-        read fails and it hangs, and so does the job (seen: Ctrl-C right after a WORK send)."""
-        if not wait_sent(self.sends, min(self.sc.engine_timeout_s, 10.0)):
-            log.warning("engine ranks did not take %d messages before rank 0 stopped", len(self.sends))
-
     def waiting(self, engines: list[int], text: str) -> None:
-        """While rank 0 waits for the step's policy: keep the engines waiting too (heartbeats), and say why."""
-        if self.stop():
-            self.drain_sends()
-            raise StopRequested(f"{self.stop()} while step {self.step} of stage {self.stage} waited for its policy")
-        now = time.monotonic()
-        if now - self.last_beat > self.sc.heartbeat_s:
-            self.sends += [self.comm.isend(None, dest=e, tag=TAG_ALIVE) for e in engines]
-            self.sends[:] = [r for r in self.sends if not r.Test()]
-            self.last_beat = now
-            self.beat(text, "wait_policy", every_s=0.0)
-
-    def beat(self, text: str, phase: str, every_s: float = FILE_BEAT_S) -> None:
-        """The role's heartbeat file (RUN/heartbeat/rollout.json), at most every `every_s`: `run status` shows it,
-        and a launcher restarts the rollout when it goes stale (launch.hang_timeout_s), so every phase of a step
-        beats, generation and engine start included."""
-        now = time.monotonic()
-        if self.beat_file is not None and (now - self.last_file_beat >= every_s or phase != self.last_phase):
-            self.last_file_beat, self.last_phase = now, phase   # a new phase shows at once
-            self.beat_file(f"step {self.step} of stage {self.stage}: {text}", phase=phase)
-
-    def resume_from_journal(self) -> None:
-        """The trajectories an earlier attempt of this step committed to its journal: kept, not run again."""
-        for key, traj in self.journal.load().items():
-            if key in self.by_key and key not in self.results:
-                self.results[key] = traj
-        if self.results:
-            log.info("step %d of stage %s: %d of %d trajectories kept from an interrupted attempt", self.step,
-                     self.stage, len(self.results), len(self.items))
-            if self.progress is not None:
-                self.progress(list(self.results))
+        """While rank 0 waits for the step's policy: keep the engines waiting too (keep-alive), and say why."""
+        if self.hooks.stop():
+            self.roster.drain()
+            raise StopRequested(f"{self.hooks.stop()} while step {self.step} of stage {self.stage} waited for its "
+                                f"policy")
+        self.roster.keep_alive(engines)
+        self.heartbeat(text, "wait_policy", every_s=self.sc.heartbeat_s)
 
     def skip(self, engines: list[int]) -> dict:
         log.info("step %d of stage %s already committed: nothing to do", self.step, self.stage)
-        for e in engines:
-            self.comm.send(None, dest=e, tag=TAG_SKIP)
+        self.roster.broadcast(TAG_SKIP, None, engines)
+        self.roster.drain()
         return {"step": self.step, "skipped": True}
 
     def start_engines(self, engines: list[int], policy_ref: tuple[int, str] | None) -> dict[int, dict]:
-        """START every engine rank; their HELLOs by rank. An engine acks the start at once, then loads the step's
-        policy, then says hello: one that does not ack is dead after engine_timeout_s, one that loads gets
-        policy_load_timeout_s more."""
-        comm, MPI, sc = self.comm, self.MPI, self.sc
-        start = {"policy_version": self.policy_version, "policy_dir": policy_ref[1] if policy_ref else None,
-                 "stage": self.stage, "step": self.step, "limits": list(self.limits)}
+        """START every engine rank (roster.start); their HELLOs by rank. Those lost on the way are left out of the
+        step: their keepers start them again and they join a later one."""
+        start = {"policy_version": self.tally.policy_version, "policy_dir": policy_ref[1] if policy_ref else None,
+                 "stage": self.stage, "step": self.step, "limits": list(self.spec.limits)}
         if policy_ref is not None and policy_ref[1] == MEMORY:
             start.update(self.weights.memory_session(engines, policy_ref[0]))
-            self.policy_version = start["policy_version"]
-        self.sends += [comm.isend(start, dest=e, tag=TAG_START) for e in engines]
-        hello: dict[int, dict] = {}
-        acked: set[int] = set()
-        t0 = time.monotonic()
-        while len(hello) < len(engines):
-            now = time.monotonic()
-            if all(now - t0 > sc.engine_timeout_s + (sc.policy_load_timeout_s if e in acked else 0)
-                   for e in engines if e not in hello):
-                break
-            st = MPI.Status()
-            if comm.Iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=st):
-                src, tag = st.Get_source(), st.Get_tag()
-                msg = comm.recv(source=src, tag=tag)
-                if tag == TAG_HELLO:
-                    hello[src] = msg
-                elif tag == TAG_ACK:
-                    acked.add(src)
-                # anything else is a leftover of the previous step (a late result or KV beat): dropped
-            else:
-                time.sleep(0.005)
-            self.beat(f"starting {len(engines)} engine(s), {len(hello)} ready", "start_engines")
-            if now - self.last_beat > sc.heartbeat_s:   # engines that are ready wait for the slow loaders
-                self.sends += [comm.isend(None, dest=e, tag=TAG_ALIVE) for e in hello]
-                self.last_beat = now
-        if not hello:
-            raise RuntimeError(f"no engine rank started step {self.step} (waited {time.monotonic() - t0:.0f}s)")
-        self.policy_version = self.weights.record(hello, self.policy_version)
-        missing = [e for e in engines if e not in hello]
-        if missing:
-            log.error("engine ranks %s did not start step %d; running without them", missing, self.step)
-        self.dead += missing
+            self.tally.policy_version = start["policy_version"]
+        hello, lost = self.roster.start(engines, start, lambda text: self.heartbeat(text, "start_engines"))
+        self.tally.policy_version = self.weights.record(hello, self.tally.policy_version)
+        self.requeue(lost)
         return hello
 
     def prepare_admission(self, hello: dict[int, dict]) -> None:
         """Admission over the engines that said hello, and the FIFO of the step's trajectories."""
         sc = self.sc
-        engines = sorted(hello)
-        self.engines = engines
-        self.admission = make_admission(sc.admission, {e: hello[e]["capacity_tokens"] for e in engines},
-                                        max_response=self.limits.max_response_length,
-                                        growth_reserve=sc.growth_reserve, budget_coef=sc.budget_coef,
-                                        max_per_engine=sc.max_trajectories_per_engine, share_prefix=sc.sibling_aware)
-        self.by_key = {it.key: it for it in self.items}
-        if len(self.by_key) != len(self.items):
-            raise ValueError("duplicate (prompt_uid, sample_index) in the step's prompts; uids must be unique")
-        for it in self.items:
-            self.admission.check_fits_somewhere(len(it.prompt_ids))
-        self.pending = deque(it for it in self.items if it.key not in self.results)
-        self.queued_at = {it.key: 0.0 for it in self.items}
-        self.alive = {e: time.monotonic() for e in engines}
+        self.tally.engines = sorted(hello)
+        self.queue.open(make_admission(sc.admission, {e: hello[e]["capacity_tokens"] for e in sorted(hello)},
+                                       max_response=self.spec.limits.max_response_length,
+                                       growth_reserve=sc.growth_reserve, budget_coef=sc.budget_coef,
+                                       max_per_engine=sc.max_trajectories_per_engine, share_prefix=sc.sibling_aware),
+                        self.tally.t_start)
+
+    def resume_from_journal(self) -> None:
+        """The trajectories an earlier attempt of this step committed to its journal: kept, not run again."""
+        q = self.queue
+        for key, traj in self.journal.load().items():
+            if key in q.by_key and key not in q.results:
+                q.results[key] = traj
+        self.tally.kept_from_journal = self.journal.loaded
+        if q.results:
+            log.info("step %d of stage %s: %d of %d trajectories kept from an interrupted attempt", self.step,
+                     self.stage, len(q.results), len(q.items))
+            if self.hooks.progress is not None:
+                self.hooks.progress(list(q.results))
 
     # ----------------------------------------------------------------------------------------------- the loop
-    def admit(self) -> dict[int, list[WorkItem]]:
-        """FIFO, the head waits for room (rStar2: nothing jumps the queue); the admitted work by engine rank."""
-        assert self.admission is not None, "prepare_admission first"
-        batch: dict[int, list[WorkItem]] = {}
-        while self.pending:
-            it = self.pending[0]
-            if it.key in self.results:
-                self.pending.popleft()
-                continue
-            e = self.admission.place(it.key, len(it.prompt_ids), group=it.prompt_uid, context=it.context_tokens)
-            if e is None:
-                break
-            self.pending.popleft()
-            self.queued_at[it.key] = time.monotonic() - self.t_start
-            batch.setdefault(e, []).append(it)
-        return batch
-
     def dispatch(self, batch: dict[int, list[WorkItem]]) -> None:
-        # never a blocking send: a large message to a rank that just died would wait forever (rendezvous)
         for e, work in batch.items():
-            self.sends.append(self.comm.isend(work, dest=e, tag=TAG_WORK))
-        self.sends[:] = [r for r in self.sends if not r.Test()]
+            self.roster.send(e, TAG_WORK, work)
 
     def collect(self) -> bool:
-        """Every message waiting now: results, heartbeats, deaths. True if there was any."""
-        comm, MPI = self.comm, self.MPI
+        """Every message waiting now: results, reports, turn boundaries, deaths. True if there was any."""
+        comm, MPI = self.roster.comm, self.roster.MPI
         got = False
         st = MPI.Status()
         while comm.Iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=st):
             got = True
             src, tag = st.Get_source(), st.Get_tag()
             msg = comm.recv(source=src, tag=tag)
-            if src not in self.alive:
-                continue   # a rank declared dead that was only slow: its work already runs elsewhere
-            self.alive[src] = time.monotonic()
+            if not self.roster.heard(src, moved=tag in (TAG_RESULT, TAG_TURN)):
+                continue   # a rank declared lost that was only slow: its work already runs elsewhere
             if tag == TAG_RESULT:
                 if msg.paused:
                     self.on_paused(msg)
@@ -302,145 +206,84 @@ class StepScheduler:
                     self.levers.on_finished(msg.key)
                     self.close_if_due()
             elif tag == TAG_KV:
-                self.on_kv(src, msg)
+                self.on_report(src, msg)
             elif tag == TAG_TURN:
-                self.on_turn(src, msg)
+                self.queue.turn(src, msg)
             elif tag == TAG_MOVED:
                 self.levers.on_moved(tuple(msg["key"]))
             elif tag == TAG_DEAD:
-                self.lose(src, msg)
+                self.requeue([self.roster.lose(src, str(msg))])
         return got
 
     def on_result(self, res: TrajectoryResult) -> None:
         """Release the trajectory's booking and score it (a duplicate or a stale step's result is ignored)."""
-        key = res.key
-        if res.step != self.step or key in self.results or key not in self.by_key:
+        q = self.queue
+        if not q.is_open(res):
             return
-        self.release(key)
+        q.release(res.key)
         t0 = time.perf_counter()
-        self.infra_failures += res.output.infra_failures
-        self.results[key] = self.score(self.stage, self.step, self.by_key[key], res, self.queued_at[key])
-        self.reward_s += time.perf_counter() - t0
-        if self.progress is not None:
-            self.progress([key], sum(self.results[key].loss_mask))
+        self.tally.infra_failures += res.output.infra_failures
+        q.results[res.key] = self.score(self.stage, self.step, q.by_key[res.key], res, q.queued_at[res.key])
+        self.tally.reward_s += time.perf_counter() - t0
+        if self.hooks.progress is not None:
+            self.hooks.progress([res.key], sum(q.results[res.key].loss_mask))
 
     def on_paused(self, res: TrajectoryResult) -> None:
         """A paused trajectory with its state: the levers say requeue (migration: at the front) or carry (closing)."""
-        key = res.key
-        if res.step != self.step or key in self.results or key not in self.by_key:
+        if not self.queue.is_open(res):
             return
-        item = dataclasses.replace(self.by_key[key], resume=res.output)
-        self.by_key[key] = item   # a requeue after an engine death resumes from here too
-        self.release(key)
-        if self.levers.paused(key, item) is Route.REQUEUE:
-            self.pending.appendleft(item)
+        item = self.queue.paused(res)
+        if self.levers.paused(res.key, item) is Route.REQUEUE:
+            self.queue.pending.appendleft(item)
 
-    def on_turn(self, src: int, delta: TurnDelta) -> None:
-        """A trajectory of engine `src` passed a turn boundary: a requeue after that engine's death resumes there."""
-        key, item = delta.key, self.by_key.get(delta.key)
-        if item is None or delta.step != self.step or key in self.results or \
-                self.admission.placed.get(key, [None])[0] != src:
-            return   # a stale attempt's (the key re-runs elsewhere)
-        state = delta.onto(item.resume or AgentResult(prompt_ids=list(item.prompt_ids), prompt_text=item.prompt_text))
-        if state is not None:
-            self.by_key[key] = dataclasses.replace(item, resume=state)
-
-    def on_kv(self, src: int, beat: dict) -> None:
-        """An engine's KV heartbeat: re-book its trajectories; maybe ask it to let one migrate."""
-        self.admission.observe(src, beat.get("contexts", {}))
-        key = self.levers.migration(src, beat.get("movable", ()), self.admission, queue_empty=not self.pending)
+    def on_report(self, src: int, report: dict) -> None:
+        """An engine's report: its progress (the roster's), re-book its trajectories; maybe ask it to let one
+        migrate."""
+        q = self.queue
+        self.roster.on_report(src, report)
+        q.admission.observe(src, report.get("contexts", {}))
+        key = self.levers.migration(src, report.get("movable", ()), q.admission, queue_empty=not q.pending)
         if key is not None:
-            self.sends.append(self.comm.isend({"key": key}, dest=src, tag=TAG_MIGRATE))
-
-    def release(self, key: tuple) -> None:
-        if self.admission.placed.get(key) is not None:
-            self.admission.release(key)
+            self.roster.send(src, TAG_MIGRATE, {"key": key})
 
     def close_if_due(self) -> None:
         """Partial rollouts: once the levers say so, close the step: PAUSE every engine, carry the queue."""
-        if not self.levers.should_close(self.items, self.results):
+        q = self.queue
+        if not self.levers.should_close(q.items, q.results):
             return
-        self.levers.close(self.elapsed())
-        self.sends += [self.comm.isend(None, dest=e, tag=TAG_PAUSE) for e in self.alive]
-        self.carry_queue()
+        self.levers.close(self.tally.elapsed())
+        self.roster.broadcast(TAG_PAUSE)
+        self.levers.carry_queued(q.take_waiting())
         log.info("step %d of stage %s closes (partial rollouts): %d of %d trajectories done", self.step, self.stage,
-                 len(self.results), len(self.items))
+                 len(q.results), len(q.items))
 
-    def carry_queue(self) -> None:
-        """The step closed: what was never admitted (or was re-queued) is carried as it is."""
-        left = [self.by_key[it.key] for it in self.pending if it.key not in self.results]
-        self.pending.clear()
-        self.levers.carry_queued(left)
-
-    def keep_alive(self) -> None:
-        """Heartbeat the engines (they leave when rank 0 goes silent), and drop the ones gone silent."""
-        now = time.monotonic()
-        if now - self.last_beat > self.sc.heartbeat_s:
-            self.sends += [self.comm.isend(None, dest=e, tag=TAG_ALIVE) for e in self.alive]
-            self.last_beat = now
-        for e, seen in list(self.alive.items()):
-            if now - seen > self.sc.engine_timeout_s:
-                self.lose(e, f"silent for {now - seen:.0f}s")
-        self.beat(f"generating, {len(self.results)}/{len(self.items)} trajectories done", "generate")
-
-    def lose(self, e: int, why: str) -> None:
-        log.error("engine rank %d lost (%s); re-queueing its unfinished trajectories (from their last turn boundary "
-                  "where partial rollouts keep one)", e, why)
-        self.alive.pop(e, None)
-        self.dead.append(e)
-        back = [k for k in self.admission.engine_lost(e) if k not in self.results]
-        self.reruns += len(back)
-        for k in reversed(back):
-            self.pending.appendleft(self.by_key[k])
-        resumed = sum(self.by_key[k].resume is not None for k in back)   # from a turn boundary or a pause
-        self.reruns_resumed += resumed
-        record_event(self.paths, "engine_lost", role="rollout", rank=e, stage=self.stage, step=self.step,
-                     requeued=len(back), requeued_resumed=resumed, reason=why)
-        if self.levers.closing:   # the step is closed: they are carried as they were
-            self.carry_queue()
-        if not self.alive and not self.levers.over(self.items, self.results):
-            raise RuntimeError(f"all engine ranks died; {len(self.items) - len(self.results)} trajectories of step "
+    def requeue(self, lost: list[Lost]) -> None:
+        """Engines the roster lost: their unfinished trajectories back to the front of the queue, from their last
+        turn boundary where partial rollouts keep one (carried as they are once the step has closed)."""
+        q = self.queue
+        for x in lost:
+            back, resumed = q.engine_lost(x.rank)
+            self.tally.reruns += back
+            self.tally.reruns_resumed += resumed
+            record_event(self.paths, "engine_hung" if x.hung else "engine_lost", role="rollout", rank=x.rank,
+                         stage=self.stage, step=self.step, requeued=back, requeued_resumed=resumed, reason=x.why,
+                         starting=q.admission is None)
+            log.error("engine rank %d lost (%s): %d unfinished trajectories re-queued (%d from a turn boundary or "
+                      "pause)", x.rank, x.why, back, resumed)
+        if lost and self.levers.closing:   # the step is closed: they are carried as they were
+            self.levers.carry_queued(q.take_waiting())
+        if lost and not self.roster.live() and not self.levers.over(q.items, q.results):
+            raise RuntimeError(f"all engine ranks died; {len(q.items) - len(q.results)} trajectories of step "
                                f"{self.step} unfinished, nothing written")
 
     # ----------------------------------------------------------------------------------------------- the end
-    def finish_engines(self) -> dict[int, dict]:
-        """DONE to every live engine; their figures of the step by rank. One that does not answer is presumed
-        dead: its results are all in, the next step goes on without it."""
-        comm, MPI = self.comm, self.MPI
-        for e in self.alive:
-            self.sends.append(comm.isend(None, dest=e, tag=TAG_DONE))
-        engine_stats: dict[int, dict] = {}
-        deadline = time.monotonic() + self.sc.engine_timeout_s
-        while len(engine_stats) < len(self.alive) and time.monotonic() < deadline:
-            st = MPI.Status()
-            if comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_STATS, status=st):
-                engine_stats[st.Get_source()] = comm.recv(source=st.Get_source(), tag=TAG_STATS)
-            elif comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_DEAD, status=st):   # died as the step ended: no wait
-                why = comm.recv(source=st.Get_source(), tag=TAG_DEAD)
-                if st.Get_source() in self.alive:
-                    self.lose(st.Get_source(), why)
-            else:
-                time.sleep(0.005)
-        for e in self.alive:
-            if e not in engine_stats:
-                log.error("engine rank %d did not report at the end of step %d; presumed dead", e, self.step)
-                self.dead.append(e)
-        self.dead_ranks.update(self.dead)
-        return engine_stats
-
-    def elapsed(self) -> float:
-        return time.monotonic() - self.t_start
-
     def commit(self) -> list[Trajectory]:
         """The step's trajectories, in item order, written as one committed shard set (with partial rollouts, its
         complete groups' only: the rest is carried, saved first)."""
-        trajs, carry = self.levers.split(self.items, self.results)
+        trajs, carry = self.levers.split(self.queue.items, self.queue.results)
         if carry is not None:   # saved before the commit: a kill between the two re-runs the step (carry.py)
             carry_mod.save(self.paths, self.stage, self.step, carry)
         with ShardWriter(self.paths, self.stage, self.step, pipeline.PRODUCER) as w:
             w.write(trajs)
         self.journal.clear()
         return trajs
-
-    def publish_metrics(self, trajs: list[Trajectory], generation_s: float, engine_stats: dict[int, dict]) -> dict:
-        return publish_summary(self, trajs, generation_s, engine_stats)

@@ -10,13 +10,12 @@ import hashlib
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rstar_hpc.config.algo import RewardConfig, RoCConfig
 from rstar_hpc.config.rollout import AgentConfig
 from rstar_hpc.config.stages import StageConfig, StageLimits
 from rstar_hpc.exchange.schema import Trajectory
-from rstar_hpc.metrics_log import metrics_sink
 from rstar_hpc.rollout.agent import AgentResult
 from rstar_hpc.rollout.messages import TrajectoryResult
 
@@ -55,15 +54,29 @@ class StepSpec:
     dropped: Sequence[str] = ()
 
 
+HEARTBEAT_S = 10.0   # the role's heartbeat file within a phase: often enough for `run status`, cheap on Lustre
+
+
 @dataclass
 class StepHooks:
     """What a step reports to and asks of its job: `progress(keys, tokens)` hears every finished trajectory's key and
-    model tokens (rollout/progress.py), `beat(text, **fields)` writes the role's heartbeat, `stop()` names a stop
-    signal that arrived (USR2, TERM), `taken_back()` the uncommitted steps the step's policy is trained on."""
+    model tokens (rollout/progress.py), `beat(text, **fields)` writes the role's heartbeat file, `stop()` names a
+    stop signal that arrived (USR2, TERM), `taken_back()` the uncommitted steps the step's policy is trained on."""
     progress: Callable[..., object] | None = None
     beat: Callable[..., object] | None = None
     stop: Callable[[], str | None] = lambda: None
     taken_back: Callable[[], list[int]] | None = None
+    _beat_at: float = field(default=0.0, init=False)
+    _phase: str = field(default="", init=False)
+
+    def heartbeat(self, text: str, phase: str, every_s: float = HEARTBEAT_S, **fields) -> None:
+        """The role's heartbeat (RUN/heartbeat/rollout.json), at most every `every_s` within a phase and at once
+        in a new one: `run status` shows it, and a launcher restarts the rollout when it goes stale
+        (launch.hang_timeout_s), so the step's caller writes it only while the step moves."""
+        now = time.monotonic()
+        if self.beat is not None and (now - self._beat_at >= every_s or phase != self._phase):
+            self._beat_at, self._phase = now, phase
+            self.beat(text, phase=phase, **fields)
 
 
 # --------------------------------------------------------------------------------------------------- step input
@@ -150,31 +163,3 @@ class Scorer:
                           prompt_text=it.prompt_text, tool_calls=out.tool_calls, finish_reason=out.finish_reason,
                           answer=answer, reward=reward, p_err=q.p_err, p_format=q.p_format,
                           timings=timings, token_policy_versions=versions).validate()
-
-
-def publish_summary(s, trajs: list[Trajectory], generation_s: float, engine_stats: dict[int, dict]
-                    ) -> dict:
-    """Rank 0's summary of a finished step (`s`: its scheduler.StepScheduler): appended to metrics/rollout.jsonl
-    (and TensorBoard), logged, returned."""
-    last_admit = max(s.queued_at.values(), default=0.0)
-    summary = {
-        "step": s.step, "stage": s.stage, "admission": s.sc.admission, "trajectories": len(trajs),
-        "kept_from_journal": s.journal.loaded,
-        "dropped_prompts": s.dropped, "engines": s.engines, "dead_engines": s.dead,
-        "reruns": s.reruns, "reruns_resumed": s.reruns_resumed, "wall_s": round(time.monotonic() - s.t_start, 3),
-        "generation_wall_s": round(generation_s, 3),
-        # the step's long tail: generation went on this long after its last trajectory was admitted
-        "last_admit_s": round(last_admit, 3), "tail_s": round(generation_s - last_admit, 3),
-        "reward_s": round(s.reward_s, 4), "policy_version": s.policy_version,
-        "weights_via": {str(e): w.get("via") for e, w in s.weights.via.items()},
-        "policy_wait_s": round(s.policy_wait_s, 3),
-        "tool_infra_failures": s.infra_failures, **trajectory_figures(trajs),
-        "engine_stats": {str(k): v for k, v in engine_stats.items()},
-        **s.levers.metrics(),
-    }
-    metrics_sink(s.paths, "rollout").write(summary)   # metrics/rollout.jsonl and tb/<stage>/
-    log.info("step %d of stage %s: %d trajectories in %.1f s (generation %.1f s, all admitted by %.1f s, tail "
-             "%.1f s; tool wait %.1f s summed over trajectories; reward %.2f s on rank 0; mean reward %.3f)",
-             s.step, s.stage, len(trajs), summary["wall_s"], generation_s, summary["last_admit_s"],
-             summary["tail_s"], summary["tool_wait_s"], s.reward_s, summary["mean_reward"])
-    return summary

@@ -1,8 +1,11 @@
-"""One rollout engine's death costs only its own work: on the emulated cluster, a launched run with two engines
-(launch.rollout.tasks_per_node=2) has one engine rank killed with SIGKILL mid-step. The other engine keeps its
-process and goes on, the dead one's trajectories are requeued, its keeper starts it again, it joins the running job,
-and the run finishes with every RL step holding exactly the prompts its data order gives it, none lost or twice.
-`run status` names the death and the return."""
+"""One rollout engine's fault costs only its own work: on the emulated cluster, a launched run with two engines
+(launch.rollout.tasks_per_node=2) meets, mid-step:
+  1. engine rank 2's vLLM engine core SIGSTOPped (its rank goes on reporting): rank 0 finds it hung by its token
+     counter within rollout.scheduler.engine_stall_s, requeues its trajectories, and its keeper kills it whole (the
+     stopped core included) and starts it again; it joins the running job; engine rank 1's process is untouched;
+  2. engine rank 1's process SIGKILLed in a later step: its keeper reports the death, its work is requeued at once.
+The run finishes with every RL step holding exactly the prompts its data order gives it, none lost or twice, and
+leaves no process (no stopped one either). `run status` names the hang, the death and the return."""
 from __future__ import annotations
 
 import json
@@ -20,7 +23,9 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.vllm,
               pytest.mark.skipif(shutil.which("ompi-server") is None or shutil.which("bwrap") is None,
                                  reason="needs Open MPI's ompi-server and bwrap")]
 
-RL_STEPS = 4
+RL_STEPS = 5
+STALL_S = 15.0   # rollout.scheduler.engine_stall_s here
+LOAD_S = 90.0    # policy_load_timeout_s: an engine whose core stops between steps hangs in its next load
 
 
 def two_engine_config(tmp_path, model_dir) -> str:
@@ -29,7 +34,8 @@ def two_engine_config(tmp_path, model_dir) -> str:
     cfg["run"] = {"name": "engines", "root": str(tmp_path / "runs"), "seed": 0}
     cfg["model"] = {"path": str(model_dir)}
     cfg["rollout"]["engine"]["kv_cache_memory_mb"] = 64
-    cfg["rollout"]["scheduler"]["journal_every_s"] = 0.3   # a step of seconds journals parts: "mid-step" is seen
+    cfg["rollout"]["scheduler"].update(journal_every_s=0.3,   # a step of seconds journals parts: "mid-step" is seen
+                                       heartbeat_s=0.5, engine_stall_s=STALL_S, policy_load_timeout_s=LOAD_S)
     cfg["stages"] = [{"name": "sft", "kind": "sft", "num_steps": 2, "prompts_per_step": 8, "lr": 2.0e-3,
                       "data": "demo"},
                      {"name": "rl", "kind": "rl", "num_steps": RL_STEPS, "prompts_per_step": 4,
@@ -78,8 +84,31 @@ def _expected_uids(run) -> dict[int, list[str]]:
     return {t.step: sorted(i.prompt_uid for i in t.items) for t in steps}
 
 
+def _engine_core(rank_pid: int) -> int:
+    """The vLLM engine core process an engine rank started (its process title names it)."""
+    import psutil
+
+    for child in psutil.Process(rank_pid).children(recursive=True):
+        try:
+            if "EngineCore" in child.name() + " ".join(child.cmdline()):
+                return child.pid
+        except psutil.NoSuchProcess:
+            continue
+    raise AssertionError(f"no vLLM EngineCore process under engine rank pid {rank_pid}")
+
+
+def _wait_mid_step(run, steps: range, what: str) -> int:
+    deadline = time.monotonic() + 600
+    while (step := _mid_step(run, steps)) is None:
+        assert time.monotonic() < deadline, f"no rl step was seen mid-step for {what}\n" + _tail(run)
+        time.sleep(0.05)
+    return step
+
+
 @pytest.mark.timeout(1200)
-def test_a_killed_engine_costs_only_its_work_and_comes_back(slurm_cluster, tiny_model_dir, tmp_path):
+def test_a_hung_or_killed_engine_costs_only_its_work_and_comes_back(slurm_cluster, tiny_model_dir, tmp_path):
+    import psutil
+
     from rstar_hpc.exchange.columns import from_table
     from rstar_hpc.exchange.events import read_events
     from rstar_hpc.exchange.reader import StepReader
@@ -88,12 +117,16 @@ def test_a_killed_engine_costs_only_its_work_and_comes_back(slurm_cluster, tiny_
     env = {**slurm_cluster.env, "OMP_NUM_THREADS": "1"}
     rstar("launch", two_engine_config(tmp_path, tiny_model_dir), "--json", env=env)
     run = tmp_path / "runs" / "engines"
-    deadline = time.monotonic() + 600
-    while (step := _mid_step(run, range(RL_STEPS - 1))) is None:
-        assert time.monotonic() < deadline, "no rl step was seen mid-step\n" + _tail(run)
-        time.sleep(0.05)
-    survivor, victim = _engine_pid(run, 1), _engine_pid(run, 2)
-    os.kill(victim, signal.SIGKILL)
+    # 1. engine rank 2's engine core stopped mid-step; its rank process goes on
+    hung_step = _wait_mid_step(run, range(RL_STEPS - 3), "the stop")
+    survivor, hung_rank = _engine_pid(run, 1), _engine_pid(run, 2)
+    core = _engine_core(hung_rank)
+    os.kill(core, signal.SIGSTOP)
+    stopped_at = time.time()
+    deadline = time.monotonic() + STALL_S + LOAD_S + 120
+    while not (hung := [e for e in read_events(RunPaths(run)) if e["kind"] == "engine_hung"]):
+        assert time.monotonic() < deadline, "engine rank 2 was not found hung\n" + _tail(run)
+        time.sleep(0.2)
     # the trainer paused until the new engine has joined, so that a step is left for it: its start (a vLLM build,
     # a minute here) is much longer than what the tiny run has left
     trainer = json.loads((run / "heartbeat" / "trainer.json").read_text())["pid"]
@@ -105,26 +138,39 @@ def test_a_killed_engine_costs_only_its_work_and_comes_back(slurm_cluster, tiny_
             time.sleep(0.5)
     finally:
         os.kill(trainer, signal.SIGCONT)
+    assert _engine_pid(run, 1) == survivor and _engine_pid(run, 2) not in (None, hung_rank)
+    assert not psutil.pid_exists(core) or psutil.Process(core).status() == psutil.STATUS_ZOMBIE, "the core lives on"
+    # 2. engine rank 1's process killed mid-step, in a step engine rank 2 is back for
+    while not (back := [e for e in read_events(RunPaths(run)) if e["kind"] == "engine_back" and e["rank"] == 2]):
+        assert time.monotonic() < deadline, "engine rank 2 did not take part again\n" + _tail(run)
+        time.sleep(0.2)
+    killed_step = _wait_mid_step(run, range(back[0]["step"], RL_STEPS - 1), "the kill")
+    os.kill(_engine_pid(run, 1), signal.SIGKILL)
     deadline = time.monotonic() + 900
     while not (st := status(run, env))["done"]:
         assert time.monotonic() < deadline, "the run did not finish\n" + _tail(run)
         assert not any(j["state"] in ("FAILED", "CANCELLED") for j in st["jobs"]), st["jobs"]
         time.sleep(2)
 
-    # the survivor's process is the one from before the kill; the victim's keeper started a new one
-    assert _engine_pid(run, 1) == survivor and _engine_pid(run, 2) not in (None, victim)
     events = read_events(RunPaths(run))
+    [hung] = [e for e in events if e["kind"] == "engine_hung"]
+    assert (hung["rank"], hung["stage"]) == (2, "rl") and hung["step"] in (hung_step, hung_step + 1), events
+    if hung["step"] == hung_step:   # it held requests when its core stopped: found by its token counter
+        assert "made no token" in hung["reason"] and hung["time"] - stopped_at <= STALL_S + 10, hung
+    else:   # it had nothing in its engine then: its next policy load never ended
+        assert "still loading the policy" in hung["reason"] and hung["time"] - stopped_at <= LOAD_S + 30, hung
     lost = [e for e in events if e["kind"] == "engine_lost"]
-    assert [(e["rank"], e["stage"], e["step"]) for e in lost] == [(2, "rl", step)], events
+    assert [(e["rank"], e["stage"], e["step"]) for e in lost] == [(1, "rl", killed_step)], events
     assert "signal SIGKILL" in lost[0]["reason"]
     assert not [e for e in events if e["kind"] in ("crash", "hang", "gave_up")], events   # the role never restarted
-    back = [e for e in events if e["kind"] == "engine_back"]
-    assert [e["rank"] for e in back] == [2] and back[0]["step"] > step, events
+    back = [e for e in events if e["kind"] == "engine_back" and e["rank"] == 2]
+    assert back and back[0]["step"] > hung["step"], events
     # `run status` says so
     texts = [f["text"] for f in status(run, env)["faults"]]
-    assert any(t.startswith(f"rollout engine rank 2 lost in step {step} of stage rl") for t in texts), texts
+    assert any(t.startswith(f"rollout engine rank 2 hung in step {hung['step']} of stage rl") for t in texts), texts
+    assert any(t.startswith(f"rollout engine rank 1 lost in step {killed_step} of stage rl") for t in texts), texts
     assert any(t.startswith("rollout engine rank 2 back") for t in texts), texts
-    # every step: exactly its prompts, each trajectory once; the killed step ran without rank 2 after the kill
+    # every step: exactly its prompts, each trajectory once
     expected, reader = _expected_uids(run), StepReader(RunPaths(run), "rl")
     for s in range(RL_STEPS):
         trajs = from_table(reader.read(s, ["rollout"]))
@@ -132,7 +178,7 @@ def test_a_killed_engine_costs_only_its_work_and_comes_back(slurm_cluster, tiny_
         assert len({t.key for t in trajs}) == len(trajs), s
     summaries = {r["step"]: r for r in map(json.loads, (run / "metrics" / "rollout.jsonl").read_text().splitlines())
                  if r.get("stage") == "rl"}
-    assert summaries[step]["dead_engines"] == [2], summaries[step]
+    assert summaries[hung["step"]]["dead_engines"] == [2] and summaries[killed_step]["dead_engines"] == [1], summaries
     ranks_after = Counter(t.engine_rank for s in range(back[0]["step"], RL_STEPS)
                           for t in from_table(reader.read(s, ["rollout"])))
     assert ranks_after[2] > 0, ranks_after   # back at work

@@ -289,6 +289,7 @@ def _scheduler(tmp_path, **knobs):
     from rstar_hpc.config.rollout import SchedulerConfig
     from rstar_hpc.exchange.rundir import RunPaths
     from rstar_hpc.config.stages import StageLimits
+    from rstar_hpc.rollout.roster import Engine
     from rstar_hpc.rollout.scheduler import StepScheduler
     from rstar_hpc.rollout.step import StepSpec
 
@@ -297,6 +298,7 @@ def _scheduler(tmp_path, **knobs):
     items = [WorkItem(u, i, [1] * 10, "p", "1") for u in ("a", "b", "c") for i in range(2)]
     s = StepScheduler(_Comm(), None, SchedulerConfig(**knobs, growth_reserve=0.1), paths,
                       StepSpec("rl", 0, items, StageLimits(100, 4)), score=None)
+    s.roster.engines = {e: Engine(e, state="ready") for e in (1, 2)}
     s.prepare_admission({1: {"capacity_tokens": 1000}, 2: {"capacity_tokens": 1000}})
     return s
 
@@ -305,23 +307,23 @@ def test_levers_close_pause_carry_lose_nothing_train_nothing_twice(tmp_path):
     from rstar_hpc.rollout.mpi import TAG_PAUSE, TAG_WORK
 
     s = _scheduler(tmp_path, partial_rollouts=True, partial_close_fraction=0.5)
-    s.admission.max_per_engine = 2
-    s.dispatch(s.admit())                          # a and b admitted, two per engine (siblings together)
-    assert sorted((d, [it.key for it in w]) for d, t, w in s.comm.sent if t == TAG_WORK) == [
+    s.queue.admission.max_per_engine = 2
+    s.dispatch(s.queue.admit())                          # a and b admitted, two per engine (siblings together)
+    assert sorted((d, [it.key for it in w]) for d, t, w in s.roster.comm.sent if t == TAG_WORK) == [
         (1, [("a", 0), ("a", 1)]), (2, [("b", 0), ("b", 1)])]
-    assert [it.prompt_uid for it in s.pending] == ["c", "c"]
-    s.results[("a", 0)] = _traj("a", 0)
+    assert [it.prompt_uid for it in s.queue.pending] == ["c", "c"]
+    s.queue.results[("a", 0)] = _traj("a", 0)
     s.close_if_due()
     assert not s.levers.closing                    # no group complete yet
-    s.results[("a", 1)] = _traj("a", 1)
-    s.results[("b", 0)] = _traj("b", 0)
+    s.queue.results[("a", 1)] = _traj("a", 1)
+    s.queue.results[("b", 0)] = _traj("b", 0)
     s.close_if_due()                               # 1 group complete; the close needs ceil(0.5 * 3) = 2
     assert not s.levers.closing
-    s.results[("b", 1)] = _traj("b", 1)
+    s.queue.results[("b", 1)] = _traj("b", 1)
     s.close_if_due()
-    assert s.levers.closing and [(d, t) for d, t, _ in s.comm.sent[-2:]] == [(1, TAG_PAUSE), (2, TAG_PAUSE)]
-    assert set(s.levers.open_items) == {("c", 0), ("c", 1)} and not s.pending   # never admitted: carried as is
-    assert s.levers.over(s.items, s.results)
+    assert s.levers.closing and [(d, t) for d, t, _ in s.roster.comm.sent[-2:]] == [(1, TAG_PAUSE), (2, TAG_PAUSE)]
+    assert set(s.levers.open_items) == {("c", 0), ("c", 1)} and not s.queue.pending   # never admitted: carried as is
+    assert s.levers.over(s.queue.items, s.queue.results)
     trained = s.commit()
     assert [t.key for t in trained] == [("a", 0), ("a", 1), ("b", 0), ("b", 1)]
     back = carry.load(s.paths, "rl", 0)
@@ -334,40 +336,40 @@ def test_levers_paused_result_is_carried_when_closing_and_readmitted_when_migrat
     from rstar_hpc.rollout.mpi import TAG_MIGRATE
 
     s = _scheduler(tmp_path, migrate_on_tool_call=True, migrate_margin=-1.0, partial_rollouts=True)
-    s.dispatch(s.admit())
-    assert not s.pending
-    src = s.admission.placed[("a", 0)][0]
-    s.comm.sent.clear()
-    s.on_kv(src, {"contexts": {}, "movable": [("a", 0), ("a", 1)]})
-    assert s.comm.sent == [(src, TAG_MIGRATE, {"key": ("a", 0)})]
-    s.on_kv(src, {"contexts": {}, "movable": [("a", 1)]})
-    assert len(s.comm.sent) == 1                   # one at a time per engine
+    s.dispatch(s.queue.admit())
+    assert not s.queue.pending
+    src = s.queue.admission.placed[("a", 0)][0]
+    s.roster.comm.sent.clear()
+    s.on_report(src, {"contexts": {}, "movable": [("a", 0), ("a", 1)]})
+    assert s.roster.comm.sent == [(src, TAG_MIGRATE, {"key": ("a", 0)})]
+    s.on_report(src, {"contexts": {}, "movable": [("a", 1)]})
+    assert len(s.roster.comm.sent) == 1                   # one at a time per engine
     state = AgentResult([1] * 10, "p", response_ids=[5, 6], token_policy_versions=[0, 0], paused=True)
     s.on_paused(TrajectoryResult("a", 0, 0, src, 0, state))
     assert s.levers.migrations == 1 and s.levers.migrated_context_tokens == 12
-    assert s.pending[0].key == ("a", 0) and s.pending[0].resume is state and ("a", 0) not in s.admission.placed
-    assert s.by_key[("a", 0)].resume is state      # a requeue after an engine death resumes from here too
+    assert s.queue.pending[0].key == ("a", 0) and s.queue.pending[0].resume is state and ("a", 0) not in s.queue.admission.placed
+    assert s.queue.by_key[("a", 0)].resume is state      # a requeue after an engine death resumes from here too
     s.on_paused(TrajectoryResult("a", 1, 1, src, 0, state))
-    assert ("a", 1) not in s.levers.open_items and ("a", 1) in s.admission.placed   # another step's: ignored
+    assert ("a", 1) not in s.levers.open_items and ("a", 1) in s.queue.admission.placed   # another step's: ignored
     s.levers.close(1.0)
-    assert s.levers.paused(("b", 0), s.by_key[("b", 0)]) is Route.CARRY
-    s.carry_queue()
+    assert s.levers.paused(("b", 0), s.queue.by_key[("b", 0)]) is Route.CARRY
+    s.levers.carry_queued(s.queue.take_waiting())
     assert ("b", 0) in s.levers.open_items and ("a", 0) in s.levers.open_items   # the re-queued one is carried too
 
 
 def test_engine_death_requeues_its_work_at_the_front_or_carries_it_once_closed(tmp_path):
     s = _scheduler(tmp_path)
-    s.admission.max_per_engine = 2
-    s.dispatch(s.admit())
-    lost = [k for k, p in s.admission.placed.items() if p[0] == 1]
-    s.lose(1, "silent")
-    assert [it.key for it in s.pending] == [*lost, ("c", 0), ("c", 1)] and s.reruns == 2 and s.dead == [1]
+    s.queue.admission.max_per_engine = 2
+    s.dispatch(s.queue.admit())
+    lost = [k for k, p in s.queue.admission.placed.items() if p[0] == 1]
+    s.requeue([s.roster.lose(1, "silent")])
+    assert [it.key for it in s.queue.pending] == [*lost, ("c", 0), ("c", 1)] and s.tally.reruns == 2 and [x.rank for x in s.roster.lost] == [1]
     closed = _scheduler(tmp_path / "closed", partial_rollouts=True)
-    closed.admission.max_per_engine = 2
-    closed.dispatch(closed.admit())
+    closed.queue.admission.max_per_engine = 2
+    closed.dispatch(closed.queue.admit())
     closed.levers.close(1.0)
-    closed.lose(1, "silent")                        # the step is closed: carried as they were, not run again
-    assert not closed.pending and set(closed.levers.open_items) == {*lost, ("c", 0), ("c", 1)}
+    closed.requeue([closed.roster.lose(1, "silent")])                        # the step is closed: carried as they were, not run again
+    assert not closed.queue.pending and set(closed.levers.open_items) == {*lost, ("c", 0), ("c", 1)}
 
 
 def test_turn_deltas_rebuild_a_boundary_state_that_resumes_as_the_same_trajectory(tok):
@@ -402,25 +404,25 @@ def test_an_engine_death_requeues_from_the_last_turn_boundary_and_ignores_stale_
     from rstar_hpc.rollout.messages import TurnDelta
 
     s = _scheduler(tmp_path, partial_rollouts=True)
-    s.admission.max_per_engine = 2
-    s.dispatch(s.admit())
-    (a0, a1), (b0, b1) = [k for k, p in s.admission.placed.items() if p[0] == 1], \
-        [k for k, p in s.admission.placed.items() if p[0] == 2]
+    s.queue.admission.max_per_engine = 2
+    s.dispatch(s.queue.admit())
+    (a0, a1), (b0, b1) = [k for k, p in s.queue.admission.placed.items() if p[0] == 1], \
+        [k for k, p in s.queue.admission.placed.items() if p[0] == 2]
     turn = Turn("assistant", 0, 3, "x"), Turn("tool", 3, 5, "y")
 
     def delta(key, start, n, step=0):
         return TurnDelta(*key, step, start, 0 if not start else 2, 0, [7] * n, [1] * n, [-0.1] * n, [0] * n,
                          list(turn) if not start else [], [], 0, 0)
-    s.on_turn(1, delta(a0, 0, 5))
-    s.on_turn(1, delta(a0, 5, 4))                      # the next boundary: 4 more tokens
-    s.on_turn(2, delta(a1, 0, 5))                      # from an engine that does not hold a1: stale
-    s.on_turn(1, delta(a1, 0, 5, step=1))              # another step's
-    s.on_turn(1, delta(a1, 3, 2))                      # does not continue what rank 0 has (nothing yet)
-    assert s.by_key[a1].resume is None
-    state = s.by_key[a0].resume
+    s.queue.turn(1, delta(a0, 0, 5))
+    s.queue.turn(1, delta(a0, 5, 4))                      # the next boundary: 4 more tokens
+    s.queue.turn(2, delta(a1, 0, 5))                      # from an engine that does not hold a1: stale
+    s.queue.turn(1, delta(a1, 0, 5, step=1))              # another step's
+    s.queue.turn(1, delta(a1, 3, 2))                      # does not continue what rank 0 has (nothing yet)
+    assert s.queue.by_key[a1].resume is None
+    state = s.queue.by_key[a0].resume
     assert state.paused and len(state.response_ids) == 9 and len(state.turns) == 2
-    s.lose(1, "killed")
-    assert [it.key for it in s.pending][:2] == [a0, a1] and s.pending[0].resume is state
-    assert s.pending[1].resume is None and s.reruns_resumed == 1 and s.reruns == 2
-    s.on_turn(1, delta(a1, 0, 5))                      # the dead engine's late delta: ignored
-    assert s.by_key[a1].resume is None and all(s.by_key[k].resume is None for k in (b0, b1))
+    s.requeue([s.roster.lose(1, "killed")])
+    assert [it.key for it in s.queue.pending][:2] == [a0, a1] and s.queue.pending[0].resume is state
+    assert s.queue.pending[1].resume is None and s.tally.reruns_resumed == 1 and s.tally.reruns == 2
+    s.queue.turn(1, delta(a1, 0, 5))                      # the dead engine's late delta: ignored
+    assert s.queue.by_key[a1].resume is None and all(s.queue.by_key[k].resume is None for k in (b0, b1))

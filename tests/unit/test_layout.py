@@ -20,7 +20,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 TREES = ("rstar_hpc", "sandbox", "jobs")
-MAX_MODULE_LINES = 450
+MAX_MODULE_LINES = 600   # a smell alarm, not a rule: split where a concept ends, not where a bound falls
 MAX_FUNCTION_LINES = 80
 LONG = "# long:"
 """A module over the limit carries `# long: <why>` in its first lines; a function, on its `def` line or the line
@@ -170,6 +170,24 @@ def test_modules_and_functions_fit_a_reader(path):
         return
     assert not problems, (f"over {MAX_MODULE_LINES} lines per module / {MAX_FUNCTION_LINES} per function: split by "
                           f"responsibility, or say why not with a '{LONG} <why>' comment: {problems}")
+
+
+RANK0_STEP = ("scheduler", "roster", "queue", "tally", "levers", "admission")
+"""Rollout rank 0's step, one concept a module (docs/architecture.md draws them): each one a reader holds whole."""
+
+
+def test_rank_0s_step_is_split_by_concept():
+    for name in RANK0_STEP:
+        lines = len((REPO / "rstar_hpc" / "rollout" / f"{name}.py").read_text().splitlines())
+        assert lines <= 300, f"rstar_hpc/rollout/{name}.py: {lines} lines; rank 0's step keeps each part under 300"
+    tree = ast.parse((REPO / "rstar_hpc" / "rollout" / "scheduler.py").read_text())
+    [cls] = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "StepScheduler"]
+    attrs = {t.attr for n in ast.walk(cls) if isinstance(n, (ast.Assign, ast.AnnAssign, ast.AugAssign))
+             for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+             for t in (t.elts if isinstance(t, ast.Tuple) else [t])
+             if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"}
+    assert len(attrs) <= 15, f"StepScheduler keeps {len(attrs)} attributes: {sorted(attrs)}; the roster, the queue " \
+                             f"and the tally hold the rest"
 
 
 def test_the_size_check_honours_long_markers(tmp_path):

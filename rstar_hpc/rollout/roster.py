@@ -1,0 +1,244 @@
+"""Rank 0's engines in one step: who takes part, what each is doing, and whether it is moving.
+
+An engine is judged by progress, not presence. Its state:
+
+    starting     START sent; it acks at once, then loads the step's policy and warms up, reporting as it goes
+    ready        it said HELLO (its KV capacity): admission may place work on it
+    generating   its last report had requests inside its vLLM engine
+    hung         its requests made no token for `engine_stall_s` while its rank went on reporting (a vLLM engine
+                 core stuck in a kernel or a collective), or it reported through a start longer than
+                 policy_load_timeout_s: dropped like a dead one, told to leave, and its keeper told to kill it whole
+                 (rollout/keeper.py), so it starts again with a fresh engine core
+    dead         its rank said DEAD, its keeper reported its process dead (links.py), or it was silent for
+                 `engine_timeout_s` (starting or not: a loading engine reports too; a silent process that lives on
+                 is killed and restarted by its keeper too)
+
+A trajectory waiting for its tool is not generating: an engine whose every trajectory waits on the sandbox is
+idle, not hung (the sandbox's own timeout bounds that wait). Progress is the engine's token counter (vLLM's
+iteration stats: prompt tokens prefilled and tokens generated), which stops when its engine core stops.
+
+Words: the engines' *report* (tag KV, every heartbeat_s: KV booking, movable trajectories, progress) and rank 0's
+*keep-alive* (tag ALIVE, every heartbeat_s: an engine rank that hears nothing from rank 0 leaves). The role's
+*heartbeat* is the file `run status` reads (step.StepHooks.heartbeat), not this module's.
+
+The roster never touches the step's queue: `check`, `start` and `finish` return what they lost (`Lost`), and the
+scheduler re-queues those engines' work.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from rstar_hpc.config.rollout import SchedulerConfig
+from rstar_hpc.rollout.mpi import (TAG_ABORT, TAG_ACK, TAG_ALIVE, TAG_DEAD, TAG_DONE, TAG_HELLO, TAG_KV, TAG_START,
+                                   TAG_STATS, wait_sent)
+
+log = logging.getLogger("rstar_hpc.rollout")
+
+
+@dataclass
+class Engine:
+    """One engine rank as rank 0 sees it in this step."""
+    rank: int
+    state: str = "starting"
+    heard_at: float = field(default_factory=lambda: time.monotonic())    # any message
+    moved_at: float = field(default_factory=lambda: time.monotonic())    # its token counter last moved, or it had nothing
+    acked_at: float | None = None                               # START acked: loading its policy
+    tokens: int | None = None                                   # its token counter at its last report
+    generating: int = 0                                         # requests inside its vLLM engine at its last report
+    doing: str = ""                                             # what a starting engine said it is doing
+
+    def view(self, now: float) -> dict:
+        """For the role's heartbeat (`run status`): its state and how long since it last moved."""
+        out = {"state": self.state, "moved_s_ago": round(now - self.moved_at, 1)}
+        return {**out, "doing": self.doing} if self.doing and self.state == "starting" else out
+
+
+@dataclass(frozen=True)
+class Lost:
+    """An engine the step lost, and why; `hung`: alive but not moving (its keeper is told to restart it)."""
+    rank: int
+    why: str
+    hung: bool = False
+
+
+class EngineRoster:
+    """The engines of one step. `dead_ranks` are the job's engine ranks lost in earlier steps, updated in place."""
+
+    def __init__(self, comm, MPI, sc: SchedulerConfig, *, dead_ranks: set[int] | None = None):
+        self.comm, self.MPI, self.sc = comm, MPI, sc
+        self.dead_ranks: set[int] = set() if dead_ranks is None else dead_ranks
+        self.engines: dict[int, Engine] = {}
+        self.lost: list[Lost] = []                # this step's
+        self.sends: list = []                     # non-blocking sends in flight
+        self.alive_sent_at = 0.0
+
+    # --------------------------------------------------------------------------------------------- who
+    def candidates(self, what: str) -> list[int]:
+        """The job's engine ranks not lost before this step."""
+        ranks = [e for e in range(1, self.comm.Get_size()) if e not in self.dead_ranks]
+        if not ranks:
+            raise RuntimeError(f"no engine rank can run {what}: of {self.comm.Get_size() - 1}, these died or never "
+                               f"joined: {sorted(self.dead_ranks)}")
+        return ranks
+
+    def live(self) -> list[int]:
+        return [e for e, s in self.engines.items() if s.state not in ("dead", "hung")]
+
+    def in_step(self, rank: int) -> bool:
+        s = self.engines.get(rank)
+        return s is not None and s.state not in ("dead", "hung")
+
+    def views(self) -> dict[str, dict]:
+        now = time.monotonic()
+        return {str(e): s.view(now) for e, s in sorted(self.engines.items())}
+
+    # --------------------------------------------------------------------------------------------- messages
+    def send(self, rank: int, tag: int, msg=None) -> None:
+        # never a blocking send: a large message to a rank that just died would wait forever (rendezvous)
+        self.sends.append(self.comm.isend(msg, dest=rank, tag=tag))
+        self.sends[:] = [r for r in self.sends if not r.Test()]
+
+    def broadcast(self, tag: int, msg=None, ranks: list[int] | None = None) -> None:
+        for e in self.live() if ranks is None else ranks:
+            self.send(e, tag, msg)
+
+    def drain(self) -> None:
+        """Before rank 0 leaves: let the engines take what was sent. A message past Open MPI's eager limit (a WORK
+        batch of two long prompts) is read from the sender's memory; if rank 0 has exited by then the engine rank's
+        read fails and it hangs, and so does the job (seen: Ctrl-C right after a WORK send)."""
+        if not wait_sent(self.sends, min(self.sc.engine_timeout_s, 10.0)):
+            log.warning("engine ranks did not take %d messages before rank 0 stopped", len(self.sends))
+
+    def keep_alive(self, ranks: list[int] | None = None) -> None:
+        """ALIVE every heartbeat_s to `ranks` (default: those in the step): engines leave when rank 0 goes silent."""
+        now = time.monotonic()
+        if now - self.alive_sent_at > self.sc.heartbeat_s:
+            self.broadcast(TAG_ALIVE, None, ranks)
+            self.alive_sent_at = now
+
+    def heard(self, rank: int, moved: bool = False) -> bool:
+        """A message of `rank` arrived (`moved`: a result or a turn, progress by itself); False if it is no longer
+        in the step (declared lost while only slow: its work already runs elsewhere)."""
+        s = self.engines.get(rank)
+        if s is None or s.state in ("dead", "hung"):
+            return False
+        s.heard_at = time.monotonic()
+        if moved:
+            s.moved_at = s.heard_at
+        return True
+
+    def on_report(self, rank: int, report: dict) -> None:
+        """An engine's report (tag KV): its progress counter moved, or it has nothing inside its engine."""
+        s = self.engines[rank]
+        now = time.monotonic()
+        tokens, s.generating = report.get("tokens"), int(report.get("generating", 0))
+        if tokens is None or tokens != s.tokens or not s.generating:
+            s.moved_at = now
+        s.tokens = tokens
+        if s.state in ("ready", "generating"):
+            s.state = "generating" if s.generating else "ready"
+
+    # --------------------------------------------------------------------------------------------- start
+    def start(self, ranks: list[int], start: dict, heartbeat: Callable[[str], None]) -> tuple[dict[int, dict],
+                                                                                             list[Lost]]:
+        """START to `ranks`; their HELLOs by rank, and those lost on the way. An engine acks at once, then loads
+        the step's policy (within policy_load_timeout_s of its ack) and reports while it does; one that says DEAD,
+        whose process dies, or that goes silent for engine_timeout_s is lost at once, not after the load's bound."""
+        self.engines = {e: Engine(e) for e in ranks}
+        self.lost = []
+        self.broadcast(TAG_START, start)
+        hello: dict[int, dict] = {}
+        st = self.MPI.Status()
+        while any(s.state == "starting" for s in self.engines.values()):
+            self._time_out_starts()
+            if self.comm.Iprobe(source=self.MPI.ANY_SOURCE, tag=self.MPI.ANY_TAG, status=st):
+                src, tag = st.Get_source(), st.Get_tag()
+                msg = self.comm.recv(source=src, tag=tag)
+                s = self.engines.get(src)
+                if s is None or s.state != "starting":
+                    continue   # a leftover of the previous step (a late result or report), or one lost already
+                s.heard_at = time.monotonic()
+                if tag == TAG_HELLO:
+                    hello[src], s.state, s.moved_at = msg, "ready", s.heard_at
+                elif tag == TAG_ACK:
+                    s.acked_at, s.doing = s.heard_at, "loading the policy" if msg.get("loading") else "warming up"
+                elif tag == TAG_KV and "starting" in msg:   # a report while it loads: the load moves
+                    s.doing = msg["starting"]
+                elif tag == TAG_DEAD:
+                    self.lose(src, str(msg))
+            else:
+                time.sleep(0.005)
+            heartbeat(f"starting {len(ranks)} engine(s), {len(hello)} ready")
+            self.keep_alive(list(hello))   # engines that are ready wait for the slow loaders
+        if not hello:
+            raise RuntimeError(f"no engine rank started: {'; '.join(f'{x.rank}: {x.why}' for x in self.lost)}")
+        return hello, list(self.lost)
+
+    def _time_out_starts(self) -> None:
+        now, sc = time.monotonic(), self.sc
+        for s in [s for s in self.engines.values() if s.state == "starting"]:
+            if now - s.heard_at > sc.engine_timeout_s:
+                self.lose(s.rank, f"silent for {now - s.heard_at:.0f}s while starting"
+                          + (f" ({s.doing})" if s.doing else " (no answer to START)"), restart=True)
+            elif s.acked_at is not None and now - s.acked_at > sc.policy_load_timeout_s:   # reports, never ready
+                self.lose(s.rank, f"hung: still {s.doing or 'starting'} {now - s.acked_at:.0f}s after START "
+                          f"(rollout.scheduler.policy_load_timeout_s={sc.policy_load_timeout_s:g})", hung=True)
+
+    # --------------------------------------------------------------------------------------------- judgment
+    def check(self) -> list[Lost]:
+        """Keep-alive, then judge every engine in the step: silent for engine_timeout_s, or holding requests in its
+        engine that made no token for engine_stall_s. What it lost now."""
+        self.keep_alive()
+        now, sc, lost = time.monotonic(), self.sc, []
+        for s in [self.engines[e] for e in self.live()]:
+            if now - s.heard_at > sc.engine_timeout_s:
+                lost.append(self.lose(s.rank, f"silent for {now - s.heard_at:.0f}s", restart=True))
+            elif s.generating and now - s.moved_at > sc.engine_stall_s:
+                lost.append(self.lose(s.rank, f"hung: {s.generating} request(s) in its engine made no token for "
+                                              f"{now - s.moved_at:.0f}s (its rank still reports; "
+                                              f"rollout.scheduler.engine_stall_s={sc.engine_stall_s:g})", hung=True))
+        return lost
+
+    def lose(self, rank: int, why: str, hung: bool = False, restart: bool = False) -> Lost:
+        """Drop `rank` from the step. One that is alive but not moving (`hung`: it reports) or gone silent
+        (`restart`: its process may live on, stuck) has its keeper told to kill it whole and start it again
+        (links.request_restart, by pid: a process that died meanwhile is reported and restarted anyway); a hung one
+        is also told to leave (ABORT). One that said DEAD, or whose keeper reported its death, is left to its keeper."""
+        self.engines.setdefault(rank, Engine(rank)).state = "hung" if hung else "dead"
+        if hung:
+            self.send(rank, TAG_ABORT, f"rank 0 judged engine rank {rank} {why}")
+        request = getattr(self.comm, "request_restart", None)   # links.RankZeroLinks; a plain MPI comm has none
+        if (hung or restart) and request is not None:
+            request(rank, why)
+        out = Lost(rank, why, hung)
+        self.lost.append(out)
+        return out
+
+    # --------------------------------------------------------------------------------------------- the end
+    def finish(self, step: int) -> tuple[dict[int, dict], list[Lost]]:
+        """DONE to every engine in the step; their figures by rank, and those lost meanwhile. One that does not
+        answer within engine_timeout_s is presumed dead: its results are all in, the next step goes on without
+        it. Every engine lost in the step joins the job's `dead_ranks`."""
+        comm, MPI = self.comm, self.MPI
+        self.broadcast(TAG_DONE)
+        stats: dict[int, dict] = {}
+        lost: list[Lost] = []
+        deadline = time.monotonic() + self.sc.engine_timeout_s
+        st = MPI.Status()
+        while len(stats) < len(self.live()) and time.monotonic() < deadline:
+            if comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_STATS, status=st):
+                stats[st.Get_source()] = comm.recv(source=st.Get_source(), tag=TAG_STATS)
+            elif comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_DEAD, status=st):   # died as the step ended: no wait
+                why = comm.recv(source=st.Get_source(), tag=TAG_DEAD)
+                if self.in_step(st.Get_source()) and st.Get_source() not in stats:
+                    lost.append(self.lose(st.Get_source(), str(why)))
+            else:
+                time.sleep(0.005)
+        for e in self.live():
+            if e not in stats:
+                lost.append(self.lose(e, f"no figures at the end of step {step}; presumed dead", restart=True))
+        self.dead_ranks.update(x.rank for x in self.lost)
+        return stats, lost

@@ -1,0 +1,181 @@
+"""rollout/roster.py: rank 0 judges each engine by progress, not presence, and loses nothing while engines start.
+
+A scripted communicator and a fake clock (no MPI, no engine): the judgment itself. The real engines' side (their
+token counter, a SIGSTOPped engine core found and restarted) is tests/integration/test_engine_isolation.py's.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from rstar_hpc.config.rollout import SchedulerConfig
+from rstar_hpc.rollout.mpi import TAG_ABORT, TAG_ACK, TAG_DEAD, TAG_HELLO, TAG_KV, TAG_START
+from rstar_hpc.rollout.roster import Engine, EngineRoster
+
+
+class _Clock:
+    def __init__(self, monkeypatch):
+        self.now = 1000.0
+        monkeypatch.setattr(time, "monotonic", lambda: self.now)
+        monkeypatch.setattr(time, "sleep", self.sleep)
+
+    def sleep(self, s: float) -> None:
+        self.now += max(s, 0.5)   # a coarse tick: the scripted messages arrive at their times
+
+
+class _Status:
+    def __init__(self):
+        self.src = self.tag = None
+
+    def Get_source(self):
+        return self.src
+
+    def Get_tag(self):
+        return self.tag
+
+
+class _MPI:
+    ANY_SOURCE, ANY_TAG, Status = -1, -1, _Status
+
+
+class _Sent:
+    def Test(self):
+        return True
+
+
+class _Comm:
+    """Engine ranks 1..size-1; `script` holds (time, source, tag, message) arriving at rank 0."""
+
+    def __init__(self, clock: _Clock, size: int, script: list[tuple]):
+        self.clock, self.size, self.script, self.sent, self.restarts = clock, size, sorted(script), [], []
+
+    def Get_size(self):
+        return self.size
+
+    def isend(self, msg, dest, tag):
+        self.sent.append((dest, tag, msg))
+        return _Sent()
+
+    def Iprobe(self, source, tag, status):
+        for at, src, t, _ in self.script:
+            if at <= self.clock.now and (tag == -1 or t == tag) and source in (-1, src):
+                status.src, status.tag = src, t
+                return True
+        return False
+
+    def recv(self, source, tag):
+        for i, (at, src, t, msg) in enumerate(self.script):
+            if at <= self.clock.now and src == source and t == tag:
+                del self.script[i]
+                return msg
+        raise AssertionError("nothing to receive")
+
+    def request_restart(self, rank, why):
+        self.restarts.append((rank, why))
+
+
+def _sc(**kw):
+    return SchedulerConfig(**{"heartbeat_s": 1.0, "engine_timeout_s": 30.0, "policy_load_timeout_s": 600.0,
+                              "engine_stall_s": 20.0, **kw})
+
+
+def test_start_drops_a_dead_or_silent_engine_at_once_and_waits_for_a_reporting_loader(monkeypatch):
+    clock = _Clock(monkeypatch)
+    t = clock.now
+    script = [(t + 1, 1, TAG_ACK, {"loading": True}), (t + 1, 2, TAG_ACK, {"loading": True}),
+              (t + 1, 3, TAG_ACK, {"loading": True}),
+              (t + 3, 2, TAG_DEAD, "its process 42 ended (signal SIGKILL)"),   # died while loading
+              *[(t + 1 + k * 10, 1, TAG_KV, {"starting": "loading the policy"}) for k in range(1, 10)],
+              (t + 100, 1, TAG_HELLO, {"capacity_tokens": 1000})]               # a 100 s load that reports
+    comm = _Comm(clock, 5, script)                                              # 4 acks nothing at all
+    roster = EngineRoster(comm, _MPI, _sc())
+    beats = []
+    hello, lost = roster.start([1, 2, 3, 4], {"step": 0}, beats.append)
+    assert sorted(hello) == [1] and [d for d, tag, _ in comm.sent if tag == TAG_START] == [1, 2, 3, 4]
+    why = {x.rank: x.why for x in lost}
+    assert "SIGKILL" in why[2] and "no answer to START" in why[4]
+    assert "silent for" in why[3] and "(loading the policy)" in why[3]         # acked, then nothing: not 630 s
+    assert clock.now - t < 105                                                  # nobody waited out the load bound
+    assert roster.live() == [1] and roster.engines[2].state == "dead" and beats[-1].endswith("1 ready")
+
+
+def test_a_loader_past_the_load_bound_is_lost_though_it_reports(monkeypatch):
+    clock = _Clock(monkeypatch)
+    t = clock.now
+    script = [(t + 1, 1, TAG_ACK, {"loading": True}),
+              *[(t + 1 + k * 5, 1, TAG_KV, {"starting": "loading the policy"}) for k in range(1, 200)]]
+    roster = EngineRoster(_Comm(clock, 2, script), _MPI, _sc(policy_load_timeout_s=120.0))
+    with pytest.raises(RuntimeError, match="no engine rank started: 1: hung: still loading the policy 12[0-9]s"):
+        roster.start([1], {"step": 0}, lambda text: None)
+
+
+def test_an_engine_holding_requests_that_make_no_token_is_hung_and_restarted(monkeypatch):
+    clock = _Clock(monkeypatch)
+    comm = _Comm(clock, 4, [])
+    roster = EngineRoster(comm, _MPI, _sc())
+    roster.engines = {e: Engine(e, state="ready") for e in (1, 2, 3)}
+    for second in range(40):
+        clock.now += 1.0
+        # 1 makes tokens; 2 holds requests and its counter stands still (its engine core stopped); 3's trajectories
+        # all wait for their tools (nothing inside its engine): idle, not hung
+        roster.heard(1), roster.on_report(1, {"tokens": 10 * second, "generating": 3})
+        roster.heard(2), roster.on_report(2, {"tokens": 77, "generating": 2})
+        roster.heard(3), roster.on_report(3, {"tokens": 5, "generating": 0})
+        lost = roster.check()
+        if lost:
+            break
+    [x] = lost
+    assert x.rank == 2 and x.hung and "made no token for 2" in x.why and "engine_stall_s=20" in x.why
+    assert 20 <= second <= 22                                           # found within engine_stall_s
+    assert (2, TAG_ABORT) in [(d, tag) for d, tag, _ in comm.sent] and [r for r, _ in comm.restarts] == [2]
+    assert roster.live() == [1, 3] and roster.engines[1].state == "generating" and roster.engines[3].state == "ready"
+    assert not roster.heard(2)                                          # its late messages are not heard
+    assert roster.views()["2"]["state"] == "hung"
+
+
+def test_a_silent_engine_is_dead_and_its_process_restarted_a_reported_death_left_to_its_keeper(monkeypatch):
+    clock = _Clock(monkeypatch)
+    comm = _Comm(clock, 3, [])
+    roster = EngineRoster(comm, _MPI, _sc())
+    roster.engines = {e: Engine(e, state="ready") for e in (1, 2)}
+    clock.now += 25
+    roster.heard(1)
+    clock.now += 10
+    [x] = roster.check()
+    assert x.rank == 2 and not x.hung and "silent for 35s" in x.why and [r for r, _ in comm.restarts] == [2]
+    assert (2, TAG_ABORT) not in [(d, tag) for d, tag, _ in comm.sent]   # it hears nothing: its keeper kills it
+    roster.lose(1, "its process 42 ended (signal SIGKILL)")             # a DEAD report: its keeper knows
+    assert [r for r, _ in comm.restarts] == [2]
+
+
+def test_stall_is_validated_against_the_report_interval():
+    with pytest.raises(ValueError, match="engine_stall_s=4 .* at least 5 of them"):
+        SchedulerConfig(heartbeat_s=1.0, engine_stall_s=4)
+
+
+def test_run_status_shows_each_engines_state_and_the_hang(tmp_path, monkeypatch):
+    """The step's heartbeat carries the roster's view; `run status` shows it per engine, and the hang in words."""
+    from rstar_hpc.config import load_config
+    from rstar_hpc.exchange.events import record_event
+    from rstar_hpc.exchange.rundir import RunPaths
+    from rstar_hpc.exchange.state import write_heartbeat
+    from rstar_hpc.launch.status import run_status
+    from rstar_hpc.rollout.step import StepHooks
+
+    cfg = load_config("tiny-cpu", [f"run.root={tmp_path}", "run.name=r"])
+    paths = RunPaths(cfg.run.dir)
+    clock = _Clock(monkeypatch)
+    roster = EngineRoster(_Comm(clock, 3, []), _MPI, _sc())
+    roster.engines = {1: Engine(1, state="generating"), 2: Engine(2, doing="loading the policy")}
+    clock.now += 7
+    hooks = StepHooks(beat=lambda text, **kw: write_heartbeat(paths, "rollout", text, **kw))
+    hooks.heartbeat("step 3 of stage rl: generating", "generate", engines=roster.views())
+    hooks.heartbeat("step 3 of stage rl: generating", "generate", engines={})   # within HEARTBEAT_S: not written
+    record_event(paths, "engine_hung", role="rollout", rank=1, stage="rl", step=3, requeued=4, reason="hung: x")
+    st = run_status(cfg, paths, with_slurm=False)
+    assert st["roles"]["rollout"]["engines"] == {
+        "1": {"state": "generating", "moved_s_ago": 7.0},
+        "2": {"state": "starting", "moved_s_ago": 7.0, "doing": "loading the policy"}}
+    assert "rollout engine rank 1 hung in step 3 of stage rl (hung: x): 4 trajectories requeued, its keeper " \
+           "restarts it" in st["problems"]
