@@ -8,6 +8,7 @@ The contract every role imports; it imports no role (tests/unit/test_layout.py c
     rundir.py       RunPaths: every location of a run (the layout is documented there) and Lustre striping
     state.py        StageState (PENDING/RUNNING/DONE/FAILED, step, data cursor, policy version), atomic
     checkpoints.py  CommittedDirs: checkpoint / policy directories, commit marker, `latest` pointer, retention
+    policy_versions.py  policy versions: the run-global numbering, the in-memory offer's record, look-ups by need
     errors.py       ExchangeError and its kinds; StorageError: a write refused by full or failing storage (path,
                     free space), raised by every write of the exchange, nothing partial left visible
 With pyarrow (the trajectory data):

@@ -6,8 +6,8 @@ tensors) in memory; it offers it with one rendezvous announcement (role `weights
     {"host", "port", "version", "stage", "trainer_step", "timeout_s", "bucket_bytes", ...rendezvous keys}
 
 `version`, `stage` and `trainer_step` mean exactly what a published directory's COMMITTED.json says
-(trainer/publish.py): versions are run-global and monotonic, shared with the file publishes (a version the trainer
-also publishes as files has the same number in both places).
+(trainer/publish.py); how versions are numbered, the record of the newest one offered (RUN/policy/memory.json) and
+which one a step may run: exchange/policy_versions.py.
 
 A sync is a *session*: the rollout's rank 0 picks the offered version for a step (rollout/step.wait_for_policy),
 takes a session number `i = store.add(COUNTER, 1)` and writes `request_key(i)` = {"version", "size"}; `size` is 1
@@ -162,30 +162,6 @@ def read_offer(run_dir: str | os.PathLike) -> dict | None:
 
 def withdraw_offer(run_dir: str | os.PathLike) -> None:
     rendezvous.withdraw(run_dir, ROLE, NAME)
-
-
-def newest_offered_version(run_dir: str | os.PathLike) -> int:
-    """The newest version ever offered in memory (kept in the announcement after a trainer exits, so a restarted
-    trainer numbers on from it)."""
-    offer = _read_last(run_dir)
-    return int(offer.get("version", 0)) if offer else 0
-
-
-def _read_last(run_dir) -> dict | None:
-    path = Path(run_dir) / "policy" / "memory.json"
-    try:
-        return json.loads(path.read_text())
-    except (FileNotFoundError, ValueError):
-        return None
-
-
-def record_offered(run_dir: str | os.PathLike, version: int, stage: str, trainer_step: int) -> None:
-    """Trainer rank 0: remember the newest version offered in memory (RUN/policy/memory.json), so the run-global
-    numbering stays monotonic across restarts even when no file publish followed."""
-    path = Path(run_dir) / "policy" / "memory.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, json.dumps({"version": int(version), "stage": stage, "trainer_step": int(trainer_step),
-                                        "time": time.time()}) + "\n")
 
 
 # ------------------------------------------------------------------------------------------------ what engines got

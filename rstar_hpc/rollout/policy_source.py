@@ -5,8 +5,9 @@
 - `StepWeights`: for a version offered in memory, which engines join the trainer's sync session and which load the
   newest published files, and, from their HELLOs, how each one got them (RUN/policy/sync.json, `run status`).
 
-The other pieces of weight delivery: the protocol (exchange/weight_protocol.py), the trainer's sender
-(trainer/weight_sender.py) and file publishing (trainer/publish.py), the engines' receiver (rollout/weight_receiver.py).
+The other pieces of weight delivery: the protocol (exchange/weight_protocol.py), how versions are numbered and which
+one satisfies a need (exchange/policy_versions.py), the trainer's sender (trainer/weight_sender.py) and file
+publishing (trainer/publish.py), the engines' receiver (rollout/weight_receiver.py).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import logging
 import time
 
 from rstar_hpc.config.rollout import SchedulerConfig
+from rstar_hpc.exchange.policy_versions import newest_published_for, offered_for, satisfies
 from rstar_hpc.exchange.poll import Backoff
 from rstar_hpc.exchange.rundir import RunPaths
 
@@ -31,13 +33,10 @@ MEMORY = "memory"
 
 def in_memory(paths: RunPaths, need) -> int | None:
     """The version the trainer offers in memory (exchange/weight_protocol.py, `trainer.weight_sync: memory`) if it
-    satisfies `need` (same stage, trainer_step >= need's, as a COMMITTED.json is read), else None."""
+    satisfies `need` (policy_versions.satisfies, as a COMMITTED.json is read), else None."""
     from rstar_hpc.exchange.weight_protocol import read_offer
 
-    offer = read_offer(paths.dir)
-    if offer is None or offer.get("stage") != need.stage or int(offer.get("trainer_step", -1)) < need.trainer_step:
-        return None
-    return int(offer["version"])
+    return offered_for(read_offer(paths.dir), need)
 
 
 def wait_for_policy(sc: SchedulerConfig, paths: RunPaths, need, *, what: str = "a rollout step", beat=None,
@@ -64,9 +63,7 @@ def wait_for_policy(sc: SchedulerConfig, paths: RunPaths, need, *, what: str = "
         return markers[v]
 
     while True:
-        files = next((v for v in sorted(dirs.complete_steps(), reverse=True)
-                      if marker(v).get("stage") == need.stage
-                      and int(marker(v).get("trainer_step", -1)) >= need.trainer_step), None)
+        files = newest_published_for(paths, need, marker)
         # read after the files: the trainer offers a version before it publishes it, so a version seen as files is
         # seen in the offer too; the same version in both is synced in memory (the faster way), files the fallback
         offer = in_memory(paths, need)
@@ -131,7 +128,7 @@ class StepWeights:
                     break
                 except SessionRefused:
                     newer = read_offer(self.paths.dir)
-                    if newer is None or not self._satisfies(newer) or int(newer["version"]) <= version:
+                    if newer is None or not satisfies(newer, self.need) or int(newer["version"]) <= version:
                         raise
                     log.info("step %d: the trainer moved on from v%d to v%s; syncing that", self.step, version,
                              newer["version"])
@@ -149,9 +146,6 @@ class StepWeights:
             return {**out, "policy_version": latest[0], "memory_failed": why}
         session["first_ranks"] = {e: 1 + i * self.engine_workers for i, e in enumerate(syncing)}
         return {**out, "policy_version": version, "policy_memory": session}
-
-    def _satisfies(self, offer: dict) -> bool:
-        return offer.get("stage") == self.need.stage and int(offer.get("trainer_step", -1)) >= self.need.trainer_step
 
     def record(self, hello: dict[int, dict], version: int | None) -> int | None:
         """How each engine got the step's weights, from its HELLO (RUN/policy/sync.json, shown by `rstar-hpc run

@@ -28,6 +28,7 @@ import torch
 from rstar_hpc import pipeline
 from rstar_hpc.config import RunConfig, StageConfig
 from rstar_hpc.exchange.errors import StorageError
+from rstar_hpc.exchange.policy_versions import newest_published
 from rstar_hpc.exchange.rundir import RunPaths
 from rstar_hpc.exchange.state import read_stage_state, write_heartbeat, write_stage_state
 from rstar_hpc.metrics_log import metrics_sink
@@ -282,8 +283,7 @@ def _set_state(paths: RunPaths, stage: StageConfig, rank0: bool, status: str, **
     if not rank0:
         return
     current = read_stage_state(paths, stage.name)
-    latest = paths.policies().latest()
-    write_stage_state(paths, current.advance(status, policy_version=latest[0] if latest else 0, **changes))
+    write_stage_state(paths, current.advance(status, policy_version=newest_published(paths), **changes))
 
 
 # --------------------------------------------------------------------------------------------------

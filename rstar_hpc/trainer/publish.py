@@ -5,18 +5,18 @@
     <run>/policy/latest        "v-00000007", moved only after the directory is complete
 
 `trainer_step` N in an RL stage's marker: the weights after training on trajectory step N - 1 of `stage`, which
-is what rollout step N needs on-policy (`rollout.step.wait_for_policy` reads exactly these two fields).
+is what rollout step N needs on-policy (exchange/policy_versions.py `satisfies` reads exactly these two fields).
 
 What the rollout side watches: the complete versions under `policy/` through the exchange's `CommittedDirs`
 (never an incomplete directory): `latest()` for the newest, and each marker's `stage` and `trainer_step` to pick
 the one a step needs. `stages/<stage>/state.json` mirrors the newest version in `policy_version` for
 `rstar-hpc run` and the launcher; it is not the signal. (No rendezvous announcement: the trainer serves nothing.)
 
-Versions are run-global and increase by one per publish (the newest committed version + 1; with
-`trainer.weight_sync: memory`, the newest version published or offered in memory + 1: trainer/weight_sender.py
-numbers them, and steps offered only in memory leave gaps here), across stages and restarts: a restarted trainer retrains from its checkpoint and publishes the next number, never rewriting one
-that engines may already be running. The last `trainer.publish_keep_last` versions are kept (the one `latest`
-names always), so an engine still loading the previous version is not pulled from under it.
+Versions are run-global and monotonic across stages and restarts (exchange/policy_versions.py numbers them and
+looks them up; steps offered only in memory leave gaps here): a restarted trainer retrains from its checkpoint and
+publishes the next number, never rewriting one that engines may already be running. The last
+`trainer.publish_keep_last` versions are kept (the one `latest` names always), so an engine still loading the
+previous version is not pulled from under it.
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from megatron.core import parallel_state
 
+from rstar_hpc.exchange import policy_versions
 from rstar_hpc.exchange.errors import StorageError
 from rstar_hpc.exchange.rundir import RunPaths
 from rstar_hpc.trainer.hf_convert import export_hf_checkpoint
@@ -49,16 +50,15 @@ def publish_policy(model: torch.nn.Module, paths: RunPaths, *, source_dir: str |
     calls; the tensor-parallel group of data-parallel rank 0 gathers, global rank 0 writes and commits.
 
     `source_dir` is the Hugging Face directory the policy came from (config and tokenizer files are copied);
-    `meta` goes into COMMITTED.json. `version`: the number to publish as (rank 0's value counts), when the caller
-    numbers versions itself (trainer/weight_sender.py: in-memory offers take numbers too); else the next one.
+    `meta` goes into COMMITTED.json. `version`: the number to publish as (rank 0's value counts), as
+    trainer/weight_sender.py gives it; else the next one (policy_versions.next_version).
     Returns (version, directory) on every rank.
     """
     dirs = paths.policies()
     holder: list[object] = [None, None]
     if _rank() == 0:
         if version is None:
-            latest = dirs.latest()
-            version = (latest[0] if latest else 0) + 1
+            version = policy_versions.next_version(paths)
         holder = [version, str(dirs.begin(version))]
     if torch.distributed.is_initialized():
         torch.distributed.broadcast_object_list(holder, src=0)
@@ -83,13 +83,3 @@ def publish_policy(model: torch.nn.Module, paths: RunPaths, *, source_dir: str |
     _barrier()
     return version, final
 
-
-def published_version(paths: RunPaths, need) -> int | None:
-    """The policy version made of exactly the weights `need` (pipeline.PolicyNeed) names (0: the base model), the newest if a retrained
-    step made two; None if none is on disk (the trainer then treats every token as another policy's)."""
-    if need.stage is None:
-        return 0
-    dirs = paths.policies()
-    return next((v for v in sorted(dirs.complete_steps(), reverse=True)
-                 if dirs.marker(v).get("stage") == need.stage
-                 and int(dirs.marker(v).get("trainer_step", -1)) == need.trainer_step), None)

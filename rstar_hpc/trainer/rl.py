@@ -51,6 +51,7 @@ from rstar_hpc.config.run import RunConfig
 from rstar_hpc.config.trainer import TrainerConfig
 from rstar_hpc.exchange.columns import TrajectoryColumns
 from rstar_hpc.exchange.errors import CorruptShardError, ExchangeError, StepNotReadyError
+from rstar_hpc.exchange.policy_versions import version_made_of
 from rstar_hpc.exchange.poll import Backoff
 from rstar_hpc.exchange.quarantine import quarantine_commit
 from rstar_hpc.exchange.reader import Consumer
@@ -58,7 +59,6 @@ from rstar_hpc.exchange.rundir import RunPaths
 from rstar_hpc.exchange.state import silence_s, write_heartbeat
 from rstar_hpc.trainer.off_policy import recompute_old_logprobs, staleness_mask
 from rstar_hpc.trainer.parallel import collective_device, from_last_stage
-from rstar_hpc.trainer.publish import published_version
 from rstar_hpc.trainer.step import TokenSlice, pack, train_step
 
 log = logging.getLogger(__name__)
@@ -360,7 +360,7 @@ class RLStageData:
                                        regenerate_corrupt=not sc.partial_rollouts)
         self.start = pipeline.starting_policy(cfg, stage.name)
         # a fresh stage: no trajectory step trained yet, the weights are the stage's starting policy's
-        self.initial_state = {"next_traj_step": 0, "policy_version": published_version(paths, self.start)}
+        self.initial_state = {"next_traj_step": 0, "policy_version": version_made_of(paths, self.start)}
 
     def next(self, stop_requested: Callable[[], bool] = lambda: False) -> RLBatch | None:
         return self.source.next(stop_requested)
@@ -387,9 +387,9 @@ class RLStageData:
         self.source.load_state_dict(state)
         if "policy_version" in state:
             self.source.held_version = state["policy_version"]
-        else:   # a checkpoint written before the version was kept in it: the published one of its weights
+        else:   # a checkpoint written before the version was kept in it: the one made of its weights
             n = int(state["next_traj_step"])
-            self.source.held_version = published_version(
+            self.source.held_version = version_made_of(
                 self.paths, pipeline.PolicyNeed(self.source.stage, n) if n else self.start)
 
     def commit(self, checkpoint: str, state: dict | None = None) -> None:

@@ -26,6 +26,7 @@ import time
 import torch
 from megatron.core import parallel_state
 
+from rstar_hpc.exchange import policy_versions
 from rstar_hpc.exchange import weight_protocol as protocol
 
 log = logging.getLogger("rstar_hpc.trainer")
@@ -69,7 +70,7 @@ class WeightServer:
         plan = protocol.plan_buckets(specs, self.bucket_bytes)
         with self._lock:
             self._held = (int(version), stage, int(trainer_step), state, plan)
-        protocol.record_offered(self.run_dir, version, stage, trainer_step)
+        policy_versions.record_offered(self.run_dir, version, stage, trainer_step)
         protocol.announce_offer(self.run_dir, self.host, self.port, version=version, stage=stage,
                              trainer_step=trainer_step, timeout_s=self.timeout_s, bucket_bytes=self.bucket_bytes)
         log.info("policy v%d (stage %s, trainer step %d) offered in memory at %s:%d", version, stage, trainer_step,
@@ -148,10 +149,9 @@ def offer_policy(model: torch.nn.Module, server: WeightServer | None, *, version
         server.offer(version, stage, trainer_step, state)
 
 
-def next_version(paths) -> int:
-    """Run-global numbering: the newest version published as files or ever offered in memory, + 1."""
-    latest = paths.policies().latest()
-    return max(latest[0] if latest else 0, protocol.newest_offered_version(paths.dir)) + 1
+def offers_in_memory(tcfg, stage) -> bool:
+    """Whether the trained steps of `stage` are offered in memory: RL stages with `weight_sync: memory`."""
+    return tcfg.weight_sync == "memory" and stage.kind == "rl"
 
 
 def publishes_files(tcfg, stage, step: int) -> bool:
@@ -165,8 +165,8 @@ def publishes_files(tcfg, stage, step: int) -> bool:
 
 
 def makes_version(tcfg, stage, step: int) -> bool:
-    """Whether trained step `step` gets a version: offered in memory (RL, `weight_sync: memory`) or as files."""
-    return (tcfg.weight_sync == "memory" and stage.kind == "rl") or publishes_files(tcfg, stage, step)
+    """Whether trained step `step` gets a version: offered in memory (offers_in_memory) or as files."""
+    return offers_in_memory(tcfg, stage) or publishes_files(tcfg, stage, step)
 
 
 def start_server(tcfg, paths) -> WeightServer | None:
@@ -180,16 +180,15 @@ def start_server(tcfg, paths) -> WeightServer | None:
 def publish_step(model: torch.nn.Module, paths, server: WeightServer | None, tcfg, stage, step: int, *,
                  source_dir) -> int | None:
     """Collective, after trained step `step`: offer it in memory (RL stages with `weight_sync: memory`) and/or
-    publish it as files (publishes_files), under one run-global version number. Returns the version, or None when
-    this step makes none."""
+    publish it as files (publishes_files), under one run-global version number (exchange/policy_versions.py).
+    Returns the version, or None when this step makes none (makes_version)."""
     from rstar_hpc.trainer.publish import publish_policy
 
-    memory = tcfg.weight_sync == "memory" and stage.kind == "rl"
-    files = publishes_files(tcfg, stage, step)
-    if not makes_version(tcfg, stage, step):
+    memory, files = offers_in_memory(tcfg, stage), publishes_files(tcfg, stage, step)
+    if not (memory or files):   # makes_version, from the two flags
         return None
-    holder = [next_version(paths) if (torch.distributed.get_rank() if torch.distributed.is_initialized() else 0)
-              == 0 else None]
+    holder = [policy_versions.next_version(paths)
+              if (torch.distributed.get_rank() if torch.distributed.is_initialized() else 0) == 0 else None]
     if torch.distributed.is_initialized():
         torch.distributed.broadcast_object_list(holder, src=0)
     version = int(holder[0])

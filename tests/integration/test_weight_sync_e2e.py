@@ -31,6 +31,7 @@ pytestmark = [pytest.mark.skipif(shutil.which("ompi-server") is None or shutil.w
 
 
 def test_memory_sync_through_the_real_roles_with_a_fallback(tiny_model_dir, tmp_path):
+    from rstar_hpc.exchange import policy_versions
     from rstar_hpc.exchange import weight_protocol as protocol
     from rstar_hpc.exchange.rundir import RunPaths
     from rstar_hpc.exchange.state import read_stage_state
@@ -53,7 +54,7 @@ def test_memory_sync_through_the_real_roles_with_a_fallback(tiny_model_dir, tmp_
     trainer = [json.loads(x) for x in (run / "metrics" / "trainer.jsonl").read_text().splitlines()]
     assert [(m["step"], m.get("policy_version")) for m in trainer if m.get("stage") == "rl"] == \
         [(1, 2), (2, 3), (3, 4), (4, 5)]
-    assert protocol.newest_offered_version(run) == 5 and protocol.read_offer(run) is None   # withdrawn at the end
+    assert policy_versions.newest_offered_version(run) == 5 and protocol.read_offer(run) is None   # withdrawn at the end
 
     summaries = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     rollout = [json.loads(x) for x in (run / "metrics" / "rollout.jsonl").read_text().splitlines()]

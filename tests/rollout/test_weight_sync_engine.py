@@ -66,5 +66,6 @@ def test_engine_logprobs_match_hf_after_in_memory_sync(tiny_model_dir, tmp_path)
     assert (trained - lp).abs().max() < 2e-3, (trained - lp).abs().max()
     assert (start - lp).abs().max() > 1e-2   # the engine runs the trainer's weights, not those it started with
     # the offer is recorded for the run-global numbering, and withdrawn when the server closes
-    from rstar_hpc.exchange import weight_protocol as protocol
-    assert protocol.newest_offered_version(run_dir) == 3 and protocol.read_offer(run_dir) is None
+    from rstar_hpc.exchange.policy_versions import newest_offered_version
+    from rstar_hpc.exchange.weight_protocol import read_offer
+    assert newest_offered_version(run_dir) == 3 and read_offer(run_dir) is None

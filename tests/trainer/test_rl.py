@@ -172,7 +172,7 @@ def test_the_trainer_knows_which_policy_version_it_holds(dist1, tiny_hf_dir, tmp
     step holds none until a version is made of it; the data state keeps it. A checkpoint written before the
     version was kept in it finds it among the published versions (the newest, if a retrained step made two)."""
     from rstar_hpc.pipeline import PolicyNeed
-    from rstar_hpc.trainer.publish import published_version
+    from rstar_hpc.exchange.policy_versions import version_made_of
     from rstar_hpc.trainer.rl import RLStageData
 
     cfg = _cfg(tmp_path, tiny_hf_dir)
@@ -180,7 +180,7 @@ def test_the_trainer_knows_which_policy_version_it_holds(dist1, tiny_hf_dir, tmp
     dirs = paths.policies()
     for v, stage, step in ((1, "sft", 20), (2, "rl-short", 1), (3, "rl-short", 1)):
         dirs.commit(v, dirs.begin(v), stage=stage, trainer_step=step)
-    assert [published_version(paths, PolicyNeed(*n)) for n in ((None,), ("rl-short", 1), ("rl-short", 2))] == \
+    assert [version_made_of(paths, PolicyNeed(*n)) for n in ((None,), ("rl-short", 1), ("rl-short", 2))] == \
         [0, 3, None]
     data = RLStageData(cfg, cfg.stage("rl-short"), paths)
     assert data.initial_state == {"next_traj_step": 0, "policy_version": 1}

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from rstar_hpc.exchange import weight_protocol as protocol
+from rstar_hpc.exchange.policy_versions import newest_offered_version, next_version, record_offered
 from rstar_hpc.exchange.rundir import RunPaths
 
 
@@ -66,7 +67,7 @@ def test_session_sends_every_tensor_bitwise_and_refuses_a_stale_version(tmp_path
             open_session(offer, 4, receivers=1)
     finally:
         server.close()
-    assert protocol.read_offer(tmp_path) is None and protocol.newest_offered_version(tmp_path) == 5
+    assert protocol.read_offer(tmp_path) is None and newest_offered_version(tmp_path) == 5
 
 
 def test_rollout_picks_the_newer_of_offer_and_files(tmp_path):
@@ -88,8 +89,7 @@ def test_rollout_picks_the_newer_of_offer_and_files(tmp_path):
     assert wait_for_policy(sc, paths, PolicyNeed("rl", 2)) == (2, MEMORY)    # the same version: memory, the faster
     dirs.commit(3, dirs.begin(3), stage="rl", trainer_step=3)
     assert wait_for_policy(sc, paths, PolicyNeed("rl", 2)) == (3, str(dirs.path(3)))   # files newer
-    from rstar_hpc.trainer.weight_sender import next_version
-    protocol.record_offered(paths.dir, 7, "rl", 6)
+    record_offered(paths.dir, 7, "rl", 6)
     assert next_version(paths) == 8   # run-global: past what was offered in memory, not only the files
 
 
