@@ -12,6 +12,8 @@ Measured, per run (pooled over its rl steps, so each rate is one number however 
   kept_fraction   trajectories RoC kept / prompts_per_step x G
   tool_calls_per_traj, tool_latency_s   the rollout's tool calls per trajectory and tool wait per call
   response_tokens each rl stage's mean response length
+  handover_s      on-policy runs: the trainer's read wait of step s+1 (time/read(s)) beyond the rollout's
+                  generation wall of step s: the commit, the trainer's poll, reading and checking the shards
 The measured step time of the run is the mean of the trainer's time/step(s) over its rl steps (as `run status`
 shows it per stage): reading (waiting for the rollout), training, publishing, checkpointing.
 """
@@ -100,6 +102,11 @@ def run_rates(run_dir: Path, run_cfg, base: Rates) -> tuple[Rates, dict]:
         ckpt_gbs=CKPT_BYTES_PER_PARAM * n_params / statistics.fmean(ckpt) / 1e9 if ckpt else base.ckpt_gbs,
         kept_fraction=kept / wanted if wanted else base.kept_fraction,
         response_tokens={s: statistics.fmean(v) for s, v in lengths.items()}, source=f"run {run_dir}")
+    if run_cfg.rollout.scheduler.mode == "on_policy":   # in overlap the trainer's wait is not the generation's
+        over = [trainer[(st, s + 1)]["time/read(s)"] - r["generation_wall_s"] for (st, s), r in rollout.items()
+                if isinstance(trainer.get((st, s + 1), {}).get("time/read(s)"), (int, float))]
+        if over:
+            rates = replace(rates, handover_s=max(0.0, statistics.fmean(over)))
     steps = [r["time/step(s)"] for r in trainer.values() if isinstance(r.get("time/step(s)"), (int, float))]
     by_stage = {}
     for (stage, _), r in trainer.items():

@@ -13,7 +13,9 @@ rollout.engine.tensor_parallel_size GPUs):
   checkpoint_s  14 bytes per parameter / ckpt_gbs, every trainer.checkpoint.save_every_steps steps
   handoff_s     how late the waiting role sees the other's hand-off (exchange/poll.py expected_lateness_s of its
                 wait, rates.poll_s): on-policy, the trainer waits out generation and the rollout training + sync;
-                in overlap, the faster role waits the difference
+                in overlap, the faster role waits the difference. With --from-run of an on-policy run, the
+                trainer's side is measured (handover_s: its read wait beyond the rollout's generation: the commit,
+                its poll, reading and checking the shards)
 
   on_policy  step = generation + training + sync + max(0, checkpoint - generation) / save_every + handoff
              (the trainer checkpoints after it publishes, while the rollout generates the next step)
@@ -119,7 +121,8 @@ def stage_step(cfg, stage, rl_index: int, split: tuple[int, int], rates: Rates, 
     gen_s, train_s, sync_s, ckpt_s = (phases[k] for k in ("generation_s", "training_s", "sync_s", "checkpoint_s"))
     late = partial(expected_lateness_s, max_s=rates.poll_s)
     busy_trainer = train_s + ckpt_s / every
-    handoff = {"on_policy": late(gen_s) + late(train_s + sync_s), "overlap": late(abs(gen_s - busy_trainer))}
+    handover = rates.handover_s if rates.handover_s is not None else late(gen_s)   # measured: commit, poll, read
+    handoff = {"on_policy": handover + late(train_s + sync_s), "overlap": late(abs(gen_s - busy_trainer))}
     steps = {"on_policy": gen_s + train_s + sync_s + max(0.0, ckpt_s - gen_s) / every + handoff["on_policy"],
              "overlap": max(gen_s, busy_trainer) + sync_s + handoff["overlap"]}
     out = {"stage": stage.name, "steps": stage.num_steps, **{k: _r(v) for k, v in phases.items()}}

@@ -96,6 +96,7 @@ class Rates:
     # measured rates (--from-run): when set they replace the modelled ones
     decode_tok_s: float | None = None      # one engine's generated tokens per second of a step's generation wall
     train_flops: float | None = None       # the trainer's achieved model FLOP/s, all its ranks together
+    handover_s: float | None = None        # on-policy: the rollout's generation over -> the trainer has the batch
     source: str = "defaults"
 
     def with_gpu(self, gpu: str) -> Rates:
