@@ -176,6 +176,12 @@ class RunConfig(Section):
             raise ValueError(f"trainer.heartbeat_s={self.trainer.heartbeat_s:g} is how often the trainer beats while a "
                              f"step makes progress, the heartbeat launch.hang_timeout_s={hang:g} checks: keep it under "
                              f"half of that, else a long step that moves is taken for hung")
+        if hang and self.trainer.collective_timeout_s >= hang:
+            raise ValueError(f"trainer.collective_timeout_s={self.trainer.collective_timeout_s:g} is not under "
+                             f"launch.hang_timeout_s={hang:g}: a collective stuck on a dead or hung peer would wait "
+                             f"until the launcher kills the trainer as hung, instead of failing first with an error "
+                             f"naming its group. Lower trainer.collective_timeout_s below {hang:g} (keeping it above "
+                             f"the longest checkpoint or policy write) or raise launch.hang_timeout_s")
         return self
 
     @model_validator(mode="after")

@@ -67,9 +67,13 @@ class TrainerConfig(Section):
     collective_timeout_s: float = Field(600.0, ge=30)
     """How long one collective (an all-reduce, a barrier) may wait for the other ranks before this rank fails it
     instead of waiting on: a dead or hung peer then ends the step in bounded time, and the launcher restarts the role
-    from its last checkpoint. NCCL's watchdog enforces it on GPU, with its async error handling (torch's default,
-    TORCH_NCCL_ASYNC_ERROR_HANDLING; a value you set stands); gloo's own timeout on CPU. Keep it above the slowest
-    legitimate wait: a rank waits in a barrier while rank 0 writes a synchronous checkpoint or a policy."""
+    from its last checkpoint. It holds for the world's group and every Megatron group (tensor, pipeline and data
+    parallel, NCCL and their gloo twins), to the second (Megatron's whole-minute setting takes a fraction), and the
+    error names the group that timed out. NCCL's watchdog enforces it on GPU, with its async error handling (torch's
+    default, TORCH_NCCL_ASYNC_ERROR_HANDLING; a value you set stands); gloo's own timeout on CPU. Keep it above the
+    slowest legitimate wait (a rank waits in a barrier while rank 0 writes a synchronous checkpoint or a policy) and
+    under launch.hang_timeout_s (checked), so that a stuck collective fails, naming its group, before the launcher
+    kills the role as hung."""
     virtual_pipeline_parallel_size: int | None = Field(None, ge=2)
     """Model chunks per pipeline rank (megatron's interleaved 1F1B): a smaller pipeline bubble for more p2p
     traffic. Needs pipeline_parallel_size > 1 and layers divisible by pipeline x virtual size. It runs with one

@@ -7,6 +7,10 @@ thread that, every `every_s` (trainer.heartbeat_s), beats if micro-batches were 
 in the schedule's forward step, the pi_old recompute included) and says nothing otherwise. A step that moves is
 never killed as hung; one that stops moving (a stuck collective, a dead peer, a stopped process) falls silent and
 is, after the hang timeout, as before.
+
+Start-up is progress too: rank 0 beats as it enters each phase of its start (`starting`: imports, torch.distributed,
+the model and optimizer, their weights, the stage's data, the first step), so a start longer than the hang timeout
+is no hang while its phases advance, and one phase stuck for the hang timeout is.
 """
 from __future__ import annotations
 
@@ -19,6 +23,15 @@ from rstar_hpc.exchange.state import write_heartbeat
 from rstar_hpc.trainer.step import PROGRESS
 
 log = logging.getLogger("rstar_hpc.trainer")
+
+
+def starting(paths: RunPaths, stage: str, doing: str, rank0: bool = True) -> None:
+    """Rank 0 enters a phase of its start: the heartbeat says which (phase "start")."""
+    if rank0:
+        try:
+            write_heartbeat(paths, "trainer", f"stage {stage}: starting: {doing}", stage=stage, phase="start")
+        except OSError as e:
+            log.warning("trainer heartbeat not written: %s", e)
 
 
 class ProgressBeat:

@@ -34,10 +34,11 @@ from rstar_hpc.exchange.state import read_stage_state, write_heartbeat, write_st
 from rstar_hpc.metrics_log import metrics_sink
 from rstar_hpc.trainer.checkpoint import SaveOnSignal, TrainState, latest_checkpoint, load_checkpoint
 from rstar_hpc.trainer.checkpointer import Checkpointer
-from rstar_hpc.trainer.heartbeat import ProgressBeat
+from rstar_hpc.trainer.heartbeat import ProgressBeat, starting
 from rstar_hpc.trainer.hf_convert import load_hf_checkpoint
 from rstar_hpc.trainer.model import Qwen3Arch
-from rstar_hpc.trainer.parallel import build_optimizer, build_policy, destroy_distributed, init_distributed
+from rstar_hpc.trainer.parallel import (build_optimizer, build_policy, destroy_distributed, init_distributed,
+                                      naming_failed_collectives)
 from rstar_hpc.trainer.weight_sender import makes_version, publish_step, start_server
 from rstar_hpc.trainer.step import build_scheduler
 
@@ -54,20 +55,23 @@ def run(cfg: RunConfig, stage_name: str, *, on_step: Callable[[int, dict], None]
         raise ValueError(f"stage {stage.name!r} is kind {stage.kind!r}; the trainer runs {pipeline.TRAINER_KINDS}")
     paths, tcfg = RunPaths(cfg.run.dir), cfg.trainer
     backend = tcfg.backend if tcfg.backend != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    starting(paths, stage.name, "torch.distributed and the model-parallel groups", _env_rank0())
     init_distributed(tp=tcfg.tensor_parallel_size, pp=tcfg.pipeline_parallel_size, backend=backend,
                      seed=cfg.run.seed, vpp=tcfg.virtual_pipeline_parallel_size, timeout_s=tcfg.collective_timeout_s)
     rank0 = torch.distributed.get_rank() == 0
     signal_save = SaveOnSignal()
     trainer = None
     try:
-        if rank0:
-            _prepare_run(cfg)
-        torch.distributed.barrier()  # the run directory and the model exist before anyone reads them
-        if read_stage_state(paths, stage.name).status == "DONE":
-            log.info("stage %s is DONE already; nothing to train (rerun it under a new stage name)", stage.name)
-            return 0
-        trainer = StageTrainer(cfg, stage, backend, signal_save)
-        return trainer.train(on_step)
+        # a collective that times out (trainer.collective_timeout_s) fails naming its megatron group
+        with naming_failed_collectives():
+            if rank0:
+                _prepare_run(cfg)
+            torch.distributed.barrier()  # the run directory and the model exist before anyone reads them
+            if read_stage_state(paths, stage.name).status == "DONE":
+                log.info("stage %s is DONE already; nothing to train (rerun it under a new stage name)", stage.name)
+                return 0
+            trainer = StageTrainer(cfg, stage, backend, signal_save)
+            return trainer.train(on_step)
     except BaseException as e:
         if trainer is not None:
             trainer.drop_or_finish_saves()
@@ -97,9 +101,13 @@ class StageTrainer:
         self.signal_save = signal_save
         self.metrics_out = metrics_sink(self.paths, "trainer") if self.rank0 else None   # metrics/, tb/<stage>/
         self.model_dir: Path = _model_dir(cfg)
+        starting(self.paths, stage.name, "building the model and its optimizer", self.rank0)
         self.state: TrainState = _build_state(cfg, stage, self.model_dir, backend)
+        starting(self.paths, stage.name, "reading the stage's data", self.rank0)
         self.data = _stage_data(cfg, stage, self.paths, self.model_dir)
+        starting(self.paths, stage.name, "restoring its weights and optimizer state", self.rank0)
         log.info("stage %s (%s): %s", stage.name, stage.kind, _restore(self.state, self.data, cfg, stage, self.paths))
+        starting(self.paths, stage.name, "its first step", self.rank0)
         self.set_state("RUNNING", step=self.state.step, message="")
         self.ckpt = Checkpointer(self.paths.ckpt_root(stage.name), async_save=self.tcfg.checkpoint.async_save,
                                  keep_last=self.tcfg.checkpoint.keep_last, on_commit=self._committed)
@@ -277,6 +285,11 @@ def _pop_async_seconds(ckpt: Checkpointer, metrics: dict) -> None:
     if ckpt.async_save and ckpt.async_seconds:
         metrics["time/checkpoint_async(s)"] = metrics.get("time/checkpoint_async(s)", 0.0) + sum(ckpt.async_seconds)
         ckpt.async_seconds.clear()
+
+
+def _env_rank0() -> bool:
+    """Rank 0 before torch.distributed says so: the launchers' rank variables."""
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0
 
 
 def _set_state(paths: RunPaths, stage: StageConfig, rank0: bool, status: str, **changes) -> None:

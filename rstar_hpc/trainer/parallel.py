@@ -15,11 +15,19 @@ sums the replicated QK-norm gradients over tensor-parallel ranks and scales by t
 The optimizer is megatron's: fp32 main weights for bf16 parameters, and with `use_distributed_optimizer` its
 state and main weights sharded over data-parallel ranks (reduce-scatter of gradients, all-gather of weights).
 On the `cpu` backend all of this runs on gloo inside `host_device.on_host()`.
+
+Every group, the world's and each of megatron's (tensor, pipeline, data parallel, their gloo twins), fails a
+collective that waits longer than trainer.collective_timeout_s; `naming_failed_collectives` turns gloo's
+"Timed out waiting 600000ms for recv operation" into an error that names the group it happened in.
 """
 from __future__ import annotations
 
 import datetime
+import json
 import math
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from megatron.core import parallel_state, tensor_parallel
@@ -41,7 +49,8 @@ def init_distributed(tp: int = 1, pp: int = 1, backend: Backend = "cpu", seed: i
     """Join the process group (env:// from torchrun, or SLURM_* under srun) and build Megatron's groups.
 
     Idempotent within a process: a second call checks the degrees and returns. `timeout_s`: a collective that waits
-    longer fails (trainer.collective_timeout_s); None: torch's default.
+    longer fails (trainer.collective_timeout_s), in the world and in every megatron group; None: torch's default for
+    the world, megatron's (30 min) for its groups.
     """
     import os
     import socket
@@ -56,6 +65,9 @@ def init_distributed(tp: int = 1, pp: int = 1, backend: Backend = "cpu", seed: i
                 s.bind(("127.0.0.1", 0))
                 env["MASTER_PORT"] = str(s.getsockname()[1])
         env.setdefault("MASTER_PORT", "29533")
+        # torch's flight recorder keeps each rank's last collectives with their group's name, which is how
+        # `naming_failed_collectives` tells where a failed one waited (a value you set stands; 0: off)
+        env.setdefault("TORCH_FR_BUFFER_SIZE", str(FLIGHT_RECORDER_ENTRIES))
         if backend == "cuda":
             # every rank sees its node's GPUs (NCCL's P2P/NVLink between them) and computes on its local rank's
             # (launch/binding.py records the same choice); one visible GPU: that one
@@ -75,8 +87,17 @@ def init_distributed(tp: int = 1, pp: int = 1, backend: Backend = "cpu", seed: i
             raise RuntimeError(f"model parallel groups already built with (tp, pp, vpp)={have}, asked for "
                                f"{(tp, pp, vpp)}")
         return dims
+    # megatron gives its groups `timedelta(minutes=distributed_timeout_minutes)`: a fraction keeps the seconds exact
+    # (no rounding to whole minutes). It builds one group without it (EXPERT_DATA_PARALLEL_GROUP_GLOO, 30 min), so
+    # every group of this rank is set again after, as megatron's own update_pg_timeout does.
+    minutes = {"distributed_timeout_minutes": timeout_s / 60} if timeout_s else {}
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                             virtual_pipeline_model_parallel_size=vpp)
+                                             virtual_pipeline_model_parallel_size=vpp, **minutes)
+    if timeout_s:
+        timeout = datetime.timedelta(seconds=timeout_s)
+        for group in getattr(parallel_state, "_global_process_group_list", None) or []:
+            if group is not None:   # None: the world, which has it from init_process_group
+                torch.distributed.distributed_c10d._set_pg_timeout(timeout, group)
     torch.manual_seed(seed)
     if backend == "cuda":
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
@@ -92,6 +113,53 @@ def collective_device() -> str:
     if torch.distributed.is_initialized() and "nccl" in str(torch.distributed.get_backend()):
         return "cuda"
     return "cpu"
+
+
+FLIGHT_RECORDER_ENTRIES = 256
+
+
+class CollectiveError(RuntimeError):
+    """A collective of the trainer's world failed (timed out on a hung peer, or lost a dead one); the message names
+    the operation and its process group (megatron's names: TENSOR_MODEL_PARALLEL_GROUP, DATA_PARALLEL_GROUP, ...)."""
+
+
+def last_collective() -> str | None:
+    """The collective this thread entered last, as 'gloo:all_reduce on TENSOR_MODEL_PARALLEL_GROUP (timeout 600 s)',
+    from torch's flight recorder; None where it is off (TORCH_FR_BUFFER_SIZE=0) or saw none. Right after a
+    collective of this thread failed, it is that one: a rank enters its next collective only once the last returned.
+    (The recorder marks a failed gloo collective finished, like a completed one, once its work is gone, so "the last
+    entered" is what it can tell.)"""
+    try:
+        from torch._C._distributed_c10d import _dump_fr_trace_json
+
+        entries = json.loads(_dump_fr_trace_json(includeCollectives=True)).get("entries", [])
+    except Exception:   # a torch without it, a recorder that is off
+        return None
+    mine = [e for e in entries if str(e.get("thread_id")) == str(threading.get_ident())]
+    if not mine:
+        return None
+    e = max(mine, key=lambda e: (e.get("time_created_ns", 0), e.get("record_id", 0)))
+    uid, desc = (list(e.get("process_group") or []) + ["", ""])[:2]
+    timeout = f" (timeout {e['timeout_ms'] / 1000:g} s)" if e.get("timeout_ms") else ""
+    return f"{e.get('profiling_name') or 'a collective'} on {desc or f'process group {uid}'}{timeout}"
+
+
+@contextmanager
+def naming_failed_collectives() -> Iterator[None]:
+    """Re-raise a collective's failure as a CollectiveError naming the collective and its group: gloo says only
+    "Timed out waiting 600000ms for recv operation to complete" (or "Connection closed by peer"), not which of
+    megatron's groups. Other errors, and a failure the flight recorder has no collective for, pass unchanged. (On
+    NCCL the watchdog ends the process itself, logging the group.)"""
+    try:
+        yield
+    except RuntimeError as e:
+        collective = isinstance(e, torch.distributed.DistError) or "gloo" in str(e)
+        where = last_collective() if collective and not isinstance(e, CollectiveError) else None
+        if where is None:
+            raise
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else "?"
+        raise CollectiveError(f"{where} failed on rank {rank}: a peer is hung or dead (a wait longer than "
+                              f"trainer.collective_timeout_s fails): {type(e).__name__}: {e}") from e
 
 
 def destroy_distributed(keep_world: bool = False) -> None:

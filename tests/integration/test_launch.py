@@ -41,11 +41,14 @@ def test_launch_runs_every_stage_kind_as_one_hetjob(sbatch_run):
 def test_launch_through_submitit_runs_the_same_stages(gpu_cluster, tiny_model_dir, tmp_path, sbatch_run):
     """On the cluster with fake GPUs (the sbatch run above had none): submitit's jobs place their tasks by the same
     rules, and the run is the same, here in overlap mode (one-step off-policy): every stage finishes, each rl step is
-    importance-weighted, and the planner predicts its mean step in that mode."""
+    importance-weighted, and the planner predicts its mean step in that mode. With the shortest hang timeout the
+    config allows (60 s) on a loaded 2-core machine: every role's start beats phase by phase, so none is taken for
+    hung."""
     config = ci_config(tmp_path, "all-stages", tiny_model_dir)
     env = {**gpu_cluster.env, "OMP_NUM_THREADS": "1"}
     proc = rstar("launch", str(config), "launch.trainer.gpus_per_node=2", "launch.rollout.gpus_per_node=2",
-                 "rollout.scheduler.mode=overlap", "stages.rl-short.num_steps=4", "--launcher", "submitit", "--wait", "--json", "--timeout-s", "1200",
+                 "rollout.scheduler.mode=overlap", "stages.rl-short.num_steps=4", "launch.hang_timeout_s=60", "trainer.collective_timeout_s=30",
+                 "--launcher", "submitit", "--wait", "--json", "--timeout-s", "1200",
                  env=env, timeout=1300, check=False)
     run = tmp_path / "runs" / "all-stages"
     assert proc.returncode == 0, proc.stderr[-3000:] + "\n" + _tail(run)
@@ -57,6 +60,9 @@ def test_launch_through_submitit_runs_the_same_stages(gpu_cluster, tiny_model_di
     assert seen[("rollout", 0)]["cuda_visible_devices"] == "" and seen[("rollout", 1)]["cuda_visible_devices"] == "0"
     assert seen[("sandbox", 0)]["cuda_visible_devices"] is None
     facts = check_finished(run, env)
+    from rstar_hpc.exchange.events import read_events
+    from rstar_hpc.exchange.rundir import RunPaths
+    assert not [e for e in read_events(RunPaths(run)) if e["kind"] in ("hang", "crash")], read_events(RunPaths(run))
     # the same config and seed through the other launcher, in the other mode: the same prompts in the same steps
     # (rl-short has two steps more here: from step 2 on, a step generates with the weights of two steps before)
     reference = run_facts(sbatch_run[0])["uids"]

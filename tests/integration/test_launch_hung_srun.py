@@ -79,6 +79,7 @@ def test_a_rollout_whose_srun_hangs_with_its_tasks_is_restarted_in_the_same_job(
     cfg["stages"] = [{"name": "rl", "kind": "rl", "num_steps": STEPS, "prompts_per_step": PROMPTS,
                       "max_response_length": 256, "data": "demo"}]
     cfg["trainer"]["heartbeat_s"] = 10
+    cfg["trainer"]["collective_timeout_s"] = 30   # under hang_timeout_s (checked); one trainer rank: never waits
     config.write_text(yaml.safe_dump(cfg))
     t0 = time.monotonic()
     info = json.loads(rstar("launch", str(config), "--json", env=env).stdout.splitlines()[-1])

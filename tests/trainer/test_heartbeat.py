@@ -3,7 +3,8 @@
 A real SFT stage (a world of one) whose micro-batches are slowed down (the test hook RSTAR_HPC_TEST_SLOW_MICRO_BATCH_S)
 so that one step lasts several times the hang timeout used here. `launch.watch.stale`, the check the supervisor and
 the submitit RoleJob run, never finds the trainer stale while the step moves (trainer/heartbeat.py beats every
-trainer.heartbeat_s on progress); SIGSTOPped mid-step, it falls silent and is found stale within the timeout."""
+trainer.heartbeat_s on progress); SIGSTOPped mid-step, it falls silent and is found stale within the timeout. Its
+start beats too, phase by phase (imports first), so a slow start is no hang while its phases advance."""
 from __future__ import annotations
 
 import os
@@ -36,9 +37,14 @@ def test_a_long_step_that_moves_is_no_hang_and_a_stopped_one_is(tiny_hf_dir, tmp
     try:
         # wait until the first step trains (its first progress beat), then watch it for two hang timeouts
         deadline = time.monotonic() + 180
-        while "micro-batches run" not in ((read_heartbeat(paths, "trainer") or {}).get("doing") or ""):
+        started = []   # the start's phases, as the heartbeat said them
+        while "micro-batches run" not in ((beat := read_heartbeat(paths, "trainer") or {}).get("doing") or ""):
             assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "trainer.log").read_text()[-3000:]
-            time.sleep(0.2)
+            if beat.get("phase") == "start" and beat["doing"] not in started:
+                started.append(beat["doing"])
+            time.sleep(0.1)
+        assert started[0] == "stage sft: starting: importing torch and megatron-core", started
+        assert started[-1] == "stage sft: starting: its first step" and len(started) >= 3, started
         since, watched = time.time(), time.monotonic()
         beats = set()
         while time.monotonic() - watched < 2 * HANG_S:
