@@ -1,5 +1,6 @@
-"""The session's set-up: its own $TMPDIR, the xdist groups of files that share a costly fixture, and the shared
-fixtures: a real local Slurm cluster and a tiny model, each built once per test session."""
+"""The session's set-up: its own $TMPDIR, how it stops on a signal (its fixtures torn down), the xdist groups of
+files that share a costly fixture, and the shared fixtures: a real local Slurm cluster and a tiny model, each built
+once per test session."""
 from __future__ import annotations
 
 import os
@@ -8,6 +9,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from tests.helpers import interrupts
 
 # Nothing under test may reach for a model hub (there is none here, and compute nodes have no internet).
 for _k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
@@ -22,18 +24,34 @@ def pytest_configure(config):
     (a killed engine's IPC sockets and caches, a killed keeper's Open MPI folder, W&B's and multiprocessing's
     folders) goes there, not into the node's /tmp (a run once left ~60 entries). pytest's own tmp_path folders stay
     where they were, kept for a failure's post-mortem. Set by the controller; xdist workers and every process the
-    tests start inherit it."""
+    tests start inherit it.
+
+    SIGINT, SIGTERM and SIGHUP stop the session with its fixtures torn down (tests/helpers/interrupts.py), in the
+    controller and in each xdist worker; the controller passes them on to its workers, interrupts itself when make
+    takes one, sweeps the daemons of dead sessions first, and those of this session that outlived their teardown
+    at its end (the scratch names them: every daemon the tests start inherits $TMPDIR)."""
     if hasattr(config, "workerinput"):
+        interrupts.install()
         return
+    interrupts.install(lambda: interrupts.children() if config.pluginmanager.hasplugin("dsession") else [])
+    interrupts.watch_make()
+    interrupts.report("dead sessions", interrupts.sweep_dead_sessions())
     root = tempfile.gettempdir()
     os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", root)
-    config.stash[_SCRATCH] = os.environ["TMPDIR"] = tempfile.mkdtemp(prefix="rstar-tests-", dir=root)
+    config.stash[_SCRATCH] = os.environ["TMPDIR"] = tempfile.mkdtemp(prefix=interrupts.SCRATCH_PREFIX, dir=root)
+    interrupts.claim(os.environ["TMPDIR"])
     tempfile.tempdir = None   # gettempdir() cached the old one
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish():
+    interrupts.finishing()   # the fixtures' final teardown, and xdist's wait for its workers, run to their end
 
 
 def pytest_unconfigure(config):
     scratch = config.stash.get(_SCRATCH, None)
     if scratch:
+        interrupts.report("this session", interrupts.sweep_session(scratch))
         shutil.rmtree(scratch, ignore_errors=True)
 
 
@@ -86,12 +104,13 @@ def _local_cluster(prefix: str, spec=None):
 
     state = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
     cluster = LocalCluster(state, spec)
-    cluster.up()
     try:
+        cluster.up()
         yield cluster
     finally:
-        cluster.down()
-        shutil.rmtree(state, ignore_errors=True)
+        with interrupts.deferred():   # a stop signal meanwhile waits: a cluster half down leaves daemons behind
+            cluster.down()
+            shutil.rmtree(state, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
