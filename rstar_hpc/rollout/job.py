@@ -251,6 +251,9 @@ def engine_context(cfg, stage: str | None) -> int:
 def _engine(cfg, paths, stage, sandbox, model_dir, rank) -> int:
     from rstar_hpc.rollout.engine import VLLMEngine
 
+    from rstar_hpc.parentage import group_dies_with_me
+
+    group_dies_with_me()   # vLLM's engine core and workers end with this rank, however it ends (a task SIGKILLed)
     context = engine_context(cfg, stage)
     rollout = cfg.rollout.model_copy(update={"engine": cfg.rollout.engine.model_copy(update={"max_model_len": context})})
     engine = VLLMEngine(rollout, model_dir, seed=cfg.run.seed * 1000 + rank)   # before MPI: see engine_context

@@ -3,9 +3,12 @@
   1. engine rank 2's vLLM engine core SIGSTOPped (its rank goes on reporting): rank 0 finds it hung by its token
      counter within rollout.scheduler.engine_stall_s, requeues its trajectories, and its keeper kills it whole (the
      stopped core included) and starts it again; it joins the running job; engine rank 1's process is untouched;
-  2. engine rank 1's process SIGKILLed in a later step: its keeper reports the death, its work is requeued at once.
+  2. engine rank 1's whole srun task SIGKILLed from the top in a later step (its keeper, so no one restarts it):
+     its rank dies with its keeper and its vLLM engine core with its rank (rstar_hpc/parentage.py), within seconds;
+     rank 0 loses it (its connection breaks, or it is silent for engine_timeout_s), requeues its work, and the run
+     goes on with engine 2 alone (a task is not started again inside a job: the next job's start brings it back).
 The run finishes with every RL step holding exactly the prompts its data order gives it, none lost or twice, and
-leaves no process (no stopped one either). `run status` names the hang, the death and the return."""
+leaves no process (no stopped one either). `run status` names the hang, the loss and the return."""
 from __future__ import annotations
 
 import json
@@ -14,6 +17,7 @@ import shutil
 import signal
 import time
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import yaml
@@ -35,7 +39,8 @@ def two_engine_config(tmp_path, model_dir) -> str:
     cfg["model"] = {"path": str(model_dir)}
     cfg["rollout"]["engine"]["kv_cache_memory_mb"] = 64
     cfg["rollout"]["scheduler"].update(journal_every_s=0.3,   # a step of seconds journals parts: "mid-step" is seen
-                                       heartbeat_s=0.5, engine_stall_s=STALL_S, policy_load_timeout_s=LOAD_S)
+                                       heartbeat_s=0.5, engine_stall_s=STALL_S, policy_load_timeout_s=LOAD_S,
+                                       engine_timeout_s=20)
     cfg["stages"] = [{"name": "sft", "kind": "sft", "num_steps": 2, "prompts_per_step": 8, "lr": 2.0e-3,
                       "data": "demo"},
                      {"name": "rl", "kind": "rl", "num_steps": RL_STEPS, "prompts_per_step": 4,
@@ -97,6 +102,49 @@ def _engine_core(rank_pid: int) -> int:
     raise AssertionError(f"no vLLM EngineCore process under engine rank pid {rank_pid}")
 
 
+def _task_top(pid: int) -> int:
+    """The top process of the srun task `pid` runs in (slurmstepd's child): what a lost task's SIGKILL hits."""
+    import psutil
+
+    proc = psutil.Process(pid)
+    while proc.parent() is not None and proc.parent().name() != "slurmstepd":
+        proc = proc.parent()
+    assert proc.parent() is not None, f"pid {pid} is not under a slurmstepd"
+    return proc.pid
+
+
+def _rank_processes(run, rank: int) -> list[int]:
+    """Live processes of rollout rank `rank` of the run: the rank and what it started (they inherit its environment)."""
+    out = []
+    for proc in Path("/proc").iterdir():
+        try:
+            env = (proc / "environ").read_bytes().split(b"\0") if proc.name.isdigit() else []
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] if env else "Z"
+        except OSError:
+            continue
+        if state != "Z" and f"RSTAR_ROLLOUT_RANK={rank}".encode() in env and any(str(run).encode() in e for e in env):
+            out.append(int(proc.name))
+    return out
+
+
+def _wait_generating(run, steps: range) -> int:
+    """An rl step whose work rank 0 has just dispatched (its heartbeat's first line of the phase, written at once:
+    "generating, 0/32 trajectories done"): both engines hold requests then."""
+    import re
+
+    deadline = time.monotonic() + 600
+    while True:
+        try:
+            doing = json.loads((run / "heartbeat" / "rollout.json").read_text()).get("doing", "")
+        except (FileNotFoundError, json.JSONDecodeError):
+            doing = ""
+        m = re.match(r"step (\d+) of stage rl: generating, 0/", doing)
+        if m and int(m.group(1)) in steps:
+            return int(m.group(1))
+        assert time.monotonic() < deadline, "no rl step was seen generating\n" + _tail(run)
+        time.sleep(0.02)
+
+
 def _wait_mid_step(run, steps: range, what: str) -> int:
     deadline = time.monotonic() + 600
     while (step := _mid_step(run, steps)) is None:
@@ -117,8 +165,8 @@ def test_a_hung_or_killed_engine_costs_only_its_work_and_comes_back(slurm_cluste
     env = {**slurm_cluster.env, "OMP_NUM_THREADS": "1"}
     rstar("launch", two_engine_config(tmp_path, tiny_model_dir), "--json", env=env)
     run = tmp_path / "runs" / "engines"
-    # 1. engine rank 2's engine core stopped mid-step; its rank process goes on
-    hung_step = _wait_mid_step(run, range(RL_STEPS - 3), "the stop")
+    # 1. engine rank 2's engine core stopped as a step's work reaches the engines; its rank process goes on
+    hung_step = _wait_generating(run, range(RL_STEPS - 3))
     survivor, hung_rank = _engine_pid(run, 1), _engine_pid(run, 2)
     core = _engine_core(hung_rank)
     os.kill(core, signal.SIGSTOP)
@@ -145,7 +193,12 @@ def test_a_hung_or_killed_engine_costs_only_its_work_and_comes_back(slurm_cluste
         assert time.monotonic() < deadline, "engine rank 2 did not take part again\n" + _tail(run)
         time.sleep(0.2)
     killed_step = _wait_mid_step(run, range(back[0]["step"], RL_STEPS - 1), "the kill")
-    os.kill(_engine_pid(run, 1), signal.SIGKILL)
+    task = _task_top(_engine_pid(run, 1))
+    os.kill(task, signal.SIGKILL)
+    deadline = time.monotonic() + 15
+    while _rank_processes(run, 1):   # the rank with its keeper, the engine core with the rank
+        assert time.monotonic() < deadline, f"engine rank 1's processes outlived its task: {_rank_processes(run, 1)}"
+        time.sleep(0.2)
     deadline = time.monotonic() + 900
     while not (st := status(run, env))["done"]:
         assert time.monotonic() < deadline, "the run did not finish\n" + _tail(run)
@@ -161,7 +214,9 @@ def test_a_hung_or_killed_engine_costs_only_its_work_and_comes_back(slurm_cluste
         assert "still loading the policy" in hung["reason"] and hung["time"] - stopped_at <= LOAD_S + 30, hung
     lost = [e for e in events if e["kind"] == "engine_lost"]
     assert [(e["rank"], e["stage"], e["step"]) for e in lost] == [(1, "rl", killed_step)], events
-    assert "signal SIGKILL" in lost[0]["reason"]
+    # its keeper is gone: rank 0 finds it silent, or without figures at the step's end (its work was all in)
+    assert any(w in lost[0]["reason"] for w in ("connection to rank 0 broke", "silent for", "presumed dead")), lost
+    assert not [e for e in events if e["kind"] == "engine_back" and e["rank"] == 1], events   # its task is gone
     assert not [e for e in events if e["kind"] in ("crash", "hang", "gave_up")], events   # the role never restarted
     back = [e for e in events if e["kind"] == "engine_back" and e["rank"] == 2]
     assert back and back[0]["step"] > hung["step"], events
