@@ -18,7 +18,7 @@ import time
 import torch
 
 from rstar_hpc.models.shapes import PUBLISHED
-from rstar_hpc.trainer.plan import model_flops
+from rstar_hpc.trainer.memory_plan import model_flops
 
 
 def step_flops(arch, seqlens: list[int]) -> tuple[float, int]:

@@ -8,7 +8,7 @@ setting (none, selective MLP): warm-up steps, then timed steps of
        packing; `rl.rl_step`: pi_old recomputed, the clipped loss, AdamW), 2G = 8 rollouts per prompt, G = 4 kept.
 Figures per step kind: tokens/s (trained tokens), MFU (model FLOPs, `plan.model_flops`: 3 passes for the update,
 1 more for the RL step's recompute, over the card's dense bf16 peak), and the peak memory from the model's build
-on, beside `rstar-hpc trainer plan`'s prediction for the same shape and layout. The last stdout line is one JSON
+on, beside `rstar-hpc train --plan`'s prediction for the same shape and layout. The last stdout line is one JSON
 object of every figure. The first setting also runs one SFT and one RL step under torch.profiler: the top 10 kernels
 by time, and how busy the GPU was. `--dry` runs the same steps on the CPU at a tiny shape (a check of the script, no
 figures). On a GPU an untimed pass of the first setting comes first (see measure).
@@ -82,9 +82,9 @@ def trainer_config(args, device: str, recompute: str):
 
 
 def planned_gib(shape: ModelShape, args, recompute: str) -> dict:
-    """`rstar-hpc trainer plan` for this shape on one GPU (tp = pp = dp = 1)."""
+    """`rstar-hpc train --plan` for this shape on one GPU (tp = pp = dp = 1)."""
     from rstar_hpc.config import load_config
-    from rstar_hpc.trainer.plan import make_plan
+    from rstar_hpc.trainer.memory_plan import make_plan
 
     with tempfile.TemporaryDirectory() as d:
         (Path(d) / "config.json").write_text(json.dumps({
@@ -133,7 +133,7 @@ def rl_tables(args, vocab: int) -> list:
 
 def timed(args, steps: list, run, peak: float | None) -> dict:
     """Run `run(step) -> (trained seqlens, FLOP passes)` over `steps`; medians over the timed ones."""
-    from rstar_hpc.trainer.plan import model_flops
+    from rstar_hpc.trainer.memory_plan import model_flops
 
     cuda = torch.cuda.is_available() and not args.dry
     times, tokens, flops = [], [], []
@@ -252,7 +252,7 @@ def main() -> None:
         os.environ.setdefault(k, v)
     from rstar_hpc.trainer.model import have_transformer_engine
     from rstar_hpc.trainer.parallel import destroy_distributed, init_distributed
-    from rstar_hpc.trainer.plan import model_flops
+    from rstar_hpc.trainer.memory_plan import model_flops
 
     init_distributed(tp=1, backend=device)
     peak = peak_tflops(args)

@@ -13,7 +13,7 @@ import sys
 import click
 
 from rstar_hpc import __version__
-from rstar_hpc.cli.status import EXIT_CONFIG, EXIT_USAGE
+from rstar_hpc.cli.exit_codes import EXIT_CONFIG, EXIT_USAGE
 
 # verb -> (module under rstar_hpc.cli, one-line summary shown by --help)
 VERBS: dict[str, tuple[str, str]] = {
@@ -25,8 +25,9 @@ VERBS: dict[str, tuple[str, str]] = {
     "data": ("data", "Show how a data file is read (layout, drops, rows normalised) or check it (exit 0 or 3)."),
     "make-tiny-model": ("make_tiny_model", "Build a random-init Qwen3-architecture model + BPE tokenizer."),
     "generate": ("generate", "Generate from prompts with the policy in vLLM (sbatch/generate.sbatch)."),
-    "train": ("train", "The trainer role (SFT, GRPO-RoC RL) with Megatron-core; --follow walks every stage."),
-    "trainer": ("trainer", "Plan a trainer layout: per-GPU memory estimate and micro-batches, no GPU needed."),
+    "train": ("train", "The trainer role (SFT, GRPO-RoC RL) with Megatron-core; --follow walks every stage; --plan "
+                       "its per-GPU memory plan, no GPU needed."),
+    "trainer": ("trainer", "Deprecated: `train CONFIG --plan` (the trainer's per-GPU memory plan)."),
     "plan": ("plan", "Plan a run's RL steps: step time, GPU-hours, idle GPUs, on-policy vs overlap, node split."),
     "rollout": ("rollout", "The rollout role: vLLM engine ranks over MPI, agent loop, sandbox calls; walks its stages."),
     "sandbox": ("sandbox", "Run or call the bubblewrap Python sandbox service."),

@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from rstar_hpc.cli.status import EXIT_FAILED
+from rstar_hpc.cli.exit_codes import EXIT_FAILED
 
 _state_dir = click.option("--state-dir", type=click.Path(file_okay=False), default=None,
                           help="Where all of the cluster's state lives [$RSTAR_HPC_CLUSTER_DIR or ~/.rstar-hpc/cluster].")

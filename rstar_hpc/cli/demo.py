@@ -28,7 +28,7 @@ from pathlib import Path
 import click
 import yaml
 
-from rstar_hpc.cli.status import EXIT_FAILED
+from rstar_hpc.cli.exit_codes import EXIT_FAILED
 
 DEMO_CONFIG = "demo"
 # per mode in the summary's `modes`: report headline keys, each averaged over the first / last quarter of RL steps

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from rstar_hpc.cli.status import EXIT_FAILED
+from rstar_hpc.cli.exit_codes import EXIT_FAILED
 
 
 @click.command("doctor")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from rstar_hpc.cli.status import EXIT_FAILED
+from rstar_hpc.cli.exit_codes import EXIT_FAILED
 from rstar_hpc.config.loader import DEFAULT_CONFIG
 
 

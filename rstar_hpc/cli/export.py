@@ -21,7 +21,7 @@ def command(source: str, out: str, stage: str | None, step: int | None) -> None:
     """
     import warnings
 
-    from rstar_hpc.cli.status import NotFound
+    from rstar_hpc.cli.exit_codes import NotFound
     from rstar_hpc.export import export_model
     from rstar_hpc.export.choose import RunNotFound
 

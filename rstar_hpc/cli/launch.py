@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from rstar_hpc.cli.status import EXIT_CONFIG, EXIT_FAILED
+from rstar_hpc.cli.exit_codes import EXIT_CONFIG, EXIT_FAILED
 
 
 @click.command("launch")

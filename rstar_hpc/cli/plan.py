@@ -6,7 +6,7 @@ import json
 
 import click
 
-from rstar_hpc.cli.status import EXIT_CONFIG, run_paths
+from rstar_hpc.cli.exit_codes import EXIT_CONFIG, run_paths
 from rstar_hpc.config.loader import DEFAULT_CONFIG
 
 

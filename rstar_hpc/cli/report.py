@@ -5,7 +5,7 @@ import json
 
 import click
 
-from rstar_hpc.cli.status import run_paths as _paths
+from rstar_hpc.cli.exit_codes import run_paths as _paths
 
 
 def _compared(specs: tuple[str, ...]) -> list:

@@ -8,7 +8,7 @@ import time
 
 import click
 
-from rstar_hpc.cli.status import run_paths as _paths
+from rstar_hpc.cli.exit_codes import run_paths as _paths
 
 
 @click.group("run")

@@ -22,7 +22,14 @@ from rstar_hpc.config.loader import DEFAULT_CONFIG
 @click.option("--submit", is_flag=True,
               help="Submit sbatch/trainer.sbatch (resources from launch.trainer) and follow the job, instead of "
                    "training in this process.")
-def command(config: str, overrides: tuple[str, ...], stage_name: str | None, follow: bool, submit: bool) -> None:
+@click.option("--plan", "show_plan", is_flag=True,
+              help="Train nothing: print each stage's per-rank memory (weights, grads, optimizer state, activations) "
+                   "and micro-batch plan, from the config alone (no GPU; exit 1 over --gpu-memory-gib).")
+@click.option("--json", "as_json", is_flag=True, help="With --plan: one JSON object.")
+@click.option("--gpu-memory-gib", type=float, default=80.0, show_default=True,
+              help="With --plan: the GPU memory to check the estimate against.")
+def command(config: str, overrides: tuple[str, ...], stage_name: str | None, follow: bool, submit: bool,
+            show_plan: bool, as_json: bool, gpu_memory_gib: float) -> None:
     """Train one stage of CONFIG: resume its latest checkpoint (or carry the previous stage's policy over),
     train to the stage's num_steps, publish policies for the rollout engines; on USR2 save and exit 0 before
     the end (sbatch/trainer.sbatch then requeues). Under srun every task is one rank (one GPU); alone it is a
@@ -30,6 +37,9 @@ def command(config: str, overrides: tuple[str, ...], stage_name: str | None, fol
 
     CONFIG is a config name (`rstar-hpc config show --list`) or a YAML path; OVERRIDES are dotted key=value pairs.
     """
+    if show_plan:
+        print_memory_plan(config, overrides, as_json, gpu_memory_gib)
+        return
     from rstar_hpc.config import load_config
 
     cfg = load_config(config, overrides)
@@ -39,7 +49,11 @@ def command(config: str, overrides: tuple[str, ...], stage_name: str | None, fol
     if submit:
         _submit_and_follow(cfg, config, overrides, stage)
         return
+    _train_here(cfg, stage, follow)
 
+
+def _train_here(cfg, stage, follow: bool) -> None:
+    """This process is a trainer rank (alone: a world of one): train `stage`, then with `follow` each one after."""
     import warnings
 
     from tqdm import tqdm
@@ -87,6 +101,21 @@ def command(config: str, overrides: tuple[str, ...], stage_name: str | None, fol
                        err=True)
         code = 0
     sys.exit(code)
+
+
+def print_memory_plan(config: str, overrides: tuple[str, ...], as_json: bool, gpu_memory_gib: float) -> None:
+    """Per-rank memory and the micro-batch plan of each stage (rstar_hpc/trainer/memory_plan.py has the formulas);
+    exit 1 if the estimate exceeds `gpu_memory_gib`."""
+    from rstar_hpc.config import load_config
+    from rstar_hpc.trainer.memory_plan import format_plan, make_plan
+
+    try:
+        result = make_plan(load_config(config, overrides), gpu_memory_gib)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(json.dumps(result.to_dict()) if as_json else format_plan(result))
+    if result.total_gib > gpu_memory_gib:
+        sys.exit(1)
 
 
 def _pick_stage(cfg, name: str | None, none_left_ok: bool = False):

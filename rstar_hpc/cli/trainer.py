@@ -1,8 +1,5 @@
-"""`rstar-hpc trainer plan CONFIG [overrides]`: a trainer layout's per-GPU memory and micro-batch plan."""
+"""`rstar-hpc trainer plan`: the former name of `rstar-hpc train --plan`, kept for one release."""
 from __future__ import annotations
-
-import json
-import sys
 
 import click
 
@@ -11,7 +8,7 @@ from rstar_hpc.config.loader import DEFAULT_CONFIG
 
 @click.group("trainer")
 def command() -> None:
-    """Trainer tools that need no GPU (the trainer itself runs with `rstar-hpc train`)."""
+    """Deprecated: `rstar-hpc train --plan` prints the trainer's plan (this group goes in the next release)."""
 
 
 @command.command("plan")
@@ -21,18 +18,9 @@ def command() -> None:
 @click.option("--gpu-memory-gib", type=float, default=80.0, show_default=True,
               help="GPU memory to check the estimate against.")
 def plan(config: str, overrides: tuple[str, ...], as_json: bool, gpu_memory_gib: float) -> None:
-    """Per-rank memory (weights, grads, optimizer state, activations) and the micro-batch plan of each stage.
+    """Deprecated name of `rstar-hpc train CONFIG --plan`."""
+    from rstar_hpc.cli.train import print_memory_plan
 
-    Arithmetic from the config (trainer.*, launch.trainer, the model's config.json or published shape); see
-    rstar_hpc/trainer/plan.py for the formulas. Exit 1 if the estimate exceeds --gpu-memory-gib.
-    """
-    from rstar_hpc.config import load_config
-    from rstar_hpc.trainer.plan import format_plan, make_plan
-
-    try:
-        result = make_plan(load_config(config, overrides), gpu_memory_gib)
-    except ValueError as e:
-        raise click.ClickException(str(e)) from None
-    click.echo(json.dumps(result.to_dict()) if as_json else format_plan(result))
-    if result.total_gib > gpu_memory_gib:
-        sys.exit(1)
+    click.echo("note: `rstar-hpc trainer plan` is now `rstar-hpc train CONFIG --plan`; this name goes in the next "
+               "release", err=True)
+    print_memory_plan(config, overrides, as_json, gpu_memory_gib)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import click
 
-from rstar_hpc.cli.status import NotFound, run_paths as _paths
+from rstar_hpc.cli.exit_codes import NotFound, run_paths as _paths
 
 
 def _stage(paths, stage: str | None) -> str:

@@ -2,7 +2,7 @@
 
 The parallel layout (tensor x pipeline x data parallel), the optimizer's sharding and precision, and activation
 recompute are configuration; `check_layout` (run by the config loader) rejects combinations that cannot run,
-naming the key and the fix. `rstar-hpc trainer plan CONFIG` prints what a layout costs per GPU.
+naming the key and the fix. `rstar-hpc train CONFIG --plan` prints what a layout costs per GPU.
 """
 from __future__ import annotations
 
@@ -111,7 +111,7 @@ class TrainerConfig(Section):
     """Activation recompute: `selective` re-runs `recompute_modules` in the backward pass instead of keeping their
     activations (`mlp` is the large share with flash attention; `core_attn` pays off with unfused attention, whose
     scores grow with the square of the length); `full` keeps only each block of `recompute_num_layers` layers'
-    input and re-runs the block (least memory, ~1/3 more compute). `rstar-hpc trainer plan` shows the effect."""
+    input and re-runs the block (least memory, ~1/3 more compute). `rstar-hpc train --plan` shows the effect."""
     recompute_modules: list[RecomputeModule] = Field(default_factory=lambda: ["core_attn"])
     """`selective` recompute: which parts of each layer (megatron's names and default: core_attn, mlp,
     layernorm)."""

@@ -38,7 +38,7 @@ from rstar_hpc.exchange.poll import expected_lateness_s
 from rstar_hpc.models.shapes import model_shape
 from rstar_hpc.planner import generation as gen
 from rstar_hpc.planner.rates import PAPER, Rates
-from rstar_hpc.trainer.plan import make_plan, model_flops
+from rstar_hpc.trainer.memory_plan import make_plan, model_flops
 
 CKPT_BYTES_PER_PARAM = 14   # bf16 weights + fp32 main weights + AdamW's two fp32 moments
 MODES = ("on_policy", "overlap")
@@ -174,7 +174,7 @@ def make_run_plan(cfg, rates: Rates, *, nodes: int | None = None, stage: str | N
     if not tried:
         raise PlanError(f"no split of {total} nodes fits the trainer's layout (tp x pp = "
                         f"{cfg.trainer.tensor_parallel_size} x {cfg.trainer.pipeline_parallel_size}, "
-                        f"{rates.memory_gb:g} GB GPUs); give more --nodes or check `rstar-hpc trainer plan`")
+                        f"{rates.memory_gb:g} GB GPUs); give more --nodes or check `rstar-hpc train CONFIG --plan`")
     at_config = plan_split(cfg, configured, rates, shape, n_params, stages)
     out = {"config": cfg.run.name, "model": source, "parameters": n_params, "nodes": total,
            "gpus_per_node": devices_per_node(cfg.launch.rollout), "rates": rates.to_dict(),

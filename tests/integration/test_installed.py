@@ -49,7 +49,7 @@ def test_the_verbs_run_from_the_install_outside_any_checkout(installed, tmp_path
     assert installed.rstar("config", "validate", "tiny-cpu", env=env).stdout.startswith("ok: tiny-cpu")
     plan = json.loads(installed.rstar("plan", "qwen3-14b", "--json", env=env).stdout.splitlines()[-1])
     assert plan["overlap"]["gpu_hours_total"] > 0 and plan["parameters"] > 1e10, plan   # engine_sim ran
-    assert "rl-8k" in installed.rstar("trainer", "plan", "qwen3-14b", env=env).stdout
+    assert "rl-8k" in installed.rstar("train", "qwen3-14b", "--plan", env=env).stdout
     script = installed.rstar("launch", "tiny-cpu", "--dry-run", env=env).stdout
     assert f"exec {installed.python} -m rstar_hpc.launch.supervise" in script
     assert f"{installed.python} -m rstar_hpc rollout --config" in script

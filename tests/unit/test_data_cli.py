@@ -8,7 +8,7 @@ import pytest
 from tests.helpers.datafiles import openai_chat, verl_row, write_jsonl, write_parquet
 
 from rstar_hpc.cli import main
-from rstar_hpc.cli.status import EXIT_CONFIG
+from rstar_hpc.cli.exit_codes import EXIT_CONFIG
 from rstar_hpc.config import load_config
 from rstar_hpc.data.prompts import REPEATS
 from rstar_hpc.eval import compose as c

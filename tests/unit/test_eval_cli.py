@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from rstar_hpc.cli import main
-from rstar_hpc.cli.status import EXIT_CONFIG
+from rstar_hpc.cli.exit_codes import EXIT_CONFIG
 from rstar_hpc.config import ConfigError
 from rstar_hpc.eval import compose as c
 from rstar_hpc.exchange.rundir import RunPaths

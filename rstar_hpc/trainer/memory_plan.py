@@ -1,4 +1,4 @@
-"""What a trainer layout costs per GPU, before queueing it: `rstar-hpc trainer plan CONFIG [overrides]`.
+"""What a trainer layout costs per GPU, before queueing it: `rstar-hpc train CONFIG [overrides] --plan`.
 
 Arithmetic from the config alone (no torch, no GPU): the model's shape (`models.shapes`), the layout
 (`trainer.*`, ranks = `launch.trainer.num_nodes x tasks_per_node`) and the stages. Per rank of the busiest

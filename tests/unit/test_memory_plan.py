@@ -1,4 +1,4 @@
-"""`rstar-hpc trainer plan`: the per-GPU memory arithmetic and micro-batch plan, from a config alone."""
+"""`rstar-hpc train --plan`: the per-GPU memory arithmetic and micro-batch plan, from a config alone."""
 from __future__ import annotations
 
 import json
@@ -9,7 +9,7 @@ from click.testing import CliRunner
 from rstar_hpc.cli import cli
 from rstar_hpc.config import load_config
 from rstar_hpc.models.shapes import PUBLISHED
-from rstar_hpc.trainer.plan import make_plan, params_per_rank
+from rstar_hpc.trainer.memory_plan import make_plan, params_per_rank
 
 
 def test_published_qwen3_14b_has_its_parameter_count():
@@ -36,12 +36,15 @@ def test_the_14b_recipe_fits_80_gb_and_each_knob_moves_its_line():
 
 def test_cli_prints_a_table_or_json_and_exits_1_when_it_does_not_fit():
     runner = CliRunner()
-    table = runner.invoke(cli, ["trainer", "plan", "qwen3-14b"])
+    table = runner.invoke(cli, ["train", "qwen3-14b", "--plan"])
     assert table.exit_code == 0, table.output
     assert "tp 4 x pp 2 x dp 4 = 32 ranks" in table.output and "fits 80 GiB" in table.output
-    out = runner.invoke(cli, ["trainer", "plan", "qwen3-14b", "--json"])
+    out = runner.invoke(cli, ["train", "qwen3-14b", "--plan", "--json"])
     row = json.loads(out.output)
     assert row["fits"] and set(row["memory_gib"]) == {"weights", "grads", "optimizer", "activations", "logits",
                                                       "overhead"}
-    over = runner.invoke(cli, ["trainer", "plan", "qwen3-14b", "trainer.recompute=none", "--gpu-memory-gib", "40"])
+    over = runner.invoke(cli, ["train", "qwen3-14b", "trainer.recompute=none", "--plan", "--gpu-memory-gib", "40"])
     assert over.exit_code == 1 and "does NOT fit 40 GiB" in over.output
+    old = CliRunner().invoke(cli, ["trainer", "plan", "qwen3-14b", "--json"])   # the former name, for one release
+    assert old.exit_code == 0 and json.loads(old.stdout) == row and "is now `rstar-hpc train CONFIG --plan`" in \
+        old.stderr
