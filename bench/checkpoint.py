@@ -45,7 +45,7 @@ def parse_args() -> argparse.Namespace:
 
 def _arch(args):
     from rstar_hpc.models.shapes import PUBLISHED
-    from rstar_hpc.trainer.model import Qwen3Arch
+    from rstar_hpc.trainer.arch import Qwen3Arch
 
     if args.quick:
         return Qwen3Arch(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,

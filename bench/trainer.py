@@ -63,7 +63,7 @@ def trainer_policy(model_dir, lr: float):
     """The trainer's policy and optimizer on one CPU rank (what `rstar-hpc train` builds), no weight decay."""
     from rstar_hpc.config.trainer import TrainerConfig
     from rstar_hpc.trainer.hf_convert import load_hf_checkpoint
-    from rstar_hpc.trainer.model import Qwen3Arch
+    from rstar_hpc.trainer.arch import Qwen3Arch
     from rstar_hpc.trainer.parallel import build_optimizer, build_policy
 
     tcfg = TrainerConfig(backend="cpu", optimizer={"lr": lr, "weight_decay": 0.0, "grad_clip": 1.0})
@@ -228,7 +228,7 @@ def bench_rl(args, model_dir: str, tmp: str) -> dict:
     from rstar_hpc.exchange.rundir import RunPaths
     from rstar_hpc.synthetic.trajectories import make_step
     from rstar_hpc.exchange.writer import ShardWriter
-    from rstar_hpc.trainer.model import Qwen3Arch
+    from rstar_hpc.trainer.arch import Qwen3Arch
     from rstar_hpc.trainer.rl import TrajectorySource, rl_step
 
     budget = max(args.tokens, 4 * args.rl_response_tokens)

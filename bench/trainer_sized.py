@@ -144,7 +144,8 @@ def bench_sized(args) -> dict:
     """The SFT step of a Qwen3 of published shape: the trainer's policy vs Hugging Face, one after the other."""
     from transformers import Qwen3ForCausalLM
 
-    from rstar_hpc.trainer.model import Qwen3Arch, have_transformer_engine
+    from rstar_hpc.trainer.arch import Qwen3Arch
+    from rstar_hpc.trainer.model import have_transformer_engine
     from rstar_hpc.trainer.parallel import destroy_distributed, init_distributed
 
     config = _hf_config(args)

@@ -159,7 +159,7 @@ def check(args, device: str, recompute: str, peak: float | None, profile: bool =
     """One recompute setting: build the policy, time SFT then RL steps, the peak memory over both; with `profile`,
     one more SFT and RL step each under torch.profiler."""
     from rstar_hpc.config.algo import AlgoConfig
-    from rstar_hpc.trainer.model import Qwen3Arch
+    from rstar_hpc.trainer.arch import Qwen3Arch
     from rstar_hpc.trainer.parallel import build_optimizer, build_policy
     from rstar_hpc.trainer.rl import build_batch, rl_step
     from rstar_hpc.trainer.step import pack, train_step

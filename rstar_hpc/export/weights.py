@@ -20,7 +20,8 @@ from rstar_hpc.export.choose import ExportError
 from rstar_hpc.trainer import host_device
 from rstar_hpc.trainer.checkpoint import FORMAT
 from rstar_hpc.trainer.hf_convert import export_hf_checkpoint
-from rstar_hpc.trainer.model import Qwen3Arch, build_model
+from rstar_hpc.trainer.arch import Qwen3Arch
+from rstar_hpc.trainer.model import build_model
 from rstar_hpc.trainer.parallel import destroy_distributed, init_distributed
 
 

@@ -28,7 +28,7 @@ from megatron.core import parallel_state
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from rstar_hpc.trainer.model import Qwen3Arch
+from rstar_hpc.trainer.arch import Qwen3Arch
 
 # files the rollout engines need besides the weights; copied on export when present
 AUX_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",

@@ -32,13 +32,14 @@ from rstar_hpc.exchange.policy_versions import newest_published
 from rstar_hpc.exchange.rundir import RunPaths
 from rstar_hpc.exchange.state import read_stage_state, write_heartbeat, write_stage_state
 from rstar_hpc.metrics_log import metrics_sink
+from rstar_hpc.trainer.arch import Qwen3Arch
 from rstar_hpc.trainer.checkpoint import SaveOnSignal, TrainState, latest_checkpoint, load_checkpoint
 from rstar_hpc.trainer.checkpointer import Checkpointer
 from rstar_hpc.trainer.heartbeat import ProgressBeat, starting
 from rstar_hpc.trainer.hf_convert import load_hf_checkpoint
-from rstar_hpc.trainer.model import Qwen3Arch
 from rstar_hpc.trainer.parallel import (build_optimizer, build_policy, destroy_distributed, init_distributed,
                                       naming_failed_collectives)
+from rstar_hpc.trainer.stage_data import StageData
 from rstar_hpc.trainer.weight_sender import makes_version, publish_step, start_server
 from rstar_hpc.trainer.step import build_scheduler
 
@@ -90,9 +91,9 @@ def run(cfg: RunConfig, stage_name: str, *, on_step: Callable[[int, dict], None]
 
 class StageTrainer:
     """One sft or rl stage on this rank, built whole before it trains (as torchtitan's Trainer): the policy with
-    its optimizer and lr schedule (`state`), the stage's data (`data`: SFTStageData or RLStageData, also its loss
-    and step), the saves (`ckpt`), rank 0's metrics sink and in-memory weight offers (`server`). Restored from the
-    stage's own checkpoint, else the previous trainer stage's, else the model. Then `train()`, then `close()`."""
+    its optimizer and lr schedule (`state`), the stage's data (`data`, a stage_data.StageData of either kind, also
+    its loss and step), the saves (`ckpt`), rank 0's metrics sink and in-memory weight offers (`server`). Restored
+    from the stage's own checkpoint, else the previous trainer stage's, else the model. Then `train()`, `close()`."""
 
     def __init__(self, cfg: RunConfig, stage: StageConfig, backend: str, signal_save: SaveOnSignal):
         self.cfg, self.stage, self.tcfg, self.backend = cfg, stage, cfg.trainer, backend
@@ -104,7 +105,7 @@ class StageTrainer:
         starting(self.paths, stage.name, "building the model and its optimizer", self.rank0)
         self.state: TrainState = _build_state(cfg, stage, self.model_dir, backend)
         starting(self.paths, stage.name, "reading the stage's data", self.rank0)
-        self.data = _stage_data(cfg, stage, self.paths, self.model_dir)
+        self.data: StageData = _stage_data(cfg, stage, self.paths, self.model_dir)
         starting(self.paths, stage.name, "restoring its weights and optimizer state", self.rank0)
         log.info("stage %s (%s): %s", stage.name, stage.kind, _restore(self.state, self.data, cfg, stage, self.paths))
         starting(self.paths, stage.name, "its first step", self.rank0)
@@ -133,8 +134,7 @@ class StageTrainer:
                 with timer("publish"):
                     metrics["policy_version"] = publish_step(state.model, self.paths, self.server, tcfg, stage,
                                                              state.step, source_dir=self.model_dir)
-                if stage.kind == "rl":   # the version of its weights decides which tokens need a correction
-                    data.now_holds(metrics["policy_version"])
+                data.now_holds(metrics["policy_version"])   # RL: it decides which tokens need a correction
             state.data_state = data.state_dict()
             self.finalize_saves(timer, metrics)  # an async save whose write has finished: commit, ack
             if stop or state.step == stage.num_steps or state.step % tcfg.checkpoint.save_every_steps == 0:
@@ -142,7 +142,7 @@ class StageTrainer:
                     self.checkpoint(wait=stop or state.step == stage.num_steps)
                 _pop_async_seconds(self.ckpt, metrics)
             metrics.update(timer.metrics())
-            _log_step(self.metrics_out, stage, state.step, metrics, self.backend, state.model)
+            _log_step(self.metrics_out, stage, state.step, metrics, self.backend, state.model, data)
             if self.rank0:
                 write_heartbeat(self.paths, "trainer", f"stage {stage.name}: trained step {state.step}/"
                                 f"{stage.num_steps}", stage=stage.name, step=state.step)
@@ -243,7 +243,8 @@ def _build_state(cfg: RunConfig, stage: StageConfig, model_dir: Path, backend: s
     return TrainState(model, optimizer, scheduler)
 
 
-def _stage_data(cfg: RunConfig, stage: StageConfig, paths: RunPaths, model_dir: Path):
+def _stage_data(cfg: RunConfig, stage: StageConfig, paths: RunPaths, model_dir: Path) -> StageData:
+    """The one place the stage's kind picks its data; past it the loop speaks StageData only."""
     if stage.kind == "sft":
         from rstar_hpc.trainer.sft import SFTStageData
 
@@ -253,7 +254,7 @@ def _stage_data(cfg: RunConfig, stage: StageConfig, paths: RunPaths, model_dir: 
     return RLStageData(cfg, stage, paths)
 
 
-def _restore(state: TrainState, data, cfg: RunConfig, stage: StageConfig, paths: RunPaths) -> str:
+def _restore(state: TrainState, data: StageData, cfg: RunConfig, stage: StageConfig, paths: RunPaths) -> str:
     """Resume the stage, or carry the previous trainer stage's policy over, or start from the model."""
     own = latest_checkpoint(paths.ckpt_root(stage.name))
     if own is not None:
@@ -329,7 +330,8 @@ def _mfu(model: torch.nn.Module, metrics: dict) -> float | None:
     return 6 * params * metrics["tokens_per_s"] / (float(os.environ.get("RSTAR_HPC_PEAK_TFLOPS", "989")) * 1e12)
 
 
-def _log_step(out, stage: StageConfig, step: int, metrics: dict, backend: str, model: torch.nn.Module) -> None:
+def _log_step(out, stage: StageConfig, step: int, metrics: dict, backend: str, model: torch.nn.Module,
+              data: StageData) -> None:
     if out is None:
         return
     mfu = _mfu(model, metrics) if backend == "cuda" else None
@@ -337,8 +339,7 @@ def _log_step(out, stage: StageConfig, step: int, metrics: dict, backend: str, m
         metrics["perf/mfu"] = mfu
     clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
     out.write({"stage": stage.name, "step": step, "time": time.time(), **clean})
-    extra = (f" | reward {metrics['reward/mean']:.3f} | kept {metrics['roc/num_kept']:.0f}"
-             f"/{metrics['roc/num_trajectories']:.0f}" if stage.kind == "rl" else "")
+    extra = data.describe(metrics)
     log.info("%s step %*d/%d | loss %8.4f | grad_norm %7.3f | lr %.2e | tok/s %8.0f%s | step %.2fs", stage.name,
              len(str(stage.num_steps)), step, stage.num_steps, metrics.get("loss", float("nan")),
              metrics.get("grad_norm", float("nan")), metrics.get("lr", float("nan")), metrics.get("tokens_per_s", 0.0),

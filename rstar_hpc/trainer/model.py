@@ -1,15 +1,11 @@
-"""The policy: a Qwen3-architecture decoder as a megatron-core `GPTModel`.
-
-Qwen3 = pre-norm RMSNorm, SwiGLU MLP, RoPE (rotate-half), grouped-query attention, RMSNorm on each query and
-key head before RoPE (`qk_layernorm`), no biases, untied embeddings on the larger models.
+"""The policy: a Qwen3 (arch.py) as megatron-core `GPTModel` chunks, and the whole-logits forward for evaluation.
 
 Two layer specs build the same parameters:
   * `cuda` with Transformer Engine installed: `get_gpt_layer_with_transformer_engine_spec` (imported lazily).
-  * `cpu`, and `cuda` without Transformer Engine: megatron-core's local spec with `SDPACoreAttention` in place
-            of `DotProductAttention` (which refuses packed sequences); on CUDA, SDPA dispatches to the flash or
-            memory-efficient attention kernels (bf16/fp16). One log line says when `cuda` falls back to it.
-Both take packed sequences (`PackedSeqParams`, THD layout): one row of concatenated samples, RoPE restarting at
-every sample, attention block-diagonal and causal.
+  * `cpu`, and `cuda` without Transformer Engine: megatron-core's local spec with attention.py's
+            `SDPACoreAttention` in place of `DotProductAttention`. One log line says when `cuda` falls back to it.
+Both take packed sequences (`PackedSeqParams`, THD layout, attention.py): one row of concatenated samples, RoPE
+restarting at every sample, attention block-diagonal and causal.
 
 The output layer returns the last hidden states, not the logits (`logprobs.HiddenOutputLayer`): the trainer takes
 log-probabilities and the loss from them in chunks of tokens (trainer/logprobs.py), never the full-vocabulary
@@ -20,24 +16,15 @@ numbers match the Hugging Face model exactly.
 from __future__ import annotations
 
 import functools
-import inspect
 import logging
-import math
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state, tensor_parallel
-from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
-from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb as _megatron_rope
-from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.gpt import GPTModel
 from megatron.core.packed_seq_params import PackedSeqParams
-from megatron.core.transformer import attention as megatron_attention
-from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
     TransformerBlock,
@@ -46,219 +33,14 @@ from megatron.core.transformer.transformer_block import (
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-try:
-    from torch.nn.attention.varlen import varlen_attn
-    _VARLEN_ARGS = set(inspect.signature(varlen_attn).parameters)   # torch 2.10 took is_causal, later window_size
-except ImportError:  # torch without the flash varlen entry point: per-sample calls
-    varlen_attn, _VARLEN_ARGS = None, set()
-
-from rstar_hpc.models.shapes import ModelShape, read_hf_config
+from rstar_hpc.trainer.arch import Qwen3Arch
+# attention.py, once imported, gives every attention layer (either spec) its packed_rope
+from rstar_hpc.trainer.attention import CPURotaryEmbedding, SDPACoreAttention
 from rstar_hpc.trainer.logprobs import DEFAULT_CHUNK, HiddenOutputLayer, full_logits, output_weight
+from rstar_hpc.trainer.parallel_dims import ParallelDims
 
 Backend = Literal["cpu", "cuda"]
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Qwen3Arch(ModelShape):
-    """The architecture numbers of a Qwen3 checkpoint (its config.json, parsed by models.shapes), checked to be a
-    dense Qwen3 with plain RoPE: what the trainer builds."""
-
-    @classmethod
-    def from_hf_config(cls, config: dict | Path | str) -> Qwen3Arch:
-        """Read a Hugging Face `config.json` (a dict, the file, or its directory)."""
-        config = read_hf_config(config)
-        arch = config.get("architectures") or []
-        if config.get("model_type") != "qwen3" and "Qwen3ForCausalLM" not in arch:
-            raise ValueError(f"model_type={config.get('model_type')!r}, architectures={arch}: the trainer builds "
-                             f"Qwen3 (dense) models only; convert or pick a Qwen3 checkpoint")
-        rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", None):
-            raise ValueError(f"rope type {rope_type!r} is not supported by the trainer (plain RoPE only)")
-        if config.get("attention_bias", False):
-            raise ValueError("attention_bias=true: Qwen3 has no attention biases; this checkpoint is not Qwen3")
-        return super().from_hf_config(config)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    def padded_vocab_size(self, tp: int, multiple: int = 1) -> int:
-        """Vocabulary rows in Megatron: a multiple of tp (VocabParallelEmbedding splits evenly)."""
-        step = tp * multiple
-        return math.ceil(self.vocab_size / step) * step
-
-
-# --------------------------------------------------------------------------------------------------
-# parallel layout (the world itself: parallel.py)
-
-
-@dataclass(frozen=True)
-class ParallelDims:
-    """Parallel degrees of the trainer: world = tp * pp * dp (dp derived); vpp model chunks per pipeline rank."""
-
-    world_size: int
-    tp: int = 1
-    pp: int = 1
-    vpp: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.tp < 1 or self.pp < 1 or self.world_size % (self.tp * self.pp):
-            raise ValueError(f"WORLD_SIZE={self.world_size} is not a multiple of tensor_parallel_size ({self.tp}) "
-                             f"x pipeline_parallel_size ({self.pp}) = {self.tp * self.pp}; change the degrees "
-                             f"or the number of trainer ranks")
-        if self.vpp is not None and self.pp == 1:
-            raise ValueError(f"virtual_pipeline_parallel_size={self.vpp} needs pipeline_parallel_size > 1")
-
-    @property
-    def dp(self) -> int:
-        return self.world_size // (self.tp * self.pp)
-
-    @property
-    def tp_enabled(self) -> bool:
-        return self.tp > 1
-
-    @property
-    def pp_enabled(self) -> bool:
-        return self.pp > 1
-
-    @property
-    def dp_enabled(self) -> bool:
-        return self.dp > 1
-
-    def check_model(self, arch: Qwen3Arch) -> None:
-        """Head counts must split evenly over tensor-parallel ranks, layers over pipeline stages."""
-        for name, n in (("num_attention_heads", arch.num_heads), ("num_key_value_heads", arch.num_kv_heads),
-                        ("intermediate_size", arch.intermediate_size)):
-            if n % self.tp:
-                raise ValueError(f"{name}={n} is not divisible by tensor_parallel_size={self.tp}; "
-                                 f"pick a tensor_parallel_size that divides it")
-        stages = self.pp * (self.vpp or 1)
-        if arch.num_layers % stages:
-            raise ValueError(f"num_hidden_layers={arch.num_layers} is not divisible by pipeline_parallel_size="
-                             f"{self.pp} x virtual_pipeline_parallel_size={self.vpp or 1}; pick degrees that divide it")
-
-
-
-# --------------------------------------------------------------------------------------------------
-# CPU attention
-
-
-class SDPACoreAttention(MegatronModule):
-    """Core attention via `torch.nn.functional.scaled_dot_product_attention` (CPU, or any device).
-
-    Same constructor and call as megatron-core's `DotProductAttention`; causal, grouped-query (kv heads are
-    shared, not copied), and packed THD sequences (`_packed`).
-    """
-
-    def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
-                 attention_type: str, attention_dropout: float | None = None, softmax_scale: float | None = None,
-                 cp_comm_type: str | None = None, pg_collection=None):
-        super().__init__(config=config)
-        if config.context_parallel_size != 1:
-            raise ValueError("SDPACoreAttention has no context parallelism; use the cuda (TE) spec")
-        tp = pg_collection.tp.size() if pg_collection is not None else \
-            parallel_state.get_tensor_model_parallel_world_size()
-        self.num_heads = config.num_attention_heads // tp
-        self.num_groups = config.num_query_groups // tp
-        self.head_dim = config.kv_channels
-        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
-        self.attn_mask_type = attn_mask_type
-        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
-
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params: PackedSeqParams | None = None):
-        if attention_bias is not None:
-            raise ValueError("SDPACoreAttention takes no attention_bias")
-        causal = (attn_mask_type or self.attn_mask_type) == AttnMaskType.causal
-        dropout = self.dropout_p if self.training else 0.0
-        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
-            return self._packed(query, key, value, packed_seq_params, causal, dropout)
-        # [s, b, h, d] -> [b, h, s, d]
-        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
-        mask = None
-        if attention_mask is not None:
-            mask = ~attention_mask  # Megatron: True = masked out; SDPA: True = may attend
-            if causal:
-                s_q, s_k = q.size(2), k.size(2)
-                mask = mask & torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).tril()
-            causal = False
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal,
-                                             scale=self.softmax_scale, enable_gqa=self.num_groups != self.num_heads)
-        s, b = query.size(0), query.size(1)
-        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
-
-
-    def _packed(self, query, key, value, packed: PackedSeqParams, causal: bool, dropout: float) -> torch.Tensor:
-        """[t, h, d] packed samples, attention within each. On CUDA in bf16/fp16: torch's flash varlen kernel, one
-        call per layer, lengths from the device's cu_seqlens (no host sync). Elsewhere one causal SDPA call per
-        sample, costing sum(s_i^2), not t^2: on the CPU it beat one block-diagonal masked call (docs/gpu-trainer.md),
-        and cu_seqlens is a host tensor there."""
-        cu = packed.cu_seqlens_q if packed.cu_seqlens_q_padded is None else packed.cu_seqlens_q_padded
-        gqa = self.num_groups != self.num_heads
-        if (varlen_attn is not None and query.is_cuda and query.dtype in (torch.bfloat16, torch.float16)
-                and not dropout and packed.max_seqlen_q is not None):
-            kw = ({"window_size": (-1, 0) if causal else (-1, -1)} if "window_size" in _VARLEN_ARGS
-                  else {"is_causal": causal})
-            if "enable_gqa" in _VARLEN_ARGS:
-                kw["enable_gqa"] = gqa
-            elif gqa:   # flash takes fewer key/value heads itself; this torch's wrapper does not say so
-                reps = self.num_heads // self.num_groups
-                key, value = key.repeat_interleave(reps, dim=1), value.repeat_interleave(reps, dim=1)
-            out = varlen_attn(query, key, value, cu.to(torch.int32), cu.to(torch.int32), packed.max_seqlen_q,
-                              packed.max_seqlen_q, scale=self.softmax_scale, **kw)
-            return out.reshape(query.size(0), -1)
-        lens = (cu[1:] - cu[:-1]).tolist()
-        outs = []
-        for q, k, v in zip(query.split(lens), key.split(lens), value.split(lens)):
-            q, k, v = (x.permute(1, 0, 2).unsqueeze(0) for x in (q, k, v))
-            o = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=causal,
-                                               scale=self.softmax_scale, enable_gqa=gqa)
-            outs.append(o.squeeze(0).permute(1, 0, 2))
-        return torch.cat(outs).reshape(query.size(0), -1)
-
-
-class CPURotaryEmbedding(RotaryEmbedding):
-    """megatron-core's RoPE without its move of `inv_freq` to the current CUDA device (CPU has none)."""
-
-    def get_emb(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
-        freqs = self.get_freqs_non_repeated(max_seq_len, offset)
-        return torch.cat((freqs, freqs), dim=-1)[:, None, None, :]  # rotate-half layout, as Qwen3
-
-
-def packed_rope(t: torch.Tensor, freqs: torch.Tensor, config: TransformerConfig, cu_seqlens: torch.Tensor | None = None,
-                mscale: float = 1.0, cp_group=None) -> torch.Tensor:
-    """megatron-core's `apply_rotary_pos_emb`, with packed (THD) rows rotated by positions found on the device.
-    Megatron's unfused THD path reads `cu_seqlens` to the host (`.tolist()`) for the query and the key of every
-    layer, so the host waits for the GPU twice a layer; here each token's position within its sample is
-    `i - cu_seqlens[sample of i]` (a `searchsorted`), and one gather of `freqs` gives the same rotation. Megatron's
-    own path is kept where it differs: fused RoPE (Transformer Engine), context parallelism, MLA."""
-    if (cu_seqlens is None or config.apply_rope_fusion or config.multi_latent_attention
-            or (cp_group is not None and cp_group.size() > 1)):
-        return _megatron_rope(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group)
-    idx = torch.arange(t.size(0), device=cu_seqlens.device, dtype=cu_seqlens.dtype)
-    starts = cu_seqlens[torch.searchsorted(cu_seqlens, idx, right=True) - 1]
-    pos = (idx - starts).long().to(freqs.device)
-    return _apply_rotary_pos_emb_bshd(t.unsqueeze(1), freqs[pos], rotary_interleaved=config.rotary_interleaved,
-                                      mscale=mscale).squeeze(1)
-
-
-# megatron's attention calls the name it imported; every attention layer of this process takes packed_rope
-megatron_attention.apply_rotary_pos_emb = packed_rope
-
-
-def packed_seq_params(seqlens: list[int] | torch.Tensor, device: torch.device | str = "cpu") -> PackedSeqParams:
-    """THD metadata for one row of concatenated samples of these lengths."""
-    lens = torch.as_tensor(seqlens, dtype=torch.int32)
-    cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
-    cu[1:] = torch.cumsum(lens, 0)
-    cu = cu.to(device)
-    m = int(lens.max())
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=m, max_seqlen_kv=m)
-
-
-# --------------------------------------------------------------------------------------------------
-# specs and model
 
 
 @functools.cache

@@ -37,7 +37,9 @@ from megatron.core.optimizer import OptimizerConfig, clip_grads, get_megatron_op
 from megatron.core.utils import local_multi_tensor_l2_norm
 
 from rstar_hpc.trainer import host_device
-from rstar_hpc.trainer.model import Backend, ParallelDims, Qwen3Arch, Recompute, build_model
+from rstar_hpc.trainer.arch import Qwen3Arch
+from rstar_hpc.trainer.model import Backend, Recompute, build_model
+from rstar_hpc.trainer.parallel_dims import ParallelDims
 
 
 # --------------------------------------------------------------------------------------------------

@@ -221,16 +221,21 @@ class TrajectorySource:
     """An RL stage's trajectory steps, in order, each trained exactly once (the rule in the module docstring).
 
     `next()` reads ahead of the durable cursor; `commit(checkpoint)` acks every step read so far once a
-    checkpoint holding their updates has committed (rank 0 writes the cursor; every rank reads).
+    checkpoint holding their updates has committed (rank 0 writes the cursor; every rank reads). `hold(version)`:
+    the policy version of the trainer's weights now, which decides per token whether it generated it (build_batch).
     """
 
     def __init__(self, paths: RunPaths, stage: str, algo: AlgoConfig, trainer: TrainerConfig, *, run_seed: int,
                  name: str = CONSUMER, regenerate_corrupt: bool = True, held_version: int | None = 0):
-        self.algo, self.trainer, self.run_seed, self.stage = algo, trainer, run_seed, stage
-        self.held_version = held_version   # the policy version of the trainer's weights (build_batch)
+        self.algo, self.trainer, self.run_seed, self.stage, self.paths = algo, trainer, run_seed, stage, paths
+        self.held_version = held_version   # the policy version of the trainer's weights (build_batch); hold()
         self.consumer = Consumer(paths, stage, name, trainer.producers)
         self.next_step = self.consumer.next_step
         self.regenerate_corrupt = regenerate_corrupt
+
+    def hold(self, version: int | None) -> None:
+        """The trainer's weights are policy `version` now (None: trained since, no version made of them yet)."""
+        self.held_version = version
 
     def next(self, stop_requested: Callable[[], bool] = lambda: False, poll_s: float = 1.0) -> RLBatch | None:
         """The next step's batch once every producer committed it; None if `stop_requested()` turns true on
@@ -270,10 +275,10 @@ class TrajectorySource:
             waited = time.monotonic() - start
             if missing and rank0 and int(waited) // 5 != said:   # one heartbeat every 5 s of waiting
                 said = int(waited) // 5
-                write_heartbeat(reader.paths, "trainer", f"stage {self.stage}: waiting for the trajectories of step "
+                write_heartbeat(self.paths, "trainer", f"stage {self.stage}: waiting for the trajectories of step "
                                 f"{step} since {waited:.0f}s", stage=self.stage, step=step)
             # late: the producers said nothing for trajectory_timeout_s (a long rollout stage in between is fine)
-            silent = min(silence_s(reader.paths, p, wall0) for p in ("rollout",)) if missing else 0.0
+            silent = min(silence_s(self.paths, p, wall0) for p in ("rollout",)) if missing else 0.0
             not_ready, stop, late = _any_rank(bool(missing), stop_requested(),
                                               silent >= self.trainer.trajectory_timeout_s)
             if not not_ready:
@@ -281,7 +286,7 @@ class TrajectorySource:
             if stop:
                 return None
             if late:
-                raise StepNotReadyError(str(reader.paths.traj_step_dir(self.stage, step)), step, missing,
+                raise StepNotReadyError(str(self.paths.traj_step_dir(self.stage, step)), step, missing,
                                         sorted(records), waited)
             backoff.sleep()   # ranks may sleep slightly different intervals: _any_rank meets them at every look
 
@@ -299,10 +304,10 @@ class TrajectorySource:
             bad = os.path.basename(corrupt.path) if corrupt is not None else None
             owners = [p for p, r in records.items() if bad in {s["file"] for s in r["shards"]}] or list(records)
             for producer in owners:
-                quarantine_commit(self.consumer.reader.paths, self.stage, step, producer,
+                quarantine_commit(self.paths, self.stage, step, producer,
                                   str(corrupt) if corrupt is not None else "a shard failed its checksum on another "
                                                                            "trainer rank")
-            write_heartbeat(self.consumer.reader.paths, "trainer", f"stage {self.stage}: step {step} was corrupt on "
+            write_heartbeat(self.paths, "trainer", f"stage {self.stage}: step {step} was corrupt on "
                             f"disk; took back its commit, waiting for the rollout to write it again",
                             stage=self.stage, step=step)
         _any_rank(False)   # a barrier: the commit is gone before any rank lists the step again
@@ -341,12 +346,12 @@ class TrajectorySource:
 
 
 class RLStageData:
-    """An RL stage for the trainer role (`rstar_hpc.trainer.job`): trajectory steps in, GRPO-RoC updates. Its state
-    holds the data cursor and the policy version of the trainer's weights, which decides per token whether the
-    trainer's own policy generated it (build_batch)."""
+    """An RL stage for the trainer role (`rstar_hpc.trainer.job`), a `stage_data.StageData`: trajectory steps in,
+    GRPO-RoC updates. Its state holds the data cursor and the policy version of the trainer's weights, which
+    decides per token whether the trainer's own policy generated it (build_batch)."""
 
     def __init__(self, cfg: RunConfig, stage, paths: RunPaths):
-        self.loss_cfg, self.trainer, self.paths = cfg.algo.loss, cfg.trainer, paths
+        self.loss_cfg, self.trainer, self.paths, self.stage = cfg.algo.loss, cfg.trainer, paths, stage.name
         self.temperature = cfg.rollout.agent.temperature   # the engines' logprobs are taken after it
         sc = cfg.rollout.scheduler
         if (sc.policy_lag or sc.partial_rollouts) and not cfg.trainer.recompute_old_logprobs and \
@@ -368,17 +373,16 @@ class RLStageData:
     def train(self, model, optimizer, scheduler, batch: RLBatch) -> dict[str, float]:
         if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
             # the launcher's hang check (launch.hang_timeout_s) hears the trainer at work, not still waiting
-            write_heartbeat(self.source.consumer.reader.paths, "trainer", f"stage {self.source.stage}: training on "
-                            f"the trajectories of step {batch.step}", stage=self.source.stage, step=batch.step,
-                            phase="train")
+            write_heartbeat(self.paths, "trainer", f"stage {self.stage}: training on the trajectories of step "
+                            f"{batch.step}", stage=self.stage, step=batch.step, phase="train")
         metrics = rl_step(model, optimizer, scheduler, batch, self.loss_cfg, self.trainer,
                           temperature=self.temperature)
-        self.source.held_version = None   # new weights: no version until one is made of them (now_holds)
+        self.source.hold(None)   # new weights: no version until one is made of them (now_holds)
         return metrics
 
     def now_holds(self, version: int | None) -> None:
         """The trainer's weights were published (or offered in memory) as `version`."""
-        self.source.held_version = version
+        self.source.hold(version)
 
     def state_dict(self) -> dict:
         return {**self.source.state_dict(), "policy_version": self.source.held_version}
@@ -386,12 +390,14 @@ class RLStageData:
     def load_state_dict(self, state: dict) -> None:
         self.source.load_state_dict(state)
         if "policy_version" in state:
-            self.source.held_version = state["policy_version"]
+            self.source.hold(state["policy_version"])
         else:   # a checkpoint written before the version was kept in it: the one made of its weights
             n = int(state["next_traj_step"])
-            self.source.held_version = version_made_of(
-                self.paths, pipeline.PolicyNeed(self.source.stage, n) if n else self.start)
+            self.source.hold(version_made_of(self.paths, pipeline.PolicyNeed(self.stage, n) if n else self.start))
 
-    def commit(self, checkpoint: str, state: dict | None = None) -> None:
+    def commit(self, checkpoint: str | None, state: dict | None = None) -> None:
         self.source.commit(checkpoint, state)
 
+    def describe(self, metrics: dict[str, float]) -> str:
+        return (f" | reward {metrics['reward/mean']:.3f} | kept {metrics['roc/num_kept']:.0f}"
+                f"/{metrics['roc/num_trajectories']:.0f}")

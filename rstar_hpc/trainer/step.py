@@ -25,7 +25,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from rstar_hpc.trainer import host_device
 from rstar_hpc.trainer.logprobs import aligned_logprobs, fused_loss, output_weight, unwrapped
-from rstar_hpc.trainer.model import packed_seq_params
+from rstar_hpc.trainer.attention import packed_seq_params
 from rstar_hpc.trainer.packing import (  # noqa: F401  (re-exported)
     MicroBatch,
     TokenSlice,

@@ -15,17 +15,10 @@ from rstar_hpc.trainer.hf_convert import (
     megatron_to_hf,
     read_hf_weights,
 )
-from rstar_hpc.trainer.model import (
-    ParallelDims,
-    Qwen3Arch,
-    SDPACoreAttention,
-    build_model,
-    forward_logits,
-    have_transformer_engine,
-    layer_spec,
-    packed_seq_params,
-    token_logprobs,
-)
+from rstar_hpc.trainer.arch import Qwen3Arch
+from rstar_hpc.trainer.attention import SDPACoreAttention, packed_seq_params
+from rstar_hpc.trainer.model import build_model, forward_logits, have_transformer_engine, layer_spec, token_logprobs
+from rstar_hpc.trainer.parallel_dims import ParallelDims
 
 
 @pytest.fixture(scope="module")
@@ -73,9 +66,9 @@ def test_varlen_attention_equals_per_sample_attention_in_bf16(monkeypatch):
     as the per-sample calls' own in bf16: bf16 rounding, which differs element by element between two kernels."""
     from types import SimpleNamespace
 
-    from rstar_hpc.trainer import model
+    from rstar_hpc.trainer import attention
 
-    if model.varlen_attn is None:
+    if attention.varlen_attn is None:
         pytest.skip("this torch has no torch.nn.attention.varlen")
     lens = [300, 1, 517, 64, 1100]
     gen = torch.Generator().manual_seed(0)
@@ -89,7 +82,7 @@ def test_varlen_attention_equals_per_sample_attention_in_bf16(monkeypatch):
         out.float().pow(2).sum().backward()
         return [out.float()] + [t.grad.float() for t in x]
     varlen = run(torch.bfloat16)
-    monkeypatch.setattr(model, "varlen_attn", None)   # the per-sample loop
+    monkeypatch.setattr(attention, "varlen_attn", None)   # the per-sample loop
     loop, exact = run(torch.bfloat16), run(torch.float32)
     assert varlen[0].shape == (sum(lens), 8 * 128)
     for name, a, b, ref in zip(("out", "dq", "dk", "dv"), varlen, loop, exact):

@@ -174,6 +174,7 @@ def test_the_trainer_knows_which_policy_version_it_holds(dist1, tiny_hf_dir, tmp
     from rstar_hpc.pipeline import PolicyNeed
     from rstar_hpc.exchange.policy_versions import version_made_of
     from rstar_hpc.trainer.rl import RLStageData
+    from rstar_hpc.trainer.stage_data import StageData
 
     cfg = _cfg(tmp_path, tiny_hf_dir)
     paths = RunPaths(cfg.run.dir)
@@ -183,6 +184,7 @@ def test_the_trainer_knows_which_policy_version_it_holds(dist1, tiny_hf_dir, tmp
     assert [version_made_of(paths, PolicyNeed(*n)) for n in ((None,), ("rl-short", 1), ("rl-short", 2))] == \
         [0, 3, None]
     data = RLStageData(cfg, cfg.stage("rl-short"), paths)
+    assert isinstance(data, StageData)
     assert data.initial_state == {"next_traj_step": 0, "policy_version": 1}
     data.load_state_dict({"next_traj_step": 0})   # no version kept: the starting policy's, found on disk
     assert data.source.held_version == 1
