@@ -1,6 +1,6 @@
 """How long the training loop blocks on a checkpoint: synchronous saves against async ones (trainer.checkpoint.async_save).
 
-One trainer rank (the trainer's own policy, optimizer and `trainer/checkpointer.Checkpointer`, as `rstar-hpc train`
+One trainer rank (the trainer's own policy, optimizer and `trainer/checkpoint.Checkpointer`, as `rstar-hpc train`
 runs them) trains a step, then saves, `--saves` times per mode, alternating which mode goes first. Sync: the save
 call's seconds (what the loop waits for). Async: the save call's seconds (planning, the device-to-host copy, the
 fork of the writer) plus the next step's non-blocking finalize, and separately the write's whole duration
@@ -74,7 +74,7 @@ def bench(args, root: str) -> dict:
         args.saves, args.tokens = 2, 128
     from rstar_hpc.config.trainer import TrainerConfig
     from rstar_hpc.trainer.checkpoint import TrainState
-    from rstar_hpc.trainer.checkpointer import Checkpointer
+    from rstar_hpc.trainer.checkpoint import Checkpointer
     from rstar_hpc.trainer.parallel import build_optimizer, build_policy, destroy_distributed, init_distributed
     from rstar_hpc.trainer.step import pack, train_step
 

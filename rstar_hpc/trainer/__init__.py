@@ -13,11 +13,11 @@
     stage_data.py  StageData: what the role's loop asks of a stage's data, whatever its kind
     sft.py         SFT data (rStar2 chat JSONL, assistant-only loss) and its stage data for the role
     rl.py          the RL step (RoC, group advantages, pi_old recompute, GRPO-RoC loss) and TrajectorySource
-    checkpoint.py  distributed checkpoints with an atomic commit, resume (also under another layout), SaveOnSignal
+    checkpoint.py  distributed checkpoints with an atomic commit, resume (also under another layout), the loop's
+                   sync and async saves (Checkpointer), SaveOnSignal
     publish.py     policy versions for the rollout engines (HF safetensors under policy/, `latest`)
     heartbeat.py   rank 0 beats while a step makes progress (a long step is no hang)
     weight_sender.py  rank 0's in-memory offer of each policy to the engines (trainer.weight_sync: memory)
-    checkpointer.py   the loop's sync and async saves
     memory_plan.py per-GPU memory and micro-batch plan of a layout (`rstar-hpc train --plan`), no torch
     job.py         the role's job: run(cfg, stage), called by `rstar-hpc train` (jobs/trainer.py)
 """

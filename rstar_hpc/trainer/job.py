@@ -33,8 +33,7 @@ from rstar_hpc.exchange.rundir import RunPaths
 from rstar_hpc.exchange.state import read_stage_state, write_heartbeat, write_stage_state
 from rstar_hpc.metrics_log import metrics_sink
 from rstar_hpc.trainer.arch import Qwen3Arch
-from rstar_hpc.trainer.checkpoint import SaveOnSignal, TrainState, latest_checkpoint, load_checkpoint
-from rstar_hpc.trainer.checkpointer import Checkpointer
+from rstar_hpc.trainer.checkpoint import Checkpointer, SaveOnSignal, TrainState, latest_checkpoint, load_checkpoint
 from rstar_hpc.trainer.heartbeat import ProgressBeat, starting
 from rstar_hpc.trainer.hf_convert import load_hf_checkpoint
 from rstar_hpc.trainer.parallel import (build_optimizer, build_policy, destroy_distributed, init_distributed,

@@ -12,7 +12,7 @@ import torch
 from tests.helpers.trainer import BACKENDS, make_optimizer, make_policy, rl_train, sft_batch, train_state
 
 from rstar_hpc.trainer.checkpoint import TrainState, latest_checkpoint, load_checkpoint
-from rstar_hpc.trainer.checkpointer import Checkpointer
+from rstar_hpc.trainer.checkpoint import Checkpointer
 from rstar_hpc.trainer.step import train_step
 
 
@@ -132,7 +132,7 @@ def test_trainer_killed_mid_async_write_resumes_and_matches_the_uninterrupted_ru
 
     from rstar_hpc.exchange.rundir import RunPaths
     from rstar_hpc.exchange.state import read_stage_state
-    from rstar_hpc.trainer.checkpointer import DIE_IN_ASYNC_WRITE_ENV
+    from rstar_hpc.trainer.checkpoint import DIE_IN_ASYNC_WRITE_ENV
     from rstar_hpc.synthetic.sft_chats import make_samples, write_jsonl
 
     data = write_jsonl(make_samples(40, seed=0, system=""), tmp_path / "train.jsonl")
