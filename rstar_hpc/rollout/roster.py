@@ -91,6 +91,10 @@ class EngineRoster:
         s = self.engines.get(rank)
         return s is not None and s.state not in ("dead", "hung")
 
+    def moved_at(self) -> float:
+        """When any engine in the step last moved (0.0: none is in it)."""
+        return max((self.engines[e].moved_at for e in self.live()), default=0.0)
+
     def views(self) -> dict[str, dict]:
         now = time.monotonic()
         return {str(e): s.view(now) for e, s in sorted(self.engines.items())}

@@ -83,6 +83,7 @@ class StepScheduler:
         self.queue = StepQueue(spec.step, list(spec.items))
         self.levers = Levers(sc)
         self.journal = Journal(paths, spec.stage, spec.step, sc.journal_every_s)
+        self.beat_moved = 0.0   # the engines' progress the last heartbeat reported
 
     def run(self) -> dict:
         """The step, stage by stage; returns its summary (also appended to metrics/rollout.jsonl)."""
@@ -105,7 +106,7 @@ class StepScheduler:
             self.dispatch(q.admit())
             got = self.collect()
             self.requeue(self.roster.check())
-            self.heartbeat(f"generating, {len(q.results)}/{len(q.items)} trajectories done", "generate")
+            self.beat_if_moved()
             self.journal.maybe_write(q.results)
             if self.hooks.stop():
                 self.journal.maybe_write(q.results, force=True)
@@ -123,6 +124,16 @@ class StepScheduler:
                                   admission=self.sc.admission, lost=[x.rank for x in self.roster.lost],
                                   engine_stats=engine_stats, weights_via=self.weights.via,
                                   levers=self.levers.metrics())
+
+    def beat_if_moved(self) -> None:
+        """The heartbeat while generating carries progress: written only when an engine moved since the last one
+        (roster.py), so a rollout whose engines all stop goes stale and its launcher restarts it."""
+        moved, q = self.roster.moved_at(), self.queue
+        if moved > self.beat_moved:
+            self.heartbeat(f"generating, {len(q.results)}/{len(q.items)} trajectories done; last progress "
+                           f"{time.monotonic() - moved:.0f}s ago", "generate")
+            if self.hooks.beat_written():
+                self.beat_moved = moved
 
     def heartbeat(self, text: str, phase: str, every_s: float | None = None) -> None:
         """The role's heartbeat file, with each engine's state (`run status`)."""

@@ -179,3 +179,28 @@ def test_run_status_shows_each_engines_state_and_the_hang(tmp_path, monkeypatch)
         "2": {"state": "starting", "moved_s_ago": 7.0, "doing": "loading the policy"}}
     assert "rollout engine rank 1 hung in step 3 of stage rl (hung: x): 4 trajectories requeued, its keeper " \
            "restarts it" in st["problems"]
+
+
+def test_the_generating_heartbeat_is_written_only_while_an_engine_moves(tmp_path, monkeypatch):
+    """Rank 0's heartbeat during generation carries progress: engines that stop moving leave it stale."""
+    from rstar_hpc.config.stages import StageLimits
+    from rstar_hpc.exchange.rundir import RunPaths
+    from rstar_hpc.rollout.scheduler import StepScheduler
+    from rstar_hpc.rollout.step import StepHooks, StepSpec
+
+    clock = _Clock(monkeypatch)
+    written = []
+    hooks = StepHooks(beat=lambda text, **kw: written.append((clock.now, text)))
+    s = StepScheduler(_Comm(clock, 3, []), _MPI, _sc(), RunPaths(tmp_path / "run"),
+                      StepSpec("rl", 0, [], StageLimits(100, 4)), score=None, hooks=hooks)
+    s.roster.engines = {e: Engine(e, state="generating") for e in (1, 2)}
+    for second in range(60):
+        clock.now += 1.0
+        tokens = min(second, 20)   # both engines make tokens for 20 s, then their counters stand still
+        for e in (1, 2):
+            s.roster.heard(e)
+            s.roster.on_report(e, {"tokens": tokens, "generating": 3})
+        s.beat_if_moved()
+    times = [t for t, _ in written]
+    assert times and max(times) <= 1000 + 22 and "last progress 0s ago" in written[-1][1]   # silent once stopped
+    assert len(times) >= 2 and all(b - a >= 10 for a, b in zip(times, times[1:]))          # throttled meanwhile
