@@ -36,6 +36,7 @@ from rstar_hpc.rollout.mpi import (TAG_ABORT, TAG_ACK, TAG_ALIVE, TAG_DEAD, TAG_
                                    TAG_STATS, wait_sent)
 
 log = logging.getLogger("rstar_hpc.rollout")
+REPORTING = 3   # heard within this many heartbeat_s: the engine's rank still reports
 
 
 @dataclass
@@ -200,7 +201,9 @@ class EngineRoster:
         for s in [self.engines[e] for e in self.live()]:
             if now - s.heard_at > sc.engine_timeout_s:
                 lost.append(self.lose(s.rank, f"silent for {now - s.heard_at:.0f}s", restart=True))
-            elif s.generating and now - s.moved_at > sc.engine_stall_s:
+            elif s.generating and now - s.moved_at > sc.engine_stall_s and now - s.heard_at <= REPORTING * sc.heartbeat_s:
+                # hung only while it still reports: one that stopped reporting is left to the silence rule (a lost
+                # task's engine is dead, not hung)
                 lost.append(self.lose(s.rank, f"hung: {s.generating} request(s) in its engine made no token for "
                                               f"{now - s.moved_at:.0f}s (its rank still reports; "
                                               f"rollout.scheduler.engine_stall_s={sc.engine_stall_s:g})", hung=True))

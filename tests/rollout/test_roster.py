@@ -134,6 +134,21 @@ def test_an_engine_holding_requests_that_make_no_token_is_hung_and_restarted(mon
     assert roster.views()["2"]["state"] == "hung"
 
 
+def test_an_engine_that_stops_reporting_mid_generation_is_silent_not_hung(monkeypatch):
+    """Its task lost whole: its last report held requests, then nothing. The silence rule takes it, not the stall
+    rule (which would say its rank still reports)."""
+    clock = _Clock(monkeypatch)
+    roster = EngineRoster(_Comm(clock, 2, []), _MPI, _sc(engine_timeout_s=30.0, engine_stall_s=20.0))
+    roster.engines = {1: Engine(1, state="ready")}
+    roster.heard(1), roster.on_report(1, {"tokens": 5, "generating": 4})
+    lost = []
+    for _ in range(40):
+        clock.now += 1.0
+        lost += roster.check()
+    [x] = lost
+    assert not x.hung and "silent for 3" in x.why
+
+
 def test_a_silent_engine_is_dead_and_its_process_restarted_a_reported_death_left_to_its_keeper(monkeypatch):
     clock = _Clock(monkeypatch)
     comm = _Comm(clock, 3, [])
