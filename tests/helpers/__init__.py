@@ -10,6 +10,7 @@ puts the repository on sys.path; a worker script run in a subprocess gets it thr
     datafiles      users' data files in their layouts (verl rows, OpenAI chats; JSONL and Parquet)
     storage_fault  a small file system that fills up
     wandb_offline  the reader of W&B offline run files
+    procfs         a process's environment from /proc
     interrupts     how a test session stops on SIGINT/SIGTERM/SIGHUP: fixtures torn down, leftover daemons swept
     *_worker.py, sync_engine.py, pause_engine.py   scripts the tests start as processes (trainer ranks, engines)
 """

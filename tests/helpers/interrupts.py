@@ -27,6 +27,8 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from tests.helpers.procfs import environ
+
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 GRACE_S = 30.0
 DAEMONS = ("munged", "slurmctld", "slurmd", "slurmstepd")   # slurmctld's slurmscriptd wipes its environment: it goes
@@ -166,14 +168,6 @@ def watch_make(interval_s: float = 0.5) -> threading.Thread | None:
 
 # -- leftover daemons -------------------------------------------------------------------------------------------------
 
-def _environ(pid: int) -> dict[str, str]:
-    try:
-        raw = Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:
-        return {}
-    return dict(e.split("=", 1) for e in raw.decode(errors="replace").split("\0") if "=" in e)
-
-
 def _daemons() -> Iterator[tuple[int, str, dict[str, str]]]:
     """(pid, name, environment) of every Slurm or munge daemon this user may read."""
     for proc in Path("/proc").iterdir():
@@ -184,7 +178,7 @@ def _daemons() -> Iterator[tuple[int, str, dict[str, str]]]:
         except OSError:
             continue
         if comm in DAEMONS:
-            env = _environ(int(proc.name))
+            env = environ(int(proc.name))
             if env:
                 yield int(proc.name), comm, env
 
@@ -229,7 +223,7 @@ def sweep(of: Callable[[str], bool]) -> list[str]:
     for conf in {env["SLURM_CONF"] for env in found.values() if env.get("SLURM_CONF")}:
         with contextlib.suppress(Exception):
             LocalCluster(Path(conf).parent).down(timeout_s=5)
-    still = [pid for pid, env in found.items() if _environ(pid) == env]
+    still = [pid for pid, env in found.items() if environ(pid) == env]
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for pid in still:
             with contextlib.suppress(OSError):
@@ -237,7 +231,7 @@ def sweep(of: Callable[[str], bool]) -> list[str]:
         deadline = time.monotonic() + 5
         while still and time.monotonic() < deadline:
             time.sleep(0.1)
-            still = [pid for pid in still if _environ(pid) == found[pid]]
+            still = [pid for pid in still if environ(pid) == found[pid]]
     return [f"{pid} {comm}" for pid, comm, _ in daemons]
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 from tests.helpers.launching import REPO, _tail, rstar, run_processes, status
+from tests.helpers.procfs import environ
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.vllm,
               pytest.mark.skipif(shutil.which("ompi-server") is None or shutil.which("bwrap") is None,
@@ -117,13 +118,14 @@ def _rank_processes(run, rank: int) -> list[int]:
     """Live processes of rollout rank `rank` of the run: the rank and what it started (they inherit its environment)."""
     out = []
     for proc in Path("/proc").iterdir():
-        try:
-            env = (proc / "environ").read_bytes().split(b"\0") if proc.name.isdigit() else []
-            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] if env else "Z"
-        except OSError:
+        env = environ(int(proc.name)) if proc.name.isdigit() else {}
+        if env.get("RSTAR_ROLLOUT_RANK") != str(rank) or not any(str(run) in v for v in env.values()):
             continue
-        if state != "Z" and f"RSTAR_ROLLOUT_RANK={rank}".encode() in env and any(str(run).encode() in e for e in env):
-            out.append(int(proc.name))
+        try:
+            if (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                out.append(int(proc.name))
+        except OSError:   # gone meanwhile
+            continue
     return out
 
 

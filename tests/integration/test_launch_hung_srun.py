@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 from tests.helpers.launching import _tail, ci_config, leftover_processes, rstar, run_facts, run_processes, status
+from tests.helpers.procfs import environ
 
 from rstar_hpc.launch.status import ACTIVE
 
@@ -23,26 +24,18 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.vllm]
 STEPS, PROMPTS = 3, 4
 
 
-def _environ(pid: int) -> dict[str, str]:
-    try:
-        raw = Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:
-        return {}
-    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
-
-
 def _rollout_step(run: Path) -> tuple[list[int], list[int]]:
     """The rollout's srun client (srun and the child it forks) and every process of its step (its tasks and their
     children), found by the step they run in (rank 0's SLURM_JOB_ID and SLURM_STEP_ID)."""
     beat = json.loads((run / "heartbeat" / "rollout.json").read_text())
-    key = [_environ(beat["pid"]).get(k) for k in ("SLURM_JOB_ID", "SLURM_STEP_ID")]
+    key = [environ(beat["pid"]).get(k) for k in ("SLURM_JOB_ID", "SLURM_STEP_ID")]
     assert all(key), f"rank 0 ({beat['pid']}) runs in no Slurm step: {key}"
     srun, tasks = [], []
     for line in run_processes(run):
         pid, args = int(line.split()[0]), line.split(maxsplit=1)[1]
         if args.startswith("srun ") and "--job-name=rstar-rollout" in args:
             srun.append(pid)
-        elif [_environ(pid).get(k) for k in ("SLURM_JOB_ID", "SLURM_STEP_ID")] == key:
+        elif [environ(pid).get(k) for k in ("SLURM_JOB_ID", "SLURM_STEP_ID")] == key:
             tasks.append(pid)
     assert srun and beat["pid"] in tasks, (srun, tasks, run_processes(run))
     return srun, tasks
