@@ -51,6 +51,10 @@ class Engine:
     generating: int = 0                                         # requests inside its vLLM engine at its last report
     doing: str = ""                                             # what a starting engine said it is doing
 
+    @property
+    def in_step(self) -> bool:
+        return self.state not in ("dead", "hung")
+
     def view(self, now: float) -> dict:
         """For the role's heartbeat (`run status`): its state and how long since it last moved."""
         out = {"state": self.state, "moved_s_ago": round(now - self.moved_at, 1)}
@@ -86,11 +90,11 @@ class EngineRoster:
         return ranks
 
     def live(self) -> list[int]:
-        return [e for e, s in self.engines.items() if s.state not in ("dead", "hung")]
+        return [e for e, s in self.engines.items() if s.in_step]
 
     def in_step(self, rank: int) -> bool:
         s = self.engines.get(rank)
-        return s is not None and s.state not in ("dead", "hung")
+        return s is not None and s.in_step
 
     def moved_at(self) -> float:
         """When any engine in the step last moved (0.0: none is in it)."""
@@ -127,9 +131,9 @@ class EngineRoster:
     def heard(self, rank: int, moved: bool = False) -> bool:
         """A message of `rank` arrived (`moved`: a result or a turn, progress by itself); False if it is no longer
         in the step (declared lost while only slow: its work already runs elsewhere)."""
-        s = self.engines.get(rank)
-        if s is None or s.state in ("dead", "hung"):
+        if not self.in_step(rank):
             return False
+        s = self.engines[rank]
         s.heard_at = time.monotonic()
         if moved:
             s.moved_at = s.heard_at
@@ -163,9 +167,11 @@ class EngineRoster:
                 src, tag = st.Get_source(), st.Get_tag()
                 msg = self.comm.recv(source=src, tag=tag)
                 s = self.engines.get(src)
-                if s is None or s.state != "starting":
-                    continue   # a leftover of the previous step (a late result or report), or one lost already
-                s.heard_at = time.monotonic()
+                if s is None or not s.in_step:
+                    continue   # one lost already
+                s.heard_at = time.monotonic()   # a ready engine reports while it waits for the slow loaders
+                if s.state != "starting":
+                    continue   # nothing else of a ready one counts yet; a leftover of the previous step neither
                 if tag == TAG_HELLO:
                     hello[src], s.state, s.moved_at = msg, "ready", s.heard_at
                 elif tag == TAG_ACK:

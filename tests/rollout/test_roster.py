@@ -100,6 +100,21 @@ def test_start_drops_a_dead_or_silent_engine_at_once_and_waits_for_a_reporting_l
     assert roster.live() == [1] and roster.engines[2].state == "dead" and beats[-1].endswith("1 ready")
 
 
+def test_an_engine_ready_early_is_still_alive_after_a_long_start_of_another(monkeypatch):
+    """Engine 1 says HELLO at once and reports while engine 2 loads for 100 s: after the start, 1 is not silent."""
+    clock = _Clock(monkeypatch)
+    t = clock.now
+    script = [(t + 1, 1, TAG_ACK, {"loading": False}), (t + 1, 1, TAG_HELLO, {"capacity_tokens": 1000}),
+              *[(t + 1 + k, 1, TAG_KV, {"tokens": 0, "generating": 0}) for k in range(1, 110)],
+              (t + 1, 2, TAG_ACK, {"loading": True}),
+              *[(t + 1 + k * 10, 2, TAG_KV, {"starting": "loading the policy"}) for k in range(1, 10)],
+              (t + 100, 2, TAG_HELLO, {"capacity_tokens": 1000})]
+    roster = EngineRoster(_Comm(clock, 3, script), _MPI, _sc())
+    hello, lost = roster.start([1, 2], {"step": 0}, lambda text: None)
+    assert sorted(hello) == [1, 2] and not lost
+    assert roster.check() == [] and roster.live() == [1, 2]
+
+
 def test_a_loader_past_the_load_bound_is_lost_though_it_reports(monkeypatch):
     clock = _Clock(monkeypatch)
     t = clock.now
