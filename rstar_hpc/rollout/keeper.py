@@ -164,7 +164,7 @@ class Keeper:
                 continue
             code = r.proc.poll()
             if code is None and r.rank != 0 and not over:
-                code = self._restart_if_asked(r)
+                self._kill_if_asked(r)   # its death shows at the next poll, and it is restarted as any dead engine
             if code is None:
                 if over and r.rank != 0:
                     self._stop_all()   # rank 0 has left: the engines get the grace time, then go
@@ -178,19 +178,14 @@ class Keeper:
                 continue
             self._engine_ended(r, code, over)
 
-    def _restart_if_asked(self, r: _Rank) -> int | None:
-        """Rank 0 judged this engine hung: its process group is killed whole (SIGKILL ends a stopped engine core
-        too), and it ends as any dead engine does (reported, started again). Its exit code, or None."""
+    def _kill_if_asked(self, r: _Rank) -> None:
+        """Rank 0 judged this engine hung or silent: its process group is killed whole (SIGKILL ends a stopped
+        engine core too)."""
         why = take_restart_request(self.session, r.rank, r.proc.pid)
-        if why is None:
-            return None
-        log.error("engine rank %d (pid %d) is hung by rank 0's judgment (%s): killing it whole", r.rank, r.proc.pid,
-                  why)
-        _kill_group(r.proc.pid)
-        try:
-            return r.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:   # in the kernel (a D state): its death shows at a later poll
-            return None
+        if why is not None:
+            log.error("engine rank %d (pid %d) is hung by rank 0's judgment (%s): killing it whole", r.rank,
+                      r.proc.pid, why)
+            _kill_group(r.proc.pid)
 
     def _engine_ended(self, r: _Rank, code: int, over: bool) -> None:
         if code == 0 or over or self.stopping:

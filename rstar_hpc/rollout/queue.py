@@ -8,7 +8,6 @@ there, not from the start. The loop that feeds it messages is scheduler.py's.
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections import deque
 
 from rstar_hpc.exchange.schema import Trajectory
@@ -30,11 +29,10 @@ class StepQueue:
         self.results: dict[tuple, Trajectory] = {}
         self.admission: Admission | None = None    # made from the HELLOs' KV capacities (open)
         self.queued_at: dict[tuple, float] = {}    # seconds into generation each item was last admitted
-        self.t0 = time.monotonic()                 # generation's start
 
-    def open(self, admission: Admission, t0: float) -> None:
+    def open(self, admission: Admission) -> None:
         """Book over `admission`; every item without a result waits in item order."""
-        self.admission, self.t0 = admission, t0
+        self.admission = admission
         self.by_key = {it.key: it for it in self.items}
         if len(self.by_key) != len(self.items):
             raise ValueError("duplicate (prompt_uid, sample_index) in the step's prompts; uids must be unique")
@@ -43,8 +41,9 @@ class StepQueue:
         self.pending = deque(it for it in self.items if it.key not in self.results)
         self.queued_at = {it.key: 0.0 for it in self.items}
 
-    def admit(self) -> dict[int, list[WorkItem]]:
-        """The head waits for room (rStar2: nothing jumps the queue); the admitted work by engine rank."""
+    def admit(self, at_s: float) -> dict[int, list[WorkItem]]:
+        """The head waits for room (rStar2: nothing jumps the queue); the admitted work by engine rank, admitted
+        `at_s` seconds into generation."""
         assert self.admission is not None, "open the queue first"
         batch: dict[int, list[WorkItem]] = {}
         while self.pending:
@@ -56,7 +55,7 @@ class StepQueue:
             if e is None:
                 break
             self.pending.popleft()
-            self.queued_at[it.key] = time.monotonic() - self.t0
+            self.queued_at[it.key] = at_s
             batch.setdefault(e, []).append(it)
         return batch
 

@@ -103,7 +103,7 @@ class StepScheduler:
         self.resume_from_journal()
         self.close_if_due()   # a rerun whose journal already completes enough groups closes at once
         while not self.levers.over(q.items, q.results):
-            self.dispatch(q.admit())
+            self.dispatch(q.admit(self.tally.elapsed()))
             got = self.collect()
             self.requeue(self.roster.check())
             self.beat_if_moved()
@@ -129,16 +129,15 @@ class StepScheduler:
         """The heartbeat while generating carries progress: written only when an engine moved since the last one
         (roster.py), so a rollout whose engines all stop goes stale and its launcher restarts it."""
         moved, q = self.roster.moved_at(), self.queue
-        if moved > self.beat_moved:
-            self.heartbeat(f"generating, {len(q.results)}/{len(q.items)} trajectories done; last progress "
-                           f"{time.monotonic() - moved:.0f}s ago", "generate")
-            if self.hooks.beat_written():
-                self.beat_moved = moved
+        if moved > self.beat_moved and self.heartbeat(f"generating, {len(q.results)}/{len(q.items)} trajectories "
+                                                      f"done; last progress {time.monotonic() - moved:.0f}s ago",
+                                                      "generate"):
+            self.beat_moved = moved
 
-    def heartbeat(self, text: str, phase: str, every_s: float | None = None) -> None:
-        """The role's heartbeat file, with each engine's state (`run status`)."""
+    def heartbeat(self, text: str, phase: str, every_s: float | None = None) -> bool:
+        """The role's heartbeat file, with each engine's state (`run status`); whether it was written."""
         kw = {} if every_s is None else {"every_s": every_s}
-        self.hooks.heartbeat(f"step {self.step} of stage {self.stage}: {text}", phase,
+        return self.hooks.heartbeat(f"step {self.step} of stage {self.stage}: {text}", phase,
                              engines=self.roster.views(), **kw)
 
     # ----------------------------------------------------------------------------------------------- start
@@ -177,8 +176,7 @@ class StepScheduler:
         self.queue.open(make_admission(sc.admission, {e: hello[e]["capacity_tokens"] for e in sorted(hello)},
                                        max_response=self.spec.limits.max_response_length,
                                        growth_reserve=sc.growth_reserve, budget_coef=sc.budget_coef,
-                                       max_per_engine=sc.max_trajectories_per_engine, share_prefix=sc.sibling_aware),
-                        self.tally.t_start)
+                                       max_per_engine=sc.max_trajectories_per_engine, share_prefix=sc.sibling_aware))
 
     def resume_from_journal(self) -> None:
         """The trajectories an earlier attempt of this step committed to its journal: kept, not run again."""

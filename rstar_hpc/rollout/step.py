@@ -68,21 +68,17 @@ class StepHooks:
     taken_back: Callable[[], list[int]] | None = None
     _beat_at: float = field(default=0.0, init=False)
     _phase: str = field(default="", init=False)
-    _written: bool = field(default=False, init=False)
 
-    def heartbeat(self, text: str, phase: str, every_s: float = HEARTBEAT_S, **fields) -> None:
+    def heartbeat(self, text: str, phase: str, every_s: float = HEARTBEAT_S, **fields) -> bool:
         """The role's heartbeat (RUN/heartbeat/rollout.json), at most every `every_s` within a phase and at once
         in a new one: `run status` shows it, and a launcher restarts the rollout when it goes stale
-        (launch.hang_timeout_s), so the step's caller writes it only while the step moves."""
+        (launch.hang_timeout_s), so the step's caller writes it only while the step moves. Whether it wrote."""
         now = time.monotonic()
-        self._written = self.beat is not None and (now - self._beat_at >= every_s or phase != self._phase)
-        if self._written:
-            self._beat_at, self._phase = now, phase
-            self.beat(text, phase=phase, **fields)
-
-    def beat_written(self) -> bool:
-        """Whether the last heartbeat() call wrote (not throttled)."""
-        return self._written
+        if self.beat is None or (now - self._beat_at < every_s and phase == self._phase):
+            return False
+        self._beat_at, self._phase = now, phase
+        self.beat(text, phase=phase, **fields)
+        return True
 
 
 # --------------------------------------------------------------------------------------------------- step input

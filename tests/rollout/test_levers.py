@@ -308,7 +308,7 @@ def test_levers_close_pause_carry_lose_nothing_train_nothing_twice(tmp_path):
 
     s = _scheduler(tmp_path, partial_rollouts=True, partial_close_fraction=0.5)
     s.queue.admission.max_per_engine = 2
-    s.dispatch(s.queue.admit())                          # a and b admitted, two per engine (siblings together)
+    s.dispatch(s.queue.admit(0.0))                          # a and b admitted, two per engine (siblings together)
     assert sorted((d, [it.key for it in w]) for d, t, w in s.roster.comm.sent if t == TAG_WORK) == [
         (1, [("a", 0), ("a", 1)]), (2, [("b", 0), ("b", 1)])]
     assert [it.prompt_uid for it in s.queue.pending] == ["c", "c"]
@@ -336,7 +336,7 @@ def test_levers_paused_result_is_carried_when_closing_and_readmitted_when_migrat
     from rstar_hpc.rollout.mpi import TAG_MIGRATE
 
     s = _scheduler(tmp_path, migrate_on_tool_call=True, migrate_margin=-1.0, partial_rollouts=True)
-    s.dispatch(s.queue.admit())
+    s.dispatch(s.queue.admit(0.0))
     assert not s.queue.pending
     src = s.queue.admission.placed[("a", 0)][0]
     s.roster.comm.sent.clear()
@@ -360,13 +360,13 @@ def test_levers_paused_result_is_carried_when_closing_and_readmitted_when_migrat
 def test_engine_death_requeues_its_work_at_the_front_or_carries_it_once_closed(tmp_path):
     s = _scheduler(tmp_path)
     s.queue.admission.max_per_engine = 2
-    s.dispatch(s.queue.admit())
+    s.dispatch(s.queue.admit(0.0))
     lost = [k for k, p in s.queue.admission.placed.items() if p[0] == 1]
     s.requeue([s.roster.lose(1, "silent")])
     assert [it.key for it in s.queue.pending] == [*lost, ("c", 0), ("c", 1)] and s.tally.reruns == 2 and [x.rank for x in s.roster.lost] == [1]
     closed = _scheduler(tmp_path / "closed", partial_rollouts=True)
     closed.queue.admission.max_per_engine = 2
-    closed.dispatch(closed.queue.admit())
+    closed.dispatch(closed.queue.admit(0.0))
     closed.levers.close(1.0)
     closed.requeue([closed.roster.lose(1, "silent")])                        # the step is closed: carried as they were, not run again
     assert not closed.queue.pending and set(closed.levers.open_items) == {*lost, ("c", 0), ("c", 1)}
@@ -405,7 +405,7 @@ def test_an_engine_death_requeues_from_the_last_turn_boundary_and_ignores_stale_
 
     s = _scheduler(tmp_path, partial_rollouts=True)
     s.queue.admission.max_per_engine = 2
-    s.dispatch(s.queue.admit())
+    s.dispatch(s.queue.admit(0.0))
     (a0, a1), (b0, b1) = [k for k, p in s.queue.admission.placed.items() if p[0] == 1], \
         [k for k, p in s.queue.admission.placed.items() if p[0] == 2]
     turn = Turn("assistant", 0, 3, "x"), Turn("tool", 3, 5, "y")
