@@ -67,11 +67,11 @@ def _train_here(cfg, stage, follow: bool) -> None:
     init_logging("trainer", rank, rank0_only=True)
     bind(cfg, "trainer")   # before torch sees CUDA
 
-    if rank == 0:   # the launcher's hang watch counts from here: say what the first silent seconds are
-        from rstar_hpc.exchange.rundir import RunPaths
-        from rstar_hpc.exchange.state import write_heartbeat
-        write_heartbeat(RunPaths(cfg.run.dir), "trainer", f"stage {stage.name}: starting: importing torch and "
-                        f"megatron-core", stage=stage.name, phase="start")
+    from rstar_hpc.exchange.rundir import RunPaths
+    from rstar_hpc.trainer.heartbeat import starting
+
+    # the launcher's hang watch counts from here: say what the first silent seconds are
+    starting(RunPaths(cfg.run.dir), stage.name, "importing torch and megatron-core", rank == 0)
     from rstar_hpc.trainer.job import EXIT_REQUEUE, run
 
     code = 0

@@ -14,13 +14,18 @@ from __future__ import annotations
 import time
 
 
+def interval_after(waited_s: float, max_s: float = 1.0, min_s: float = 0.1, fraction: float = 0.1) -> float:
+    """The interval a Backoff polls at after `waited_s` seconds of waiting."""
+    return min(max_s, max(min(min_s, max_s), fraction * max(0.0, waited_s)))
+
+
 class Backoff:
     def __init__(self, max_s: float = 1.0, min_s: float = 0.1, fraction: float = 0.1):
-        self.max_s, self.min_s, self.fraction = max_s, min(min_s, max_s), fraction
+        self.max_s, self.min_s, self.fraction = max_s, min_s, fraction
         self.t0 = time.monotonic()
 
     def interval(self) -> float:
-        return min(self.max_s, max(self.min_s, self.fraction * (time.monotonic() - self.t0)))
+        return interval_after(time.monotonic() - self.t0, self.max_s, self.min_s, self.fraction)
 
     def sleep(self, cap_s: float | None = None) -> None:
         """Sleep one interval (at most `cap_s`: a deadline's remainder)."""
@@ -31,4 +36,4 @@ class Backoff:
 def expected_lateness_s(wait_s: float, max_s: float = 1.0, min_s: float = 0.1, fraction: float = 0.1) -> float:
     """How long after a wait of `wait_s` ends a Backoff poller sees it, on average: half the interval it polls at
     by then (the planner's hand-off between the roles)."""
-    return min(max_s, max(min(min_s, max_s), fraction * max(0.0, wait_s))) / 2
+    return interval_after(wait_s, max_s, min_s, fraction) / 2

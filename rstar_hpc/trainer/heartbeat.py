@@ -20,7 +20,6 @@ from collections.abc import Callable
 
 from rstar_hpc.exchange.rundir import RunPaths
 from rstar_hpc.exchange.state import write_heartbeat
-from rstar_hpc.trainer.step import PROGRESS
 
 log = logging.getLogger("rstar_hpc.trainer")
 
@@ -38,15 +37,18 @@ class ProgressBeat:
     """`doing()` says what the step is (e.g. "stage rl: training step 12"); the beat adds how far it got."""
 
     def __init__(self, paths: RunPaths, doing: Callable[[], str], stage: str, every_s: float = 30.0):
+        from rstar_hpc.trainer.step import PROGRESS   # torch: `starting` beats before the trainer imports it
+
+        self.progress = PROGRESS
         self.paths, self.doing, self.stage, self.every_s = paths, doing, stage, every_s
         self._stop = threading.Event()
-        self._seen = PROGRESS.micro_batches
+        self._seen = self.progress.micro_batches
         self._thread = threading.Thread(target=self._run, name="trainer-progress-beat", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while not self._stop.wait(self.every_s):
-            now = PROGRESS.micro_batches
+            now = self.progress.micro_batches
             if now == self._seen:
                 continue   # no progress: stay silent, so a stuck step goes stale
             self._seen = now
