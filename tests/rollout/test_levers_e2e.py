@@ -10,7 +10,8 @@ versions. Checked:
   the tokens and logprobs the carry file recorded, and token_policy_versions tags them v1, the rest v2;
 - every model token's logprob matches an HF recomputation with the weights of the version that generated it
   (migrated and resumed trajectories included: nothing was mixed up on the way);
-- trajectories migrated at a tool call (the steps' summaries count them) and finished on the other engine.
+- trajectories migrated at a tool call (the steps' summaries count them) and finished on the other engine (committed,
+  or finished and carried on with their group still open).
 """
 from __future__ import annotations
 
@@ -163,11 +164,13 @@ def test_trajectories_migrate_at_tool_calls_and_finish_intact(levers):
     assert s0["migrations"] + s1["migrations"] > 0, (s0, s1)
     assert s0["migrated_context_tokens"] + s1["migrated_context_tokens"] > 0
     moved = {tuple(k) for k in s0["migrated"] + s1["migrated"]}
-    committed = {t.key: t for t in _read(paths, 0) + _read(paths, 1)}
-    left = {it.key for it in carry.load(paths, "rl", 1).items} | {t.key for t in carry.load(paths, "rl", 1).finished}
-    assert moved <= set(committed) | left        # nothing lost on the way
-    done = [committed[k] for k in moved if k in committed]
-    assert done, "no migrated trajectory was committed"
+    c1 = carry.load(paths, "rl", 1)
+    # finished: committed, or done and carried on because a sibling was still running when step 1 closed (which
+    # group completes first is the engines' pace: a CI run once had every migrated one's group open at the close)
+    finished = {t.key: t for t in _read(paths, 0) + _read(paths, 1) + c1.finished}
+    assert moved <= set(finished) | {it.key for it in c1.items}        # nothing lost on the way
+    done = [finished[k] for k in moved if k in finished]
+    assert done, ("no migrated trajectory finished", s0, s1)
     for t in done:                               # a tool call, then turns generated elsewhere, all intact
         assert sum(x.role == "assistant" for x in t.turns) >= 2 and t.validate()
     assert _logprob_errors(paths, done) < 2e-3
