@@ -96,6 +96,10 @@ class SchedulerConfig(Section):
     clear message; a trainer at work (a long SFT stage before) may take longer."""
     policy_load_timeout_s: float = Field(600.0, gt=0)
     """How long engine ranks may take to load a new policy in place before rank 0 gives up on them."""
+    late_join_after_s: float = Field(30.0, ge=0)
+    """Once one engine is ready, how long a step waits for those still loading the policy before it begins without
+    them; each joins the running step when it is ready (rollout/roster.py), so one slow or stuck load holds up no
+    one (policy_load_timeout_s still bounds it)."""
     engine_timeout_s: float = Field(60.0, gt=0)
     """An engine rank silent for this long is declared dead; its unfinished trajectories run elsewhere. A starting
     engine reports while it loads its policy, so this holds during start-up too."""

@@ -46,6 +46,7 @@ class KVAwareAdmission:
             raise ValueError("KV-aware admission needs at least one engine")
         if not 0 < growth_reserve <= 1:
             raise ValueError(f"growth_reserve must be in (0, 1], got {growth_reserve}")
+        self.budget_coef = budget_coef
         self.capacity = {e: int(c / budget_coef) for e, c in capacities.items()}
         self.growth = max(1, int(growth_reserve * max_response))
         self.max_response = max_response
@@ -165,6 +166,11 @@ class KVAwareAdmission:
     def release(self, key: Hashable) -> None:
         self._unbook(key)
 
+    def add_engine(self, engine: int, capacity: int) -> None:
+        """An engine that joined the running step late (its policy load was slow)."""
+        self.capacity[engine] = int(capacity / self.budget_coef)
+        self.booked[engine] = self.count[engine] = 0
+
     def engine_lost(self, engine: int) -> list[Hashable]:
         """Forget a dead engine; returns the keys that were on it (the caller re-queues them)."""
         for d in (self.booked, self.count, self.capacity):
@@ -211,6 +217,9 @@ class StaticAdmission:
 
     def release(self, key: Hashable) -> None:
         self.placed.pop(key, None)
+
+    def add_engine(self, engine: int, capacity: int) -> None:
+        self._engines.append(engine)
 
     def engine_lost(self, engine: int) -> list[Hashable]:
         self._engines = [e for e in self._engines if e != engine]

@@ -47,7 +47,8 @@ async def run_engine_rank(comm, MPI, sc: SchedulerConfig, agent_cfg: AgentConfig
     stage, step, limits = start["stage"], start["step"], StageLimits(*start["limits"])
     syncs = rank in (start.get("policy_memory") or {}).get("first_ranks", {})
     loading = start["policy_version"] != engine.policy_version or syncs
-    comm.send({"loading": loading}, dest=0, tag=TAG_ACK)
+    # stage and step name the START they answer: a HELLO that comes after its step ended (a slow load) is a leftover
+    comm.send({"loading": loading, "stage": stage, "step": step}, dest=0, tag=TAG_ACK)
     doing = ["loading the policy" if loading else "warming up"]
     reports = asyncio.create_task(_report_start(comm, sc, doing))   # rank 0 hears a slow load move, or its death
     try:
@@ -60,7 +61,7 @@ async def run_engine_rank(comm, MPI, sc: SchedulerConfig, agent_cfg: AgentConfig
     agent = AgentLoop(engine, tools, engine.tokenizer, agent_cfg, max_response_length=limits.max_response_length,
                       max_turns=limits.max_turns, sampling=limits.sampling())
     comm.send({"capacity_tokens": engine.kv.capacity_tokens, "policy_version": engine.policy_version,
-               "weights": weights}, dest=0, tag=TAG_HELLO)
+               "weights": weights, "stage": stage, "step": step}, dest=0, tag=TAG_HELLO)
     return await _EngineStep(comm, MPI, sc, engine, agent, run_seed=run_seed, stage=stage, step=step).serve()
 
 
@@ -192,7 +193,7 @@ class _EngineStep:
                 raise RuntimeError(f"rank 0 aborted the job: {msg}")
             elif tag == TAG_DONE:
                 kv = self.engine.kv
-                stats = {"done": self.done, "paused": self.paused, "idle_s": round(self.idle_s, 3),
+                stats = {"step": self.step, "done": self.done, "paused": self.paused, "idle_s": round(self.idle_s, 3),
                          "wall_s": round(time.monotonic() - self.t_start, 3),
                          "kv_capacity_tokens": kv.capacity_tokens, "preemptions": kv.preemptions}
                 self.comm.send(stats, dest=0, tag=TAG_STATS)

@@ -17,6 +17,7 @@ from typing import NoReturn
 
 from rstar_hpc.rollout.links import RANK_ENV
 from rstar_hpc.rollout.mpi import TAG_ABORT, TAG_EXIT, init_mpi, recv_from_rank0, wait_sent
+from rstar_hpc.rollout.roster import JobEngines
 
 log = logging.getLogger("rstar_hpc.rollout")
 
@@ -116,8 +117,7 @@ class RolloutJob:
         self.cfg, self.paths, self.comm, self.MPI, self.tok = cfg, paths, comm, MPI, tokenizer
         self.explicit_steps = explicit_steps
         self.score = Scorer(cfg.run.name, cfg.algo.reward, cfg.algo.roc)
-        self.dead: set[int] = set()                    # engine ranks lost, for the rest of the job
-        self.versions: dict[int, int | None] = {}      # the policy each engine rank runs (its HELLOs)
+        self.engines = JobEngines()                    # lost ranks, their policy versions, loads still running
 
     def run(self, stage: str | None, progress: bool) -> int:
         """Every rollout stage asked for (all of the run's with no `stage`), then the job's end."""
@@ -148,7 +148,7 @@ class RolloutJob:
         if missing:
             log.error("engine ranks %s did not join in %.0fs; the job starts without them", missing,
                       sc.policy_load_timeout_s + sc.engine_timeout_s)
-            self.dead.update(missing)
+            self.engines.dead.update(missing)
 
     def refresh_engines(self, stage: str, step: int) -> None:
         """Before a step: an engine lost earlier that joined again takes part; one whose process died since the
@@ -156,17 +156,18 @@ class RolloutJob:
         from rstar_hpc.exchange.events import record_event
 
         for e in self.comm.take_joined():
-            self.versions.pop(e, None)   # a new process: it holds no policy yet
-            if e in self.dead:
-                self.dead.discard(e)
+            self.engines.versions.pop(e, None)   # a new process: it holds no policy yet, loads nothing
+            self.engines.loading.pop(e, None)
+            if e in self.engines.dead:
+                self.engines.dead.discard(e)
                 log.info("engine rank %d is back (pid %d): it takes part from step %d", e, self.comm.pids[e], step)
                 record_event(self.paths, "engine_back", role="rollout", rank=e, pid=self.comm.pids[e], stage=stage,
                              step=step)
-        for e in sorted(self.comm.down() - self.dead):
+        for e in sorted(self.comm.down() - self.engines.dead):
             log.error("engine rank %d died between steps; step %d runs without it", e, step)
             record_event(self.paths, "engine_lost", role="rollout", rank=e, stage=stage, step=step, requeued=0,
                          reason="its process ended between steps")
-            self.dead.add(e)
+            self.engines.dead.add(e)
 
     def run_stage(self, name: str, progress: bool) -> None:
         from rstar_hpc import pipeline
@@ -226,8 +227,7 @@ class RolloutJob:
             beat=lambda text, **kw: write_heartbeat(paths, "rollout", text, stage=stage_name, **kw),
             taken_back=(lambda: pipeline.taken_back(cfg, paths, spec.need)) if self.explicit_steps is None else None)
         return StepScheduler(self.comm, self.MPI, sc, paths, spec, score=self.score, hooks=hooks,
-                             dead_ranks=self.dead, engine_workers=cfg.rollout.engine.tensor_parallel_size,
-                             engine_versions=self.versions).run()
+                             engines=self.engines, engine_workers=cfg.rollout.engine.tensor_parallel_size).run()
 
 
 def _end_job(comm, sc) -> int:

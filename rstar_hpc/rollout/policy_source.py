@@ -160,3 +160,12 @@ class StepWeights:
         if any(w.get("via") in ("memory", "files") for w in self.via.values()):
             write_engine_weights(self.paths.dir, self.stage, self.step, self.via)
         return version
+
+    def joined(self, engine: int, hello: dict) -> None:
+        """An engine that joined the running step late: how it got its weights (the step's version stays)."""
+        from rstar_hpc.exchange.weight_protocol import write_engine_weights
+
+        self.via[engine] = hello.get("weights") or {}
+        self.engine_versions[engine] = hello.get("policy_version")
+        if self.via[engine].get("via") in ("memory", "files"):
+            write_engine_weights(self.paths.dir, self.stage, self.step, self.via)

@@ -9,7 +9,8 @@ them. Data flows back as return values: nothing calls back into the loop. `StepS
 step's stages:
 
     start      wait for the policy the step needs (policy_source.py), START every engine rank (the roster: each
-               acks, loads the policy if new, reports while it loads, says HELLO with its KV)
+               acks, loads the policy if new, reports while it loads, says HELLO with its KV); the step begins when
+               all are ready, or late_join_after_s after the first: a slow loader joins the running step (join)
     admit      the queue's FIFO: the shared admission (admission.py) places its head on an engine rank, which keeps
                it for all its turns; nothing jumps the queue
     dispatch   send each engine rank its admitted work (never a blocking send)
@@ -50,11 +51,11 @@ from rstar_hpc.rollout.admission import make_admission
 from rstar_hpc.rollout.journal import Journal
 from rstar_hpc.rollout.levers import Levers, Route
 from rstar_hpc.rollout.messages import TrajectoryResult
-from rstar_hpc.rollout.mpi import (TAG_DEAD, TAG_KV, TAG_MIGRATE, TAG_MOVED, TAG_PAUSE, TAG_RESULT, TAG_SKIP,
-                                   TAG_TURN, TAG_WORK)
+from rstar_hpc.rollout.mpi import (TAG_ACK, TAG_DEAD, TAG_HELLO, TAG_KV, TAG_MIGRATE, TAG_MOVED, TAG_PAUSE, TAG_RESULT,
+                                   TAG_SKIP, TAG_TURN, TAG_WORK)
 from rstar_hpc.rollout.policy_source import MEMORY, StepWeights, wait_for_policy
 from rstar_hpc.rollout.queue import StepQueue
-from rstar_hpc.rollout.roster import EngineRoster, Lost
+from rstar_hpc.rollout.roster import EngineRoster, JobEngines, Lost
 from rstar_hpc.rollout.step import Scorer, StepHooks, StepSpec, WorkItem
 from rstar_hpc.rollout.tally import StepTally
 
@@ -66,19 +67,18 @@ class StopRequested(Exception):
 
 
 class StepScheduler:
-    """Rank 0's side of one step. `dead_ranks` carries the engine ranks lost in earlier steps of the job and
-    `engine_versions` the policy each engine runs (both the job's, updated in place); `engine_workers`: the vLLM
-    workers of an engine (its tensor-parallel size)."""
+    """Rank 0's side of one step. `engines`: what the job knows of its engine ranks (lost ones, their policy
+    versions, loads still running), updated in place; `engine_workers`: the vLLM workers of an engine (its
+    tensor-parallel size)."""
 
     def __init__(self, comm, MPI, sc: SchedulerConfig, paths: RunPaths, spec: StepSpec, *, score: Scorer,
-                 hooks: StepHooks | None = None, dead_ranks: set[int] | None = None, engine_workers: int = 1,
-                 engine_versions: dict[int, int | None] | None = None):
+                 hooks: StepHooks | None = None, engines: JobEngines | None = None, engine_workers: int = 1):
         self.sc, self.paths, self.spec, self.score = sc, paths, spec, score
         self.stage, self.step = spec.stage, spec.step
         self.hooks = hooks or StepHooks()
-        self.roster = EngineRoster(comm, MPI, sc, dead_ranks=dead_ranks)
+        self.roster = EngineRoster(comm, MPI, sc, job=engines)
         # how the engines get the step's weights (files or an in-memory session) and how they got them
-        self.weights = StepWeights(paths, spec.stage, spec.step, spec.need, engine_workers, engine_versions)
+        self.weights = StepWeights(paths, spec.stage, spec.step, spec.need, engine_workers, self.roster.job.versions)
         self.tally = StepTally(spec.stage, spec.step, dropped=list(spec.dropped))
         self.queue = StepQueue(spec.step, list(spec.items))
         self.levers = Levers(sc)
@@ -197,7 +197,8 @@ class StepScheduler:
             self.roster.send(e, TAG_WORK, work)
 
     def collect(self) -> bool:
-        """Every message waiting now: results, reports, turn boundaries, deaths. True if there was any."""
+        """Every message waiting now: results, reports, turn boundaries, deaths, late joiners. True if there was
+        any."""
         comm, MPI = self.roster.comm, self.roster.MPI
         got = False
         st = MPI.Status()
@@ -222,7 +223,21 @@ class StepScheduler:
                 self.levers.on_moved(tuple(msg["key"]))
             elif tag == TAG_DEAD:
                 self.requeue([self.roster.lose(src, str(msg))])
+            elif tag == TAG_HELLO:
+                self.join(src, msg)
+            elif tag == TAG_ACK:
+                self.roster.on_ack(src, msg)
         return got
+
+    def join(self, src: int, hello: dict) -> None:
+        """A slow loader said HELLO: admission places work on it from now."""
+        if not self.roster.on_hello(src, hello):
+            return
+        self.queue.admission.add_engine(src, hello["capacity_tokens"])
+        self.tally.engines.append(src)
+        self.weights.joined(src, hello)
+        log.info("engine rank %d joined step %d of stage %s late, %.1fs into generation", src, self.step, self.stage,
+                 self.tally.elapsed())
 
     def on_result(self, res: TrajectoryResult) -> None:
         """Release the trajectory's booking and score it (a duplicate or a stale step's result is ignored)."""
@@ -250,6 +265,8 @@ class StepScheduler:
         migrate."""
         q = self.queue
         self.roster.on_report(src, report)
+        if self.roster.starting(src):
+            return
         q.admission.observe(src, report.get("contexts", {}))
         key = self.levers.migration(src, report.get("movable", ()), q.admission, queue_empty=not q.pending)
         if key is not None:
@@ -261,7 +278,7 @@ class StepScheduler:
         if not self.levers.should_close(q.items, q.results):
             return
         self.levers.close(self.tally.elapsed())
-        self.roster.broadcast(TAG_PAUSE)
+        self.roster.broadcast(TAG_PAUSE, None, self.roster.ready())
         self.levers.carry_queued(q.take_waiting())
         log.info("step %d of stage %s closes (partial rollouts): %d of %d trajectories done", self.step, self.stage,
                  len(q.results), len(q.items))
@@ -276,7 +293,7 @@ class StepScheduler:
             self.tally.reruns_resumed += resumed
             record_event(self.paths, "engine_hung" if x.hung else "engine_lost", role="rollout", rank=x.rank,
                          stage=self.stage, step=self.step, requeued=back, requeued_resumed=resumed, reason=x.why,
-                         starting=q.admission is None)
+                         starting=x.starting)
             log.error("engine rank %d lost (%s): %d unfinished trajectories re-queued (%d from a turn boundary or "
                       "pause)", x.rank, x.why, back, resumed)
         if lost and self.levers.closing:   # the step is closed: they are carried as they were

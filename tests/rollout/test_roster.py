@@ -10,7 +10,7 @@ import time
 import pytest
 
 from rstar_hpc.config.rollout import SchedulerConfig
-from rstar_hpc.rollout.mpi import TAG_ABORT, TAG_ACK, TAG_DEAD, TAG_HELLO, TAG_KV, TAG_START
+from rstar_hpc.rollout.mpi import TAG_ABORT, TAG_ACK, TAG_DEAD, TAG_HELLO, TAG_KV, TAG_START, TAG_STATS
 from rstar_hpc.rollout.roster import Engine, EngineRoster
 
 
@@ -109,10 +109,61 @@ def test_an_engine_ready_early_is_still_alive_after_a_long_start_of_another(monk
               (t + 1, 2, TAG_ACK, {"loading": True}),
               *[(t + 1 + k * 10, 2, TAG_KV, {"starting": "loading the policy"}) for k in range(1, 10)],
               (t + 100, 2, TAG_HELLO, {"capacity_tokens": 1000})]
-    roster = EngineRoster(_Comm(clock, 3, script), _MPI, _sc())
+    roster = EngineRoster(_Comm(clock, 3, script), _MPI, _sc(late_join_after_s=200.0))
     hello, lost = roster.start([1, 2], {"step": 0}, lambda text: None)
     assert sorted(hello) == [1, 2] and not lost
     assert roster.check() == [] and roster.live() == [1, 2]
+
+
+def test_a_step_begins_without_a_slow_loader_which_joins_it_when_ready(monkeypatch):
+    """late_join_after_s after the first HELLO the step begins; the loader stays in it, starting, judged by its load
+    (reports, the load bound), gets no keep-alive it cannot read, and joins with its HELLO of this step only."""
+    clock = _Clock(monkeypatch)
+    t = clock.now
+    step = {"stage": "rl", "step": 3}
+    script = [(t + 1, 1, TAG_ACK, {"loading": True, **step}), (t + 2, 1, TAG_HELLO, {"capacity_tokens": 1000, **step}),
+              *[(t + 1 + k, 1, TAG_KV, {"tokens": 0, "generating": 0}) for k in range(1, 60)],
+              (t + 1, 2, TAG_ACK, {"loading": True, **step}),
+              *[(t + 1 + k * 5, 2, TAG_KV, {"starting": "loading the policy"}) for k in range(1, 40)]]
+    comm = _Comm(clock, 3, script)
+    roster = EngineRoster(comm, _MPI, _sc(late_join_after_s=10.0))
+    hello, lost = roster.start([1, 2], step, lambda text: None)
+    assert sorted(hello) == [1] and not lost and t + 12 <= clock.now < t + 15   # not the load's 600 s
+    assert roster.live() == [1, 2] and roster.ready() == [1] and roster.starting(2)
+    comm.sent.clear()
+    clock.now += 5.0
+    roster.heard(2)
+    roster.on_report(2, {"starting": "warming up"})
+    assert roster.check() == [] and roster.views()["2"]["doing"] == "warming up"
+    assert {d for d, tag, _ in comm.sent} == {1}                                # ALIVE to the ready one only
+    assert not roster.on_hello(2, {"capacity_tokens": 1000, "stage": "rl", "step": 2})   # an earlier step's
+    assert roster.on_hello(2, {"capacity_tokens": 1000, **step}) and roster.ready() == [1, 2]
+
+
+def test_a_load_still_running_at_the_steps_end_keeps_its_clock_into_the_next_step(monkeypatch):
+    """finish() does not wait for a loader, nor count it lost; the next step's start bounds its load from its first
+    ack: a load stuck across steps is found hung at policy_load_timeout_s, not never."""
+    from rstar_hpc.rollout.roster import JobEngines
+
+    clock = _Clock(monkeypatch)
+    t = clock.now
+    job = JobEngines()
+    script = [(t + 1, 1, TAG_ACK, {"loading": True}), (t + 2, 1, TAG_HELLO, {"capacity_tokens": 1000}),
+              (t + 1, 2, TAG_ACK, {"loading": True}),
+              *[(t + 1 + k, 2, TAG_KV, {"starting": "loading the policy"}) for k in range(1, 400)],
+              *[(t + 1 + k, 1, TAG_KV, {"tokens": 0, "generating": 0}) for k in range(1, 400)],
+              (t + 50, 1, TAG_STATS, {"step": 0, "done": 4}), (t + 130, 1, TAG_HELLO, {"capacity_tokens": 1000})]
+    comm = _Comm(clock, 3, script)
+    roster = EngineRoster(comm, _MPI, _sc(late_join_after_s=5.0, policy_load_timeout_s=120.0), job=job)
+    roster.start([1, 2], {"step": 0}, lambda text: None)
+    clock.now = t + 50
+    stats, lost = roster.finish(0)
+    assert list(stats) == [1] and not lost and job.dead == set() and job.loading == {2: t + 1}
+    nxt = EngineRoster(comm, _MPI, _sc(late_join_after_s=5.0, policy_load_timeout_s=120.0), job=job)
+    hello, lost = nxt.start([1, 2], {"step": 1}, lambda text: None)
+    # engine 2 still loading step 0's policy: lost 120 s after its first ack, though it reports
+    assert list(hello) == [1] and [(x.rank, x.hung, x.starting) for x in lost] == [(2, True, True)], lost
+    assert "120s after START" in lost[0].why and comm.restarts == [(2, lost[0].why)]
 
 
 def test_a_loader_past_the_load_bound_is_lost_though_it_reports(monkeypatch):
@@ -234,3 +285,34 @@ def test_the_generating_heartbeat_is_written_only_while_an_engine_moves(tmp_path
     times = [t for t, _ in written]
     assert times and max(times) <= 1000 + 22 and "last progress 0s ago" in written[-1][1]   # silent once stopped
     assert len(times) >= 2 and all(b - a >= 10 for a, b in zip(times, times[1:]))          # throttled meanwhile
+
+
+def test_a_late_joiner_gets_work_in_the_running_step(tmp_path, monkeypatch):
+    """The scheduler's side: a HELLO in the step's loop adds the engine to admission and the step's engines; its
+    start reports re-book nothing; the queue's next trajectories go to it."""
+    from rstar_hpc.config.stages import StageLimits
+    from rstar_hpc.exchange.rundir import RunPaths
+    from rstar_hpc.rollout.mpi import TAG_WORK
+    from rstar_hpc.rollout.scheduler import StepScheduler
+    from rstar_hpc.rollout.step import StepSpec, WorkItem
+
+    clock = _Clock(monkeypatch)
+    t = clock.now
+    step = {"stage": "rl", "step": 0}
+    paths = RunPaths(tmp_path / "run")
+    paths.create()
+    comm = _Comm(clock, 3, [(t, 2, TAG_KV, {"starting": "loading the policy"}),
+                            (t + 1, 2, TAG_HELLO, {"capacity_tokens": 1000, "policy_version": 1, **step})])
+    items = [WorkItem(u, 0, [1] * 10, "p", "1") for u in "abcdef"]
+    s = StepScheduler(comm, _MPI, _sc(max_trajectories_per_engine=2), paths,
+                      StepSpec("rl", 0, items, StageLimits(100, 4)), score=None)
+    s.roster.engines = {1: Engine(1, state="ready"), 2: Engine(2)}
+    s.roster.step_of = ("rl", 0)
+    s.prepare_admission({1: {"capacity_tokens": 1000}})
+    s.dispatch(s.queue.admit(0.0))
+    assert s.collect() and s.queue.admission.engines == [1]           # a start report: still loading
+    clock.now += 1
+    assert s.collect() and s.queue.admission.engines == [1, 2] and s.tally.engines == [1, 2]
+    comm.sent.clear()
+    s.dispatch(s.queue.admit(1.0))
+    assert [(d, len(w)) for d, tag, w in comm.sent if tag == TAG_WORK] == [(2, 2)]
