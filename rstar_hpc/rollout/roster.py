@@ -213,17 +213,18 @@ class EngineRoster:
                 if s is None or not s.in_step:
                     continue   # one lost already
                 s.heard_at = time.monotonic()   # a ready engine reports while it waits for the slow loaders
-                if s.state != "starting":
+                if tag == TAG_DEAD:   # a ready one's death too: not found only by its silence later
+                    self.lose(src, str(msg))
+                    hello.pop(src, None)
+                elif s.state != "starting":
                     continue   # nothing else of a ready one counts yet
-                if tag == TAG_HELLO and self.on_hello(src, msg):
+                elif tag == TAG_HELLO and self.on_hello(src, msg):
                     hello[src] = msg
                     first_ready = s.heard_at if first_ready is None else first_ready
                 elif tag == TAG_ACK:
                     self.on_ack(src, msg)
                 elif tag == TAG_KV:
                     self.on_report(src, msg)
-                elif tag == TAG_DEAD:
-                    self.lose(src, str(msg))
             else:
                 time.sleep(0.005)
             heartbeat(f"starting {len(ranks)} engine(s), {len(hello)} ready")
