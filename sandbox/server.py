@@ -4,6 +4,11 @@ No extra daemon: the service is one Python process (plus its sandboxes) started 
 each CPU node. It writes `<run_dir>/rendezvous/sandbox/<name>.json` (host, port, workers, load) and
 refreshes it as a heartbeat; clients find services there. Every `stats_interval_s` it logs one summary
 line and writes `<run_dir>/sandbox/stats/<name>.json`; `{"op": "stats"}` returns the same record.
+
+The heartbeat says progress, not presence: while the pool holds calls (running or queued) and none finishes for
+`stall_s` (twice the longest time limit a call may ask for: every call ends within its limit, its sandbox killed
+if need be), the service stops refreshing its announcement. Clients then skip it and the launcher restarts it as
+a hung role (launch.hang_timeout_s), as it does a rollout whose engines stopped moving.
 """
 from __future__ import annotations
 
@@ -59,6 +64,8 @@ class Service:
         self._tasks: list[asyncio.Task] = []
         self.connections = 0
         self._writers: set[asyncio.StreamWriter] = set()
+        self.stall_s = 2 * self.limits.max_timeout_s
+        self._moved: tuple[int | None, float] = (None, time.monotonic())   # (calls finished, when last moved or idle)
 
     @property
     def address(self) -> str:
@@ -114,15 +121,32 @@ class Service:
         snap.update(name=self.name, address=self.address, connections=self.connections, time=time.time())
         return snap
 
+    def stalled_s(self, snap: dict) -> float:
+        """How long the pool has held calls with none finishing (0.0 while it is idle or moving)."""
+        now = time.monotonic()
+        calls, since = self._moved
+        if snap["calls"] != calls or not (snap["in_flight"] or snap["queue_depth"]):
+            self._moved = (snap["calls"], now)
+            return 0.0
+        return now - since
+
     def _publish(self) -> None:
         if not self.run_dir:
             return
         snap = self.pool.snapshot()
-        _announce(self.run_dir, self.name, self.announce_host, self.port, workers=snap["workers"],
-                  queue_depth=snap["queue_depth"], in_flight=snap["in_flight"], timeout_s=self.limits.timeout_s)
+        stalled = self.stalled_s(snap)
+        if stalled <= self.stall_s:
+            _announce(self.run_dir, self.name, self.announce_host, self.port, workers=snap["workers"],
+                      queue_depth=snap["queue_depth"], in_flight=snap["in_flight"], timeout_s=self.limits.timeout_s)
+        else:
+            log.error("sandbox %s: %d calls running and %d queued, none finished for %.0fs (more than %.0fs, twice "
+                      "the longest call limit): its workers are stuck; not refreshing its announcement, so clients "
+                      "skip it and the launcher restarts it", self.name, snap["in_flight"], snap["queue_depth"],
+                      stalled, self.stall_s)
         folder = os.path.join(self.run_dir, "sandbox", "stats")
         os.makedirs(folder, exist_ok=True)
-        atomic_write_text(os.path.join(folder, self.name + ".json"), json.dumps(self.stats(), indent=1) + "\n")
+        atomic_write_text(os.path.join(folder, self.name + ".json"),
+                          json.dumps({**self.stats(), "stalled_s": round(stalled, 1)}, indent=1) + "\n")
 
     def _log_summary(self) -> None:
         s = self.stats()

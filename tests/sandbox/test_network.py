@@ -275,3 +275,39 @@ def test_a_busy_service_is_not_taken_for_a_frozen_one(cluster):
     rs = with_client(lt, go, addresses=[f"127.0.0.1:{services[0].port}"], reply_margin_s=1.0)
     # one node, one light sandbox: about 16 x 0.3 s in a row, far past 0.5 + 1 s for the last ones
     assert all(r["status"] == "ok" and r["attempts"] == 1 for r in rs), rs
+
+
+def test_a_service_holding_calls_that_never_finish_stops_its_heartbeat(tmp_path, monkeypatch):
+    """Progress, not presence: the announcement (the sandbox role's heartbeat) is refreshed while calls finish or
+    none is held, and left to go stale once calls are held with none finishing for stall_s; it comes back when
+    one finishes. The stats file says how long."""
+    from rstar_hpc.exchange.rendezvous import announcement_path
+
+    now = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
+    svc = Service(Limits(**{**TEST_LIMITS, "num_workers": 1, "max_timeout_s": 10.0}), host="127.0.0.1",
+                  run_dir=str(tmp_path), name="stuck", port=1)
+    svc.port = 4242
+    snap = {"calls": 5, "in_flight": 0, "queue_depth": 0, "workers": 1}
+    monkeypatch.setattr(svc.pool, "snapshot", lambda: dict(snap))   # an unstarted pool: its figures scripted
+    monkeypatch.setattr(svc, "stats", lambda: dict(snap))
+    path = announcement_path(tmp_path, "sandbox", "stuck")
+
+    def beat(after_s: float) -> float | None:
+        """Publish `after_s` later; the announcement's refresh time if it was refreshed, else None."""
+        now[0] += after_s
+        before = json.loads(open(path).read())["updated_at"] if os.path.exists(path) else None
+        time.sleep(0.01)   # a refresh is seen by its updated_at (wall clock)
+        svc._publish()
+        after = json.loads(open(path).read())["updated_at"]
+        return None if after == before else after
+
+    assert beat(0) and beat(300)                               # idle: present is enough
+    snap.update(in_flight=1, queue_depth=3)
+    assert beat(1) and beat(15) and beat(3)                    # holding calls, none finished for 19 s <= 20
+    # (counted from the last publish that saw it idle or moving)
+    assert beat(2) is None                                     # 21 s: stuck, the heartbeat stops
+    stats = json.loads((tmp_path / "sandbox" / "stats" / "stuck.json").read_text())
+    assert stats["stalled_s"] == 21.0 and stats["in_flight"] == 1
+    snap.update(calls=6)                                       # one finished: moving again
+    assert beat(1)
