@@ -17,7 +17,7 @@ def command() -> None:
     """An emulated multi-node Slurm cluster on this machine (real munged, slurmctld, one slurmd per node).
 
     Nodes gpu[1-N] (partition gpu: trainer, rollout) and cpu[1-M] (partition cpu: sandbox), all on
-    localhost. Point Slurm clients at it with `source <state-dir>/env.sh` (sets SLURM_CONF).
+    localhost, or (--hosts) each its own host. Point Slurm clients at it with `source <state-dir>/env.sh` (sets SLURM_CONF).
     On a real cluster this command is not needed.
     """
 
@@ -29,12 +29,23 @@ def command() -> None:
 @click.option("--cpus-per-node", default=4, show_default=True, help="CPUs each node claims (may exceed the host's).")
 @click.option("--gpus-per-node", default=0, show_default=True,
               help="Fake GPUs (GRES) of each gpu node; also binds tasks to cores (task/affinity). Needs root.")
-def up(state_dir, gpu_nodes: int, cpu_nodes: int, cpus_per_node: int, gpus_per_node: int) -> None:
+@click.option("--hosts", is_flag=True,
+              help="Each node its own host: a network namespace on a private bridge, its own hostname, /tmp and "
+                   "/dev/shm (rstar_hpc/cluster/hosts.py). Needs root.")
+@click.option("--shared", multiple=True, type=click.Path(file_okay=False),
+              help="With --hosts: a directory under /tmp that stands for shared storage (a run root), the same on "
+                   "every node. Repeatable; the state directory always is.")
+def up(state_dir, gpu_nodes: int, cpu_nodes: int, cpus_per_node: int, gpus_per_node: int, hosts: bool,
+       shared: tuple[str, ...]) -> None:
     """Start the cluster (a no-op if it is already up) and wait until every node is idle."""
     from rstar_hpc.cluster import ClusterError, ClusterSpec, LocalCluster
 
+    if shared and not hosts:
+        click.echo("--shared is for --hosts (without it every node sees the one /tmp)", err=True)
+        sys.exit(EXIT_FAILED)
     cluster = LocalCluster(state_dir, ClusterSpec(num_gpu_nodes=gpu_nodes, num_cpu_nodes=cpu_nodes,
-                                                  cpus_per_node=cpus_per_node, gpus_per_node=gpus_per_node))
+                                                  cpus_per_node=cpus_per_node, gpus_per_node=gpus_per_node,
+                                                  hosts=hosts, shared=shared))
     try:
         cluster.up()
     except ClusterError as e:

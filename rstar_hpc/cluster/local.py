@@ -10,8 +10,9 @@ one state directory (config, munge key and socket, controller state, per-node sp
 Nodes stand for the roles: `gpu[1-N]` (partition `gpu`, feature `gpu`: trainer and rollout) and
 `cpu[1-M]` (partition `cpu`, feature `cpu`: sandbox). With `gpus_per_node`, the gpu nodes carry that many fake GPUs
 (GRES over placeholder device files) and tasks are bound to their cores (task/affinity): `srun --gpus-per-task`
-then sets CUDA_VISIBLE_DEVICES per task as on a real GPU partition, while the roles still compute on CPU. Every node is localhost on its own slurmd port;
-`SlurmdParameters=config_overrides` lets each claim more CPUs than the machine has. Scheduling is tuned
+then sets CUDA_VISIBLE_DEVICES per task as on a real GPU partition, while the roles still compute on CPU. Every node is
+localhost on its own slurmd port, or (`hosts`, hosts.py) a host of its own: its network namespace on a private bridge,
+its hostname, /tmp and /dev/shm. `SlurmdParameters=config_overrides` lets each claim more CPUs than the machine has. Scheduling is tuned
 so jobs (heterogeneous ones included, which only the backfill scheduler starts) begin within seconds.
 
 Clients find the cluster through `SLURM_CONF=<state>/slurm.conf` (`source <state>/env.sh`). `down`
@@ -31,6 +32,8 @@ import stat
 import subprocess
 import time
 from pathlib import Path
+
+from rstar_hpc.cluster.hosts import HostsError, NodeHosts
 
 STATE_ENV = "RSTAR_HPC_CLUSTER_DIR"
 DAEMONS = ("munged", "slurmctld", "slurmd")
@@ -53,6 +56,14 @@ class ClusterSpec:
     slurmd_timeout_s: int = 60
     """SlurmdTimeout: how long a node's slurmd may be silent before Slurm marks the node DOWN (it pings every third of
     it). A test that loses a node for good sets it short; a slurmd that is down for less goes unnoticed."""
+    hosts: bool = False
+    """Each node its own host (hosts.py): network, hostname, /tmp and /dev/shm of its own. Needs root."""
+    shared: tuple[str, ...] = ()
+    """With `hosts`: paths under /tmp that stand for shared storage (a run root), seen the same on every node (the
+    state directory always is)."""
+
+    def __post_init__(self):
+        object.__setattr__(self, "shared", tuple(self.shared))   # a list from cluster.json
 
 
 def default_state_dir() -> Path:
@@ -84,6 +95,7 @@ class LocalCluster:
         if spec is None and saved.is_file():     # status/down of a cluster started with another shape
             spec = ClusterSpec(**json.loads(saved.read_text()))
         self.spec = spec or ClusterSpec()
+        self.hosts = NodeHosts(self.dir, self.node_names, self.spec.shared) if self.spec.hosts else None
         if len(str(self.dir / "munge.sock")) > 100:
             raise ClusterError(f"state directory {self.dir} is too long for a Unix socket path; pick a shorter one "
                                f"(--state-dir or ${STATE_ENV})")
@@ -129,7 +141,11 @@ class LocalCluster:
         self._write_munge_key()
         (self.dir / "cluster.json").write_text(json.dumps(dataclasses.asdict(self.spec)))
         ports = _free_port_range(1 + len(self.node_names))
-        self.conf.write_text(self._render_conf(ctld_port=ports, node_port=ports + 1))
+        try:
+            addresses = self.hosts.up() if self.hosts else None
+        except HostsError as e:
+            raise ClusterError(str(e)) from None
+        self.conf.write_text(self._render_conf(ctld_port=ports, node_port=ports + 1, addresses=addresses))
         self._write_gres()
         (self.dir / "env.sh").write_text(f"export SLURM_CONF={self.conf}\n")
         pids: dict[str, int] = {}
@@ -142,8 +158,8 @@ class LocalCluster:
             for node in self.node_names:
                 (self.dir / "nodes" / node / "spool").mkdir(parents=True, exist_ok=True)
                 pids[f"slurmd:{node}"] = self._start(
-                    ["slurmd", "-f", str(self.conf), "-N", node], self.dir / "nodes" / node / "slurmd.pid",
-                    f"slurmd {node}", self.dir / "nodes" / node / "slurmd.log")
+                    self._on_node(node, ["slurmd", "-f", str(self.conf), "-N", node]),
+                    self.dir / "nodes" / node / "slurmd.pid", f"slurmd {node}", self.dir / "nodes" / node / "slurmd.log")
                 self._save_pids(pids)
             self._wait_idle(timeout_s)
         except BaseException:
@@ -152,10 +168,11 @@ class LocalCluster:
         return self
 
     def down(self, timeout_s: float = 20.0) -> list[str]:
-        """Cancel this cluster's jobs, then stop the daemons recorded at `up` (and only those)."""
+        """Cancel this cluster's jobs, then stop the daemons recorded at `up` (and only those), then (`hosts`)
+        remove the nodes' namespaces and links."""
         recorded = self._recorded()
         if not recorded:
-            return []
+            return self.hosts.down() if self.hosts else []
         if self._alive("slurmctld", recorded.get("slurmctld")):
             subprocess.run(["scancel", "--full", "--quiet", *self._all_job_ids()], env=self.env,
                            capture_output=True, timeout=15) if self._all_job_ids() else None
@@ -172,7 +189,7 @@ class LocalCluster:
                     self._wait(lambda: not self._alive(key, pid), 5)
                 stopped.append(f"{key}[{pid}]")
         self._pids_file().unlink(missing_ok=True)
-        return stopped
+        return stopped + (self.hosts.down() if self.hosts else [])
 
     def kill_node(self, node: str) -> int:
         """SIGKILL one node's slurmd (a crashed node daemon: its jobs' processes keep running); returns its pid."""
@@ -231,7 +248,7 @@ class LocalCluster:
         if node not in self.node_names:
             raise ClusterError(f"no node {node!r}; nodes: {', '.join(self.node_names)}")
         pids = self._recorded()
-        pids[f"slurmd:{node}"] = self._start(["slurmd", "-f", str(self.conf), "-N", node],
+        pids[f"slurmd:{node}"] = self._start(self._on_node(node, ["slurmd", "-f", str(self.conf), "-N", node]),
                                              self.dir / "nodes" / node / "slurmd.pid", f"slurmd {node}",
                                              self.dir / "nodes" / node / "slurmd.log")
         self._save_pids(pids)
@@ -240,6 +257,15 @@ class LocalCluster:
                            capture_output=True, timeout=30)
         self._wait_idle(timeout_s)
         return pids[f"slurmd:{node}"]
+
+    def cut_node(self, node: str, cut: bool = True) -> None:
+        """(`hosts`) Cut `node` off the network, or (cut=False) mend it: a partition; its processes run on."""
+        if self.hosts is None:
+            raise ClusterError("only a cluster of hosts (cluster up --hosts) has links to cut")
+        self.hosts.set_link(node, up=not cut)
+
+    def _on_node(self, node: str, cmd: list[str]) -> list[str]:
+        return self.hosts.on_node(node, cmd) if self.hosts else cmd
 
     def is_up(self) -> bool:
         recorded = self._recorded()
@@ -375,7 +401,7 @@ class LocalCluster:
         (self.dir / "gres.conf").write_text(f"# fake GPUs of the emulated cluster (rstar-hpc cluster up --gpus-per-node)\n"
                                             f"NodeName=gpu[1-{self.spec.num_gpu_nodes}] Name=gpu File={files}\n")
 
-    def _render_conf(self, ctld_port: int, node_port: int) -> str:
+    def _render_conf(self, ctld_port: int, node_port: int, addresses: dict[str, str] | None = None) -> str:
         s, d = self.spec, self.dir
         user = pwd.getpwuid(os.getuid()).pw_name
         n_gpu, n_cpu = s.num_gpu_nodes, s.num_cpu_nodes
@@ -383,13 +409,22 @@ class LocalCluster:
         node_line = (f"CPUs={s.cpus_per_node} RealMemory={s.memory_mb_per_node} NodeHostname=localhost "
                      f"NodeAddr=127.0.0.1 State=UNKNOWN")
         gres = f" Gres=gpu:{s.gpus_per_node}" if s.gpus_per_node else ""
+        if addresses:   # hosts: each node its own address and hostname, one slurmd port (one per network)
+            size = f"CPUs={s.cpus_per_node} RealMemory={s.memory_mb_per_node} State=UNKNOWN Port={node_port}"
+            nodes = [f"NodeName={n} NodeHostname={n} NodeAddr={a} Feature={n.rstrip('0123456789')} {size}"
+                     + (gres if n.startswith("gpu") else "") for n, a in addresses.items()]
+            ctld = f"{socket.gethostname()}({self.hosts.gateway()})"
+        else:
+            nodes = [f"NodeName=gpu[1-{n_gpu}] Port={node_port}-{node_port + n_gpu - 1} Feature=gpu {node_line}{gres}",
+                     f"NodeName=cpu[1-{n_cpu}] Port={node_port + n_gpu}-{last_port} Feature=cpu {node_line}"]
+            ctld = "localhost"
         lines = [
             "# Generated by `rstar-hpc cluster up`: an emulated cluster on one host. Do not use in production.",
             f"ClusterName={s.name}",
             # job ids of their own: two clusters up at once (two test workers) never hand out the same id, which
             # names log files and derives the trainer's rendezvous port (launch/roles.py)
             f"FirstJobId={ctld_port * 1000}",
-            "SlurmctldHost=localhost",
+            f"SlurmctldHost={ctld}",
             f"SlurmctldPort={ctld_port}",
             f"SlurmUser={user}",
             f"SlurmdUser={user}",
@@ -425,8 +460,7 @@ class LocalCluster:
             "Waittime=0",
             "SlurmctldDebug=info",
             "SlurmdDebug=info",
-            f"NodeName=gpu[1-{n_gpu}] Port={node_port}-{node_port + n_gpu - 1} Feature=gpu {node_line}{gres}",
-            f"NodeName=cpu[1-{n_cpu}] Port={node_port + n_gpu}-{last_port} Feature=cpu {node_line}",
+            *nodes,
             f"PartitionName=gpu Nodes=gpu[1-{n_gpu}] Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO",
             f"PartitionName=cpu Nodes=cpu[1-{n_cpu}] MaxTime=INFINITE State=UP OverSubscribe=NO",
         ]

@@ -36,8 +36,8 @@ def task_local_rank(env: Mapping[str, str] | None = None) -> int:
 def observe(role: str, rank: int | None = None, env: Mapping[str, str] | None = None,
             devices: list[int] | None = None) -> dict:
     """This process's placement: host, Slurm node and job, the GPUs it sees (CUDA_VISIBLE_DEVICES, `visible`) and
-    those it computes on (`devices`, as its binding chose them; `device`: the one of a single-GPU rank), and how many
-    CPUs it may run on."""
+    those it computes on (`devices`, as its binding chose them; `device`: the one of a single-GPU rank), how many
+    CPUs it may run on, and its network namespace."""
     env = os.environ if env is None else env
     visible = env.get("CUDA_VISIBLE_DEVICES")
     ids = [int(g) for g in visible.split(",") if g.strip().isdigit()] if visible else []
@@ -47,7 +47,16 @@ def observe(role: str, rank: int | None = None, env: Mapping[str, str] | None = 
             "job": env.get("SLURM_JOB_ID") or env.get("RSTAR_SLURM_JOB_ID"),
             "step": env.get("SLURM_STEP_ID"), "cuda_visible_devices": visible, "gpus": ids, "visible": ids,
             "devices": devices, "device": devices[0] if len(devices) == 1 else None,
-            "cpus": len(os.sched_getaffinity(0)), "pid": os.getpid(), "at": time.time()}
+            "cpus": len(os.sched_getaffinity(0)), "pid": os.getpid(), "net_ns": _net_namespace(), "at": time.time()}
+
+
+def _net_namespace() -> str | None:
+    """The network namespace the task runs in ("net:[4026531840]"): tasks on one host share it; a container without
+    a network of its own shows the host's."""
+    try:
+        return os.readlink("/proc/self/ns/net")
+    except OSError:
+        return None
 
 
 def record_placement(paths: RunPaths, role: str, rank: int | None = None, devices: list[int] | None = None) -> dict:

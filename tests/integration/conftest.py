@@ -6,6 +6,7 @@ import json
 import time
 
 import pytest
+import yaml
 from tests.helpers.installing import install
 from tests.helpers.launching import _tail, ci_config
 
@@ -17,13 +18,18 @@ def installed(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def sbatch_run(slurm_cluster, tiny_model_dir, installed, tmp_path_factory):
+def sbatch_run(hosts_cluster, tiny_model_dir, installed, tmp_path_factory):
     """The all-stage tiny config launched through sbatch with the installed package, from a directory that is no
     checkout, and followed to its end (--wait): (run dir, env, launch info, wall seconds). Its jobs run the installed
-    rstar_hpc (test_installed.py checks their logs). The uninterrupted reference of the chaos test."""
+    rstar_hpc (test_installed.py checks their logs). On a cluster of hosts, its rollout on two of them (rank 0 and
+    an engine on one, an engine on the other: they join across the bridge). The uninterrupted reference of the
+    chaos test."""
     tmp = tmp_path_factory.mktemp("launch-sbatch")
     config = ci_config(tmp, "all-stages", tiny_model_dir)
-    env = {**slurm_cluster.env, "OMP_NUM_THREADS": "1"}   # installed.rstar drops PYTHONPATH
+    cfg = yaml.safe_load(config.read_text())
+    cfg["launch"]["rollout"]["num_nodes"] = 2
+    config.write_text(yaml.safe_dump(cfg))
+    env = {**hosts_cluster.env, "OMP_NUM_THREADS": "1"}   # installed.rstar drops PYTHONPATH
     t0 = time.monotonic()
     proc = installed.rstar("launch", str(config), "--wait", "--json", "--timeout-s", "1200", env=env, timeout=1300,
                            check=False)

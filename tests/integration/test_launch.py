@@ -33,6 +33,14 @@ def test_launch_runs_every_stage_kind_as_one_hetjob(sbatch_run):
     assert script.count("#SBATCH hetjob") == 2 and "#SBATCH --signal=B:USR2@30" in script
     record = json.loads((run / "launch" / "jobs.json").read_text())
     assert record["launches"][0]["jobs"] == info["jobs"] and record["cancelled_at"] is None
+    # the rollout on two hosts of the cluster of hosts: engine rank 2 joined rank 0 across the bridge
+    seen = {r: json.loads((run / "placement" / f"rollout-{r}.json").read_text()) for r in range(3)}
+    assert seen[0]["host"] == seen[1]["host"] != seen[2]["host"], seen
+    assert seen[0]["net_ns"] == seen[1]["net_ns"] != seen[2]["net_ns"], seen
+    trainer = json.loads((run / "placement" / "trainer-0.json").read_text())
+    assert trainer["host"] not in (seen[0]["host"], seen[2]["host"]), trainer
+    logs = "".join(p.read_text(errors="replace") for p in (run / "logs").glob("rollout-*.log"))
+    assert "engine rank 2 joined" in logs and "engine rank 1 joined" in logs
     print(json.dumps({"launch_sbatch_wall_s": round(wall_s, 1)}))
 
 

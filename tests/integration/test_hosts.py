@@ -1,0 +1,114 @@
+"""The cluster of hosts (`rstar-hpc cluster up --hosts`, rstar_hpc/cluster/hosts.py): each node a network, a hostname,
+a /tmp and a /dev/shm of its own, shared storage the same on every node; a sandbox on one node answers a client on
+another by the name it announced; `down` leaves no namespace, link or mount of its own, also after the daemons
+crashed. The shared all-stage run (tests/integration/conftest.py sbatch_run) runs on it with its rollout on two
+hosts (test_launch.py checks that the engines joined across the bridge)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slurm]
+NODE_VIEW = 'echo "$(hostname) $(readlink /proc/self/ns/net) $(ip -4 -o addr show eth0 | tr -s " " | cut -d" " -f4)"'
+
+
+def _srun(cluster, *argv: str, timeout: float = 120) -> str:
+    proc = subprocess.run(["srun", *argv], env=cluster.env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout
+
+
+def test_every_node_is_a_host_of_its_own(hosts_cluster, tmp_path):
+    c = hosts_cluster
+    rows = [line.split() for line in _srun(c, "-N3", "-p", "gpu", "sh", "-c", NODE_VIEW).splitlines()]
+    assert sorted(r[0] for r in rows) == ["gpu1", "gpu2", "gpu3"], rows
+    assert len({r[1] for r in rows}) == 3 and os.readlink("/proc/self/ns/net") not in {r[1] for r in rows}, rows
+    assert len({r[2] for r in rows}) == 3 and all(r[2].startswith("198.1") for r in rows), rows
+    # /tmp and /dev/shm are the node's own; shared storage (here pytest's folders) is everyone's
+    name = f"rstar-hosts-{os.getpid()}"
+    _srun(c, "-w", "gpu1", "sh", "-c", f"echo mine > /tmp/{name}; echo mine > /dev/shm/{name}; "
+                                        f"echo ours > {tmp_path}/{name}")
+    seen = _srun(c, "-w", "gpu2", "sh", "-c", f"ls /tmp/{name} /dev/shm/{name} 2>&1; cat {tmp_path}/{name}")
+    assert seen.count("No such file") == 2 and "ours" in seen, seen
+    assert not Path(f"/tmp/{name}").exists() and (tmp_path / name).read_text() == "ours\n"
+    # nothing routes out: the bridge's subnet and the host's own addresses only
+    routes = _srun(c, "-w", "gpu3", "ip", "-4", "route").splitlines()
+    assert routes and not [r for r in routes if r.startswith("default")], routes
+    names = _srun(c, "-w", "gpu1", "getent", "hosts", "gpu2", "cpu1").split()
+    assert "gpu2" in names and "cpu1" in names, names
+
+
+def test_a_sandbox_answers_across_the_bridge_by_the_name_it_announced(hosts_cluster, tmp_path):
+    c, run = hosts_cluster, tmp_path / "run"
+    run.mkdir()
+    service = subprocess.Popen(["srun", "-p", "cpu", "-w", "cpu1", sys.executable, "-m", "rstar_hpc", "sandbox",
+                                "serve", "--run-dir", str(run), "--workers", "1"], env=c.env,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (found := list(run.glob("rendezvous/sandbox/*.json"))):
+            assert service.poll() is None and time.monotonic() < deadline, service.stdout.read()[-2000:]
+            time.sleep(0.5)
+        [announced] = [json.loads(p.read_text()) for p in found]
+        assert announced["host"] == "cpu1", announced
+        code = ("import asyncio, sandbox.client as c\n"
+                "async def go():\n"
+                f"    async with c.SandboxClient(run_dir={str(run)!r}) as cl:\n"
+                "        print((await cl.run('print(6 * 7)'))['stdout'], end='')\n"
+                "asyncio.run(go())")
+        assert _srun(c, "-p", "gpu", "-w", "gpu1", sys.executable, "-c", code).strip() == "42"
+    finally:
+        service.send_signal(signal.SIGTERM)
+        try:
+            service.wait(30)
+        except subprocess.TimeoutExpired:
+            service.kill()
+
+
+def _leftovers(tag: str, state: Path, host_tmp: Path) -> list[str]:
+    netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    mounts = Path("/proc/mounts").read_text()
+    return ([f"netns {line}" for line in netns.splitlines() if tag[2:] in line]
+            + [f"link {line}" for line in links.splitlines() if tag in line]
+            + [f"mount {line}" for line in mounts.splitlines() if str(state) in line or str(host_tmp) in line]
+            + ([str(host_tmp)] if host_tmp.exists() else []))
+
+
+@pytest.mark.timeout(300)
+def test_down_leaves_nothing_of_its_own_even_after_the_daemons_crashed():
+    from rstar_hpc.cluster import ClusterSpec, LocalCluster
+
+    if os.geteuid() != 0:
+        pytest.skip("a cluster of hosts needs root (network namespaces)")
+    state = Path(tempfile.mkdtemp(prefix="rstar-hd-", dir="/tmp"))
+    cluster = LocalCluster(state, ClusterSpec(num_gpu_nodes=1, num_cpu_nodes=1, hosts=True)).up()
+    hosts = cluster.hosts
+    try:
+        assert len(_leftovers(hosts.tag, state, hosts.host_tmp)) >= 3   # two namespaces, their links, the bridge
+        for pid in cluster._recorded().values():   # the daemons crash: what they made stays behind
+            os.kill(pid, signal.SIGKILL)
+        again = LocalCluster(state)   # its shape from cluster.json; `up` removes the leftovers and starts clean
+        assert again.spec.hosts and not again.is_up()
+        again.up()
+        assert again.is_up()
+    finally:
+        stopped = LocalCluster(state).down()
+    assert any(s.startswith("netns ") for s in stopped), stopped
+    assert not _leftovers(hosts.tag, state, hosts.host_tmp), _leftovers(hosts.tag, state, hosts.host_tmp)
+
+
+def test_hosts_without_root_is_refused_and_says_how(tmp_path, monkeypatch):
+    from rstar_hpc.cluster.hosts import HostsError, NodeHosts
+
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(HostsError, match=r"needs root.*plain cluster"):
+        NodeHosts(tmp_path, ["gpu1"]).up()
