@@ -6,6 +6,7 @@ by its keeper (RSTAR_ROLLOUT_RANK set).
 """
 from __future__ import annotations
 
+import logging
 import os
 import sys
 
@@ -56,6 +57,7 @@ def command(config, steps, stage, engines, sandbox, progress, overrides) -> None
     from rstar_hpc.exchange.rundir import RunPaths
     from rstar_hpc.logs import init_logging
     from rstar_hpc.rollout.keeper import Keeper, task_ranks
+    from rstar_hpc.rollout.links import node_interfaces
     from rstar_hpc.rollout.progress import TTY_ENV
 
     ranks, size, session = task_ranks(engines)
@@ -73,8 +75,12 @@ def command(config, steps, stage, engines, sandbox, progress, overrides) -> None
     rank_args = ["--config", config, *(a for s in steps for a in ("--step", str(s))),
                  *(["--stage", stage] if stage else []), *(a for s in sandbox for a in ("--sandbox", s)),
                  *(["--progress"] if progress else []), *overrides]
+    interfaces = node_interfaces(cfg.launch.mpi.interfaces, env)
+    if interfaces:
+        logging.getLogger("rstar_hpc.rollout").info("the rollout's ranks talk over %s (launch.mpi.interfaces%s)", ", ".join(interfaces),
+                 "" if cfg.launch.mpi.interfaces else ": empty, so the one holding this node's Slurm address")
     keeper = Keeper(RunPaths(cfg.run.dir), [sys.executable, "-m", "rstar_hpc", "rollout", *rank_args], ranks, size,
-                    session, engine_restarts=cfg.launch.rollout.engine_restarts, env=env)
+                    session, engine_restarts=cfg.launch.rollout.engine_restarts, env=env, interfaces=interfaces)
     rc = keeper.run()
     if rc:
         raise SystemExit(rc)

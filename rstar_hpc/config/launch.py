@@ -25,6 +25,26 @@ class ContainerConfig(Section):
     model directory and the folder of every data file the config names (read-only)."""
 
 
+class MPIConfig(Section):
+    start: Literal["tasks", "none", "pmix", "pmi2"] = "tasks"
+    """How the rollout's ranks are started. Every rank is an MPI process of its own, joined to rank 0 through Open
+    MPI's ompi-server (rollout/links.py), so an engine fails alone. tasks: one srun task per rank (`srun --mpi=none`),
+    across nodes; none: one task on the first rollout node starts every rank itself (one rollout node). pmix and
+    pmi2 are read as tasks (they named the srun MPI plugin of the one MPI world the ranks used to share)."""
+    interfaces: list[str] = Field(default_factory=list)
+    """The network interfaces the rollout's ranks (and the name server they join through) talk over: names (ib0,
+    eth0) or subnets (10.10.0.0/16), given to Open MPI's TCP transport and its wire-up (btl_tcp_if_include,
+    oob_tcp_if_include). Empty: the interface that holds the node's Slurm address (its NodeAddr), so a node with
+    several networks (ib0, eth0, docker0, a VPN) never publishes an address the other nodes cannot reach; Open MPI's
+    own choice where that is a loopback address (one host) or cannot be found. The interfaces must exist, with those
+    names, on every rollout node."""
+
+    @field_validator("start")
+    @classmethod
+    def _start(cls, v: str) -> str:
+        return "tasks" if v in ("pmix", "pmi2") else v
+
+
 class RoleResources(Section):
     partition: str = "gpu"
     num_nodes: int = Field(1, ge=1)
@@ -71,11 +91,9 @@ class LaunchConfig(Section):
     trainer: RoleResources = RoleResources(partition="gpu")
     rollout: RolloutResources = RolloutResources(partition="gpu")
     sandbox: RoleResources = RoleResources(partition="cpu")
-    mpi: Literal["tasks", "none", "pmix", "pmi2"] = "tasks"
-    """How the rollout's ranks are started. Every rank is an MPI process of its own, joined to rank 0 through Open
-    MPI's ompi-server (rollout/links.py), so an engine fails alone. tasks: one srun task per rank (`srun --mpi=none`),
-    across nodes; none: one task on the first rollout node starts every rank itself (one rollout node). pmix and
-    pmi2 are read as tasks (they named the srun MPI plugin of the one MPI world the ranks used to share)."""
+    mpi: MPIConfig = MPIConfig()
+    """The rollout's MPI: how its ranks are started and the networks they talk over. A plain string is `start`
+    (`launch.mpi=none`, as before the section)."""
     gpu_gres: bool = True
     """The site schedules GPUs as GRES (most do): jobs ask for --gpus-per-node and steps bind each task to its
     GPUs. false: nothing asks Slurm for GPUs, and each task takes its GPUs from SLURM_LOCALID instead."""
@@ -118,7 +136,7 @@ class LaunchConfig(Section):
                              f"in ordinary phases (a heartbeat comes every few seconds to minutes)")
         return v
 
-    @field_validator("mpi")
+    @field_validator("mpi", mode="before")
     @classmethod
-    def _mpi(cls, v: str) -> str:
-        return "tasks" if v in ("pmix", "pmi2") else v
+    def _mpi(cls, v):
+        return {"start": v} if isinstance(v, str) else v

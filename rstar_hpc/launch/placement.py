@@ -155,7 +155,7 @@ def problems(cfg, node_cores: dict[str, int] | None = None) -> list[str]:
                        f"tensor_parallel_size {tp} = {res.tasks_per_node * tp} GPUs, but a node has "
                        f"{res.gpus_per_node} (launch.rollout.gpus_per_node); at most {fit} TP-{tp} engine"
                        f"{'s' if fit != 1 else ''} fit a node")
-        if launch.mpi == "none" and res.num_nodes > 1:
+        if launch.mpi.start == "none" and res.num_nodes > 1:
             out.append(f"launch.mpi=none starts every rollout rank from one task on one node, but launch.rollout."
                        f"num_nodes={res.num_nodes}; use launch.mpi=tasks for a rollout across nodes")
     for role in groups:
@@ -244,7 +244,7 @@ def step_argv(cfg, role: str, run_dir: str | Path, *, het_group: int | None = No
         srun += [f"--nodes={res.num_nodes}", f"--ntasks={res.num_nodes * res.tasks_per_node}",
                  f"--ntasks-per-node={res.tasks_per_node}", f"--cpus-per-task={res.cpus_per_task}"]
         srun += gpus   # every rank sees the node's GPUs: NVLink between them
-    elif role == "rollout" and launch.mpi == "none":
+    elif role == "rollout" and launch.mpi.start == "none":
         # one task holding the node's engines' cores and GPUs; the command (the ranks' keeper) starts every rank
         srun += ["--nodes=1", "--ntasks=1", f"--cpus-per-task={rollout_tasks_per_node(cfg) * res.cpus_per_task}"]
         srun += gpus
@@ -257,7 +257,7 @@ def step_argv(cfg, role: str, run_dir: str | Path, *, het_group: int | None = No
     else:
         srun += [f"--nodes={res.num_nodes}", f"--ntasks={res.num_nodes}", "--ntasks-per-node=1",
                  f"--cpus-per-task={res.cpus_per_task}"]
-    if launch.cpu_bind and not (role == "rollout" and launch.mpi == "none"):
+    if launch.cpu_bind and not (role == "rollout" and launch.mpi.start == "none"):
         srun.append(f"--cpu-bind={launch.cpu_bind}")
     srun += step_mem(cfg, role)   # a step asks for its memory, as its job did
     return [*srun, *container.srun_options(cfg, role), *container.command_prefix(cfg, role), *argv]

@@ -71,7 +71,7 @@ class Supervisor:
     def step_env(self, role: str) -> dict[str, str]:
         nodes = self._nodes(role)
         env = role_env(self.cfg, role, nodes, self.starts[role])
-        if role == "rollout" and self.cfg.launch.mpi != "none":
+        if role == "rollout" and self.cfg.launch.mpi.start != "none":
             env["SLURM_HOSTFILE"] = str(placement.write_hostfile(self.cfg, self.paths.dir, hostnames(nodes)))
         return env
 

@@ -69,8 +69,9 @@ class Keeper:
     a rank: the keeper sets RSTAR_ROLLOUT_RANK and the session in its environment)."""
 
     def __init__(self, paths: RunPaths, argv: list[str], ranks: list[int], size: int, session: str, *,
-                 engine_restarts: int, env: dict | None = None):
+                 engine_restarts: int, env: dict | None = None, interfaces: list[str] | None = None):
         self.paths, self.argv, self.size = paths, argv, size
+        self.interfaces = list(interfaces or [])   # the networks the ranks talk over (links.node_interfaces)
         self.session = Session(session_dir(paths, session), 0, size)
         self.session_name, self.engine_restarts = session, engine_restarts
         self.env = dict(os.environ if env is None else env)
@@ -128,7 +129,7 @@ class Keeper:
                                "(rollout/links.py); load an Open MPI 4 module (launch.modules) or use the rollout "
                                "container, whose Open MPI has it")
         self.server = subprocess.Popen([exe, "--no-daemonize", "-r", str(self.session.uri)],
-                                       env={**self.env, **mpi_env(self.session)}, start_new_session=True,
+                                       env={**self.env, **mpi_env(self.session, self.interfaces)}, start_new_session=True,
                                        preexec_fn=partial(die_with_parent, os.getpid()))
         wait_for(self.session.uri, 60.0, "ompi-server's address file")
 
@@ -143,7 +144,7 @@ class Keeper:
             return False
 
     def _start(self, r: _Rank) -> None:
-        env = {**_singleton_env(self.env), **mpi_env(self.session), **r.extra_env, RANK_ENV: str(r.rank),
+        env = {**_singleton_env(self.env), **mpi_env(self.session, self.interfaces), **r.extra_env, RANK_ENV: str(r.rank),
                SIZE_ENV: str(self.size), SESSION_ENV: self.session_name}
         # a process group of its own: what a dead rank leaves (vLLM's engine-core and worker processes hold GPU
         # memory) is killed with it; and the rank dies with this keeper

@@ -18,10 +18,15 @@ engine loop used before (isend/send/Iprobe/recv with ranks), so the MPI conversa
 """
 from __future__ import annotations
 
+import fcntl
+import ipaddress
 import json
 import logging
 import os
 import queue
+import socket
+import struct
+import subprocess
 import threading
 import time
 from dataclasses import dataclass
@@ -77,12 +82,55 @@ def session_dir(paths: RunPaths, session: str) -> Path:
     return paths.rendezvous_dir("rollout") / session
 
 
-def mpi_env(session: Session) -> dict[str, str]:
-    """What a rank's MPI needs to find the session's name server (before MPI_Init)."""
+def mpi_env(session: Session, interfaces: list[str] | None = None) -> dict[str, str]:
+    """What a rank's MPI (and the name server) needs before MPI_Init: where the session's name server is, and the
+    interfaces to talk over (node_interfaces)."""
     env = {"OMPI_MCA_pmix_server_uri": f"file:{session.uri}"}
     if os.geteuid() == 0:   # containers run as root; Open MPI refuses it unless told
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    if interfaces:
+        env.update(OMPI_MCA_btl_tcp_if_include=",".join(interfaces), OMPI_MCA_oob_tcp_if_include=",".join(interfaces))
     return env
+
+
+def node_interfaces(configured: list[str], env=None) -> list[str]:
+    """The interfaces this node's ranks talk over: launch.mpi.interfaces, else the one holding the node's Slurm
+    address (NodeAddr), which the other nodes reach it by. Empty (Open MPI's own choice): that address is a loopback
+    one (every node one host) or is not found here. Without it a multi-homed node (ib0, eth0, docker0) may publish
+    an address of a network the other nodes are not on, and the engines never join."""
+    if configured:
+        return list(configured)
+    env = os.environ if env is None else env
+    addr = _slurm_node_addr(env.get("SLURMD_NODENAME"))
+    if addr is None or ipaddress.ip_address(addr).is_loopback:
+        return []
+    found = [name for _, name in socket.if_nameindex() if _ipv4_of(name) == addr]
+    if not found:
+        log.warning("no interface holds this node's Slurm address %s; Open MPI picks the interfaces (set "
+                    "launch.mpi.interfaces if the engines do not join)", addr)
+    return found[:1]
+
+
+def _slurm_node_addr(node: str | None) -> str | None:
+    """The node's NodeAddr (an address, or a name resolved here), from scontrol; None outside Slurm."""
+    if not node:
+        return None
+    try:
+        out = subprocess.run(["scontrol", "show", "node", "-o", node], capture_output=True, text=True,
+                             timeout=15).stdout
+        addr = next(w.split("=", 1)[1] for w in out.split() if w.startswith("NodeAddr="))
+        return socket.gethostbyname(addr)
+    except (OSError, subprocess.SubprocessError, StopIteration):
+        return None
+
+
+def _ipv4_of(interface: str) -> str | None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:   # SIOCGIFADDR: the interface's IPv4 address
+            raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", interface[:15].encode()))
+        except OSError:
+            return None
+    return socket.inet_ntoa(raw[20:24])
 
 
 def wait_for(path: Path, timeout_s: float, what: str, give_up: Path | None = None) -> None:

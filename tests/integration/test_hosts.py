@@ -112,3 +112,18 @@ def test_hosts_without_root_is_refused_and_says_how(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     with pytest.raises(HostsError, match=r"needs root.*plain cluster"):
         NodeHosts(tmp_path, ["gpu1"]).up()
+
+
+def test_the_rollout_talks_over_the_interface_of_the_nodes_slurm_address(hosts_cluster, monkeypatch):
+    """launch.mpi.interfaces empty: on a node the interface holding its NodeAddr (Open MPI's btl and oob are told);
+    set: what it says; a loopback NodeAddr (the plain cluster: every node one host): Open MPI's own choice."""
+    from rstar_hpc.rollout import links
+
+    code = ("from rstar_hpc.rollout.links import mpi_env, node_interfaces, Session; from pathlib import Path; "
+            "i = node_interfaces([]); e = mpi_env(Session(Path('/x'), 0, 2), i); "
+            "print(i, e['OMPI_MCA_btl_tcp_if_include'], e['OMPI_MCA_oob_tcp_if_include'], node_interfaces(['ib0']))")
+    assert _srun(hosts_cluster, "-w", "gpu2", sys.executable, "-c", code).split() == ["['eth0']", "eth0", "eth0",
+                                                                                       "['ib0']"]
+    monkeypatch.setattr(links, "_slurm_node_addr", lambda node: "127.0.0.1")
+    assert links.node_interfaces([], {"SLURMD_NODENAME": "gpu1"}) == []
+    assert "OMPI_MCA_btl_tcp_if_include" not in links.mpi_env(links.Session(Path("/x"), 0, 2), [])

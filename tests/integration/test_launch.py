@@ -41,6 +41,7 @@ def test_launch_runs_every_stage_kind_as_one_hetjob(sbatch_run):
     assert trainer["host"] not in (seen[0]["host"], seen[2]["host"]), trainer
     logs = "".join(p.read_text(errors="replace") for p in (run / "logs").glob("rollout-*.log"))
     assert "engine rank 2 joined" in logs and "engine rank 1 joined" in logs
+    assert "the rollout's ranks talk over eth0" in logs   # launch.mpi.interfaces empty: the NodeAddr's interface
     print(json.dumps({"launch_sbatch_wall_s": round(wall_s, 1)}))
 
 

@@ -91,7 +91,7 @@ def test_srun_lines_follow_mpi_container_and_gres_settings(tmp_path):
     cfg = load_config("qwen3-14b", [f"run.root={tmp_path}", *BASE, "launch.mpi=pmi2",   # read as tasks
                                     "launch.container.image=/lustre/images/rstar.sqsh", "launch.container.mounts=[/scratch]"])
     line = placement.steps(cfg, tmp_path / "run")["rollout"]
-    assert cfg.launch.mpi == "tasks" and "--mpi=none" in line and "--container-image=/lustre/images/rstar.sqsh" in line
+    assert cfg.launch.mpi.start == "tasks" and "--mpi=none" in line and "--container-image=/lustre/images/rstar.sqsh" in line
     mounts = line.split("--container-mounts=")[1].split()[0].split(",")
     assert f"{tmp_path}:{tmp_path}" in mounts and mounts[-1] == "/scratch"
     cfg = load_config("qwen3-14b", [f"run.root={tmp_path}", *BASE, "launch.container.runtime=apptainer",
