@@ -23,8 +23,10 @@ def test_launch_runs_every_stage_kind_as_one_hetjob(sbatch_run):
     run, env, info, wall_s = sbatch_run
     assert info["launcher"] == "sbatch" and list(info["jobs"]) == ["run"]
     check_finished(run, env)
-    # the planner, with this run's own rates, predicts its mean on-policy RL step within 35% (rstar-hpc plan)
-    plan = json.loads(rstar("plan", "tiny-cpu", "--from-run", str(run), "--json", env=env).stdout.splitlines()[-1])
+    # the planner, with this run's own config (its split: two rollout nodes) and rates, predicts its mean on-policy RL
+    # step within 35% (rstar-hpc plan)
+    plan = json.loads(rstar("plan", str(run / "config.yaml"), "--from-run", str(run), "--json",
+                            env=env).stdout.splitlines()[-1])
     assert plan["measured_steps"] == 6 and plan["rates"]["decode_tok_s"] > 0, plan
     print(json.dumps({"on_policy_predicted_step_s": plan["predicted_step_s"], "measured": plan["measured_stage_step_s"]}))
     assert abs(plan["predicted_step_s"] / plan["measured_step_s"] - 1) <= 0.35, (plan["predicted_step_s"],
