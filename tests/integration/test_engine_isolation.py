@@ -1,5 +1,6 @@
-"""One rollout engine's fault costs only its own work: on the emulated cluster, a launched run with two engines
-(launch.rollout.tasks_per_node=2) meets, in its one rl stage:
+"""One rollout engine's fault costs only its own work: on the emulated cluster of hosts (each node its own network,
+hostname and /tmp), a launched run with two engines on two hosts (launch.rollout.num_nodes=2: rank 0 and engine 1
+on one, engine 2 on the other, joined across the bridge) meets, in its one rl stage:
   0. engine rank 1's process SIGKILLed a few seconds into the stage, while the engines load the stage's first
      policy: rank 0 drops it at once (its keeper reports the death; no wait for the load's bound), the step begins
      with engine 2, and the keeper starts rank 1 again (its engine core went with the rank: parentage.py); it
@@ -53,7 +54,7 @@ def two_engine_config(tmp_path, model_dir) -> str:
                       "data": "demo"},
                      {"name": "rl", "kind": "rl", "num_steps": RL_STEPS, "prompts_per_step": 4,
                       "max_response_length": 128, "data": "demo"}]
-    cfg["launch"]["rollout"].update(tasks_per_node=2, engine_restarts=2)
+    cfg["launch"]["rollout"].update(num_nodes=2, tasks_per_node=1, engine_restarts=2)
     path = tmp_path / "engines.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return str(path)
@@ -218,7 +219,7 @@ def _wait_joined(run, rank: int, times: int) -> None:
 
 
 @pytest.mark.timeout(1500)
-def test_a_hung_or_killed_engine_costs_only_its_work_and_comes_back(slurm_cluster, tiny_model_dir, tmp_path):
+def test_a_hung_or_killed_engine_costs_only_its_work_and_comes_back(hosts_cluster, tiny_model_dir, tmp_path):
     import psutil
 
     from rstar_hpc.exchange.columns import from_table
@@ -226,7 +227,7 @@ def test_a_hung_or_killed_engine_costs_only_its_work_and_comes_back(slurm_cluste
     from rstar_hpc.exchange.reader import StepReader
     from rstar_hpc.exchange.rundir import RunPaths
 
-    env = {**slurm_cluster.env, "OMP_NUM_THREADS": "1"}
+    env = {**hosts_cluster.env, "OMP_NUM_THREADS": "1"}
     rstar("launch", two_engine_config(tmp_path, tiny_model_dir), "--json", env=env)
     run = tmp_path / "runs" / "engines"
     events = lambda kind: [e for e in read_events(RunPaths(run)) if e["kind"] == kind]   # noqa: E731
@@ -276,6 +277,8 @@ def test_a_hung_or_killed_engine_costs_only_its_work_and_comes_back(slurm_cluste
     # each kill cost its step minutes at most: rank 0 did not wait out the load's bound
     assert _committed_at(run, load_step) - killed_at <= LATE_S
     assert _committed_at(run, task_step) - task_killed_at <= LATE_S
+    seen = {r: json.loads((run / "placement" / f"rollout-{r}.json").read_text()) for r in (0, 2)}
+    assert seen[0]["net_ns"] != seen[2]["net_ns"], seen   # engine 2 on a host of its own
     [hung] = events("engine_hung")
     assert (hung["rank"], hung["stage"]) == (2, "rl") and hung["step"] >= hung_step, hung
     if hung["step"] == hung_step and "made no token" in hung["reason"]:   # it held requests: its token counter
