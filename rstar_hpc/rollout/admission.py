@@ -246,3 +246,10 @@ def make_admission(name: str, capacities: Mapping[int, int], *, max_response: in
     if name == "static":
         return StaticAdmission(sorted(capacities), block=block)
     raise ValueError(f"rollout.scheduler.admission={name!r}: use 'kv_aware' or 'static'")
+
+
+def admission_for(sc, capacities: Mapping[int, int], max_response: int) -> Admission:
+    """The admission rollout.scheduler (`sc`, a SchedulerConfig) asks for, over engines of these KV capacities."""
+    return make_admission(sc.admission, capacities, max_response=max_response, growth_reserve=sc.growth_reserve,
+                          budget_coef=sc.budget_coef, max_per_engine=sc.max_trajectories_per_engine,
+                          share_prefix=sc.sibling_aware)

@@ -17,7 +17,7 @@ from typing import NoReturn
 
 from rstar_hpc.rollout.links import RANK_ENV
 from rstar_hpc.rollout.mpi import TAG_ABORT, TAG_EXIT, init_mpi, recv_from_rank0, wait_sent
-from rstar_hpc.rollout.roster import JobEngines
+from rstar_hpc.rollout.engines import JobEngines
 
 log = logging.getLogger("rstar_hpc.rollout")
 

@@ -41,6 +41,11 @@ class StepQueue:
         self.pending = deque(it for it in self.items if it.key not in self.results)
         self.queued_at = {it.key: 0.0 for it in self.items}
 
+    def keep(self, finished: dict[tuple, Trajectory]) -> int:
+        """Results of an earlier attempt of the step (its journal): kept, not run again; how many the step holds."""
+        self.results.update({k: t for k, t in finished.items() if k in self.by_key and k not in self.results})
+        return len(self.results)
+
     def admit(self, at_s: float) -> dict[int, list[WorkItem]]:
         """The head waits for room (rStar2: nothing jumps the queue); the admitted work by engine rank, admitted
         `at_s` seconds into generation."""

@@ -1,39 +1,29 @@
-"""Rank 0 of a rollout step: the queue of its trajectories and the loop that admits, collects and commits them.
+"""Rank 0 of a rollout step: the loop that admits, collects and commits the step's trajectories.
 
     rstar-hpc rollout --config tiny-cpu --engines 2 --step 0       # or one srun task per rank under Slurm
 
-Four parts, each its own module: the engines (roster.py: who takes part, their states, keep-alive, whether each
-moves; it returns what it lost), the queue (queue.py: the work items, their bookings and latest states, the
-results), the tally (tally.py: the step's clock, counters and summary), and this loop, which moves messages between
-them. Data flows back as return values: nothing calls back into the loop. `StepScheduler.run` reads top-down as the
-step's stages:
+The step's parts, each its own module: the engines (engines.py: their states; roster.py: who takes part,
+keep-alive, whether each moves; it returns what it lost), the queue (queue.py: the work items, their bookings and
+latest states, the results), the tally (tally.py: the clock, counters and summary), the long-tail levers (levers.py:
+decisions to migrate, carry, close), and this loop, which moves messages between them. Data flows back as return
+values: nothing calls back into the loop. `StepScheduler.run` reads top-down as the step's stages, which
+docs/architecture.md draws as a state diagram:
 
-    start      wait for the policy the step needs (policy_source.py), START every engine rank (the roster: each
-               acks, loads the policy if new, reports while it loads, says HELLO with its KV); the step begins when
-               all are ready, or late_join_after_s after the first: a slow loader joins the running step (join)
-    admit      the queue's FIFO: the shared admission (admission.py) places its head on an engine rank, which keeps
-               it for all its turns; nothing jumps the queue
-    dispatch   send each engine rank its admitted work (never a blocking send)
-    collect    results (release the booking, score off the generation path), reports (KV booking from the live
-               trajectories' context lengths; progress), turn boundaries, deaths; every `journal_every_s` the new
-               results go to a journal part, so a restart runs only the unfinished trajectories
-    check      the roster's keep-alive and judgment: an engine silent for engine_timeout_s, or hung (holding
-               requests that made no token for engine_stall_s), is lost and its work re-queued
-    finish     DONE; each engine rank answers with its figures
-    commit     all trajectories, in item order, in ONE committed shard set (producer "rollout"), then the journal
-               parts go: readers see a step whole or not at all; the tally's summary to metrics/rollout.jsonl
-
-The long-tail levers (levers.py) keep their own state and return decisions (migrate this key, requeue or carry this
-paused trajectory, close the step, the trained/carried split), which the loop applies. docs/architecture.md draws
-the loop as a state diagram.
+    start      wait for the step's policy (policy_source.py); START the engines (each loads it, reports, says HELLO
+               with its KV); begin when all are ready, or late_join_after_s after the first (the rest join later)
+    admit      the queue's FIFO: admission (admission.py) places its head on an engine for all its turns
+    dispatch   each engine's admitted work (never a blocking send)
+    collect    results (scored off the generation path), reports (KV booking, progress), turn boundaries, deaths,
+               late HELLOs; every `journal_every_s` new results go to a journal part, so a restart reruns only the rest
+    check      the roster's keep-alive and judgment: a silent or hung engine is lost and its work re-queued at the
+               front, from its last turn boundary or pause where kept (a late result of a re-run one is ignored)
+    finish     DONE; each engine answers with its figures
+    commit     all trajectories, in item order, in ONE committed shard set, then the journal parts go: readers see
+               a step whole or not at all; the summary to metrics/rollout.jsonl
 
 Tool calls are not dispatched here: each engine rank runs its trajectories as agent-loop coroutines (agent.py)
-that call the sandbox service themselves, so a trajectory waiting for its tool never holds up generation.
-
-A lost engine's unfinished trajectories go back to the front of the queue, from their last turn boundary (partial
-rollouts: TURN deltas) or pause, else from the start; a late result or delta of one re-run is ignored (they carry
-their step and key, and only the key's engine is heard). The messages are mpi.py's; the engine ranks' side is
-engine_rank.py.
+that call the sandbox service themselves, so a trajectory waiting for its tool never holds up generation. The
+messages are mpi.py's; the engine ranks' side is engine_rank.py.
 """
 from __future__ import annotations
 
@@ -47,7 +37,8 @@ from rstar_hpc.exchange.rundir import RunPaths
 from rstar_hpc.exchange.schema import Trajectory
 from rstar_hpc.exchange.writer import ShardWriter
 from rstar_hpc.rollout import carry as carry_mod
-from rstar_hpc.rollout.admission import make_admission
+from rstar_hpc.rollout.admission import admission_for
+from rstar_hpc.rollout.engines import JobEngines, Lost
 from rstar_hpc.rollout.journal import Journal
 from rstar_hpc.rollout.levers import Levers, Route
 from rstar_hpc.rollout.messages import TrajectoryResult
@@ -55,7 +46,7 @@ from rstar_hpc.rollout.mpi import (TAG_ACK, TAG_DEAD, TAG_HELLO, TAG_KV, TAG_MIG
                                    TAG_SKIP, TAG_TURN, TAG_WORK)
 from rstar_hpc.rollout.policy_source import MEMORY, StepWeights, wait_for_policy
 from rstar_hpc.rollout.queue import StepQueue
-from rstar_hpc.rollout.roster import EngineRoster, JobEngines, Lost
+from rstar_hpc.rollout.roster import EngineRoster
 from rstar_hpc.rollout.step import Scorer, StepHooks, StepSpec, WorkItem
 from rstar_hpc.rollout.tally import StepTally
 
@@ -171,25 +162,19 @@ class StepScheduler:
 
     def prepare_admission(self, hello: dict[int, dict]) -> None:
         """Admission over the engines that said hello, and the FIFO of the step's trajectories."""
-        sc = self.sc
         self.tally.engines = sorted(hello)
-        self.queue.open(make_admission(sc.admission, {e: hello[e]["capacity_tokens"] for e in sorted(hello)},
-                                       max_response=self.spec.limits.max_response_length,
-                                       growth_reserve=sc.growth_reserve, budget_coef=sc.budget_coef,
-                                       max_per_engine=sc.max_trajectories_per_engine, share_prefix=sc.sibling_aware))
+        self.queue.open(admission_for(self.sc, {e: hello[e]["capacity_tokens"] for e in sorted(hello)},
+                                      self.spec.limits.max_response_length))
 
     def resume_from_journal(self) -> None:
         """The trajectories an earlier attempt of this step committed to its journal: kept, not run again."""
         q = self.queue
-        for key, traj in self.journal.load().items():
-            if key in q.by_key and key not in q.results:
-                q.results[key] = traj
-        self.tally.kept_from_journal = self.journal.loaded
-        if q.results:
+        if q.keep(self.journal.load()):
             log.info("step %d of stage %s: %d of %d trajectories kept from an interrupted attempt", self.step,
                      self.stage, len(q.results), len(q.items))
             if self.hooks.progress is not None:
                 self.hooks.progress(list(q.results))
+        self.tally.kept_from_journal = self.journal.loaded
 
     # ----------------------------------------------------------------------------------------------- the loop
     def dispatch(self, batch: dict[int, list[WorkItem]]) -> None:

@@ -289,7 +289,7 @@ def _scheduler(tmp_path, **knobs):
     from rstar_hpc.config.rollout import SchedulerConfig
     from rstar_hpc.exchange.rundir import RunPaths
     from rstar_hpc.config.stages import StageLimits
-    from rstar_hpc.rollout.roster import Engine
+    from rstar_hpc.rollout.engines import Engine
     from rstar_hpc.rollout.scheduler import StepScheduler
     from rstar_hpc.rollout.step import StepSpec
 

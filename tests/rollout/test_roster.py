@@ -11,7 +11,8 @@ import pytest
 
 from rstar_hpc.config.rollout import SchedulerConfig
 from rstar_hpc.rollout.mpi import TAG_ABORT, TAG_ACK, TAG_DEAD, TAG_HELLO, TAG_KV, TAG_START, TAG_STATS
-from rstar_hpc.rollout.roster import Engine, EngineRoster
+from rstar_hpc.rollout.engines import Engine
+from rstar_hpc.rollout.roster import EngineRoster
 
 
 class _Clock:
@@ -143,7 +144,7 @@ def test_a_step_begins_without_a_slow_loader_which_joins_it_when_ready(monkeypat
 def test_a_load_still_running_at_the_steps_end_keeps_its_clock_into_the_next_step(monkeypatch):
     """finish() does not wait for a loader, nor count it lost; the next step's start bounds its load from its first
     ack: a load stuck across steps is found hung at policy_load_timeout_s, not never."""
-    from rstar_hpc.rollout.roster import JobEngines
+    from rstar_hpc.rollout.engines import JobEngines
 
     clock = _Clock(monkeypatch)
     t = clock.now
