@@ -45,15 +45,13 @@ def parse_args() -> argparse.Namespace:
 
 def _arch(args):
     from rstar_hpc.models.shapes import PUBLISHED
-    from rstar_hpc.trainer.arch import Qwen3Arch
+    from rstar_hpc.trainer.arch import Arch
 
     if args.quick:
-        return Qwen3Arch(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                         num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=False)
+        return Arch(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                    num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=False)
     s = PUBLISHED[args.model]
-    return Qwen3Arch(vocab_size=s.vocab_size, hidden_size=s.hidden_size, intermediate_size=s.intermediate_size,
-                     num_layers=args.layers or s.num_layers, num_heads=s.num_heads, num_kv_heads=s.num_kv_heads,
-                     head_dim=s.head_dim, rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=s.tie_word_embeddings)
+    return Arch(**{**vars(s), "num_layers": args.layers or s.num_layers})
 
 
 def main() -> None:

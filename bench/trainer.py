@@ -63,11 +63,11 @@ def trainer_policy(model_dir, lr: float):
     """The trainer's policy and optimizer on one CPU rank (what `rstar-hpc train` builds), no weight decay."""
     from rstar_hpc.config.trainer import TrainerConfig
     from rstar_hpc.trainer.hf_convert import load_hf_checkpoint
-    from rstar_hpc.trainer.arch import Qwen3Arch
+    from rstar_hpc.trainer.arch import Arch
     from rstar_hpc.trainer.parallel import build_optimizer, build_policy
 
     tcfg = TrainerConfig(backend="cpu", optimizer={"lr": lr, "weight_decay": 0.0, "grad_clip": 1.0})
-    policy = build_policy(Qwen3Arch.from_hf_config(model_dir), tcfg, "cpu")
+    policy = build_policy(Arch.from_hf_config(model_dir), tcfg, "cpu")
     load_hf_checkpoint(policy, model_dir)
     return policy, build_optimizer(policy, tcfg, lr)
 
@@ -86,7 +86,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--mix-long", type=int, default=4, help="packing vs padding: long samples per step")
     ap.add_argument("--long-tokens", type=int, default=1536)
     ap.add_argument("--pack-tokens", type=int, default=2048, help="packing vs padding: micro-batch token budget")
-    ap.add_argument("--model", default="tiny", choices=["tiny", *PUBLISHED],
+    qwen3 = [k for k, s in PUBLISHED.items() if s.family == "qwen3"]   # the sized bench builds Qwen3
+    ap.add_argument("--model", default="tiny", choices=["tiny", *qwen3],
                     help="tiny: the CPU comparisons; else the SFT step at that Qwen3 shape (bench/trainer_sized.py)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="for the sized models")
     ap.add_argument("--seq-len", type=int, default=8192, help="sized models: tokens per packed micro-batch")
@@ -228,13 +229,13 @@ def bench_rl(args, model_dir: str, tmp: str) -> dict:
     from rstar_hpc.exchange.rundir import RunPaths
     from rstar_hpc.synthetic.trajectories import make_step
     from rstar_hpc.exchange.writer import ShardWriter
-    from rstar_hpc.trainer.arch import Qwen3Arch
+    from rstar_hpc.trainer.arch import Arch
     from rstar_hpc.trainer.rl import TrajectorySource, rl_step
 
     budget = max(args.tokens, 4 * args.rl_response_tokens)
     cfg = load_config("tiny-cpu", [f"run.root={tmp}", f"model.path={model_dir}", f"trainer.micro_batch_tokens={budget}",
                                    "trainer.optimizer.lr=1e-4", "trainer.optimizer.weight_decay=0.0"])
-    vocab = Qwen3Arch.from_hf_config(model_dir).vocab_size
+    vocab = Arch.from_hf_config(model_dir).vocab_size
     paths = RunPaths(cfg.run.dir)
     rng = np.random.default_rng(0)
     for step in range(args.steps + 1):

@@ -144,12 +144,12 @@ def bench_sized(args) -> dict:
     """The SFT step of a Qwen3 of published shape: the trainer's policy vs Hugging Face, one after the other."""
     from transformers import Qwen3ForCausalLM
 
-    from rstar_hpc.trainer.arch import Qwen3Arch
+    from rstar_hpc.trainer.arch import Arch
     from rstar_hpc.trainer.model import have_transformer_engine
     from rstar_hpc.trainer.parallel import destroy_distributed, init_distributed
 
     config = _hf_config(args)
-    arch = Qwen3Arch.from_hf_config(config.to_dict())
+    arch = Arch.from_hf_config(config.to_dict())
     for k, v in (("RANK", "0"), ("WORLD_SIZE", "1")):
         os.environ.setdefault(k, v)
     init_distributed(tp=1, backend=args.device)

@@ -88,7 +88,7 @@ def planned_gib(shape: ModelShape, args, recompute: str) -> dict:
 
     with tempfile.TemporaryDirectory() as d:
         (Path(d) / "config.json").write_text(json.dumps({
-            "vocab_size": shape.vocab_size, "hidden_size": shape.hidden_size,
+            "model_type": shape.family, "vocab_size": shape.vocab_size, "hidden_size": shape.hidden_size,
             "intermediate_size": shape.intermediate_size, "num_hidden_layers": shape.num_layers,
             "num_attention_heads": shape.num_heads, "num_key_value_heads": shape.num_kv_heads,
             "head_dim": shape.head_dim, "tie_word_embeddings": shape.tie_word_embeddings}))
@@ -159,7 +159,7 @@ def check(args, device: str, recompute: str, peak: float | None, profile: bool =
     """One recompute setting: build the policy, time SFT then RL steps, the peak memory over both; with `profile`,
     one more SFT and RL step each under torch.profiler."""
     from rstar_hpc.config.algo import AlgoConfig
-    from rstar_hpc.trainer.arch import Qwen3Arch
+    from rstar_hpc.trainer.arch import Arch
     from rstar_hpc.trainer.parallel import build_optimizer, build_policy
     from rstar_hpc.trainer.rl import build_batch, rl_step
     from rstar_hpc.trainer.step import pack, train_step
@@ -171,7 +171,7 @@ def check(args, device: str, recompute: str, peak: float | None, profile: bool =
     tcfg = trainer_config(args, device, recompute)
     algo = AlgoConfig(num_samples_per_prompt=8, roc={"down_sample_to_n": 4, "min_zero_reward_trace_num": 1,
                                                       "min_non_zero_reward_trace_num": 1})
-    policy = build_policy(Qwen3Arch(**dataclasses.asdict(args.shape)), tcfg, device)
+    policy = build_policy(Arch(**vars(args.shape)), tcfg, device)
     opt = build_optimizer(policy, tcfg, 1e-5)
 
     def sft(batch):

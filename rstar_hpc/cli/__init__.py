@@ -23,7 +23,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "cluster": ("cluster", "Bring up, inspect or stop an emulated multi-node Slurm cluster on this machine."),
     "config": ("config", "Show, validate and explain run configs (YAML + dotted overrides)."),
     "data": ("data", "Show how a data file is read (layout, drops, rows normalised) or check it (exit 0 or 3)."),
-    "make-tiny-model": ("make_tiny_model", "Build a random-init Qwen3-architecture model + BPE tokenizer."),
+    "make-tiny-model": ("make_tiny_model", "Build a random-init Qwen3, Qwen2 or Llama model + BPE tokenizer."),
     "generate": ("generate", "Generate from prompts with the policy in vLLM (sbatch/generate.sbatch)."),
     "train": ("train", "The trainer role (SFT, GRPO-RoC RL) with Megatron-core; --follow walks every stage; --plan "
                        "its per-GPU memory plan, no GPU needed."),

@@ -1,9 +1,11 @@
-"""`rstar-hpc make-tiny-model OUT`: a random-init Qwen3-architecture model + byte-level BPE tokenizer."""
+"""`rstar-hpc make-tiny-model OUT`: a random-init model (Qwen3, Qwen2 or Llama) + byte-level BPE tokenizer."""
 from __future__ import annotations
 
 import json
 
 import click
+
+from rstar_hpc.models.families import FAMILIES
 
 
 @click.command("make-tiny-model")
@@ -17,9 +19,11 @@ import click
 @click.option("--vocab", "vocab_size", default=512, show_default=True, help="Target vocabulary size.")
 @click.option("--max-positions", "max_position_embeddings", default=4096, show_default=True)
 @click.option("--seed", default=0, show_default=True, help="Same seed, same files (byte for byte).")
+@click.option("--family", default="qwen3", show_default=True, type=click.Choice(list(FAMILIES)),
+              help="qwen2: QKV biases, tied embeddings; llama: Llama 3's RoPE scaling.")
 @click.option("--force", is_flag=True, help="Replace OUT if it holds something else.")
 def command(out: str, force: bool, **spec_fields) -> None:
-    """Build a tiny Qwen3-architecture model in Hugging Face format that vLLM and the trainer load.
+    """Build a tiny model of a family the trainer trains, in Hugging Face format that vLLM and the trainer load.
 
     The tokenizer is a byte-level BPE trained on the rStar2 format (digits one per token, ChatML markers and
     the tags <tool_call> </tool_call> <tool_response> </tool_response> <answer> </answer> <reason> </reason>
@@ -38,4 +42,4 @@ def command(out: str, force: bool, **spec_fields) -> None:
     except FileExistsError as e:
         raise click.ClickException(str(e)) from None
     info = json.loads((path / BUILD_MARKER).read_text())
-    click.echo(f"{path}: Qwen3, {info['num_params']:,} parameters, vocabulary {info['vocab_size']}")
+    click.echo(f"{path}: {spec.family}, {info['num_params']:,} parameters, vocabulary {info['vocab_size']}")

@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from rstar_hpc.config.algo import AlgoConfig
 from rstar_hpc.config.base import Section
@@ -27,6 +27,7 @@ from rstar_hpc.config.rollout import RolloutConfig
 from rstar_hpc.config.sandbox import SandboxConfig
 from rstar_hpc.config.stages import STAGE_OUTPUT, StageConfig, StageLimits, val_stage
 from rstar_hpc.config.tracking import TrackingConfig
+from rstar_hpc.models.families import FAMILIES
 from rstar_hpc.config.trainer import TrainerConfig, layout_problems
 from rstar_hpc.exchange.rundir import default_run_root
 
@@ -50,7 +51,7 @@ class RunSection(Section):
 
 
 class TinyModelSpec(Section):
-    """A random-init Qwen3-architecture model with a byte-level BPE tokenizer (`rstar-hpc make-tiny-model`)."""
+    """A random-init model of a supported family with a byte-level BPE tokenizer (`rstar-hpc make-tiny-model`)."""
 
     num_layers: int = Field(2, ge=1, le=64)
     hidden_size: int = Field(128, ge=16)
@@ -63,15 +64,34 @@ class TinyModelSpec(Section):
     """Target BPE vocabulary (bytes, merges, ChatML and rStar2 special tokens)."""
     max_position_embeddings: int = Field(4096, ge=128)
     seed: int = 0
+    family: str = "qwen3"
+    """qwen3, qwen2 (QKV biases, tied embeddings as Qwen2.5 up to 3B) or llama (Llama 3's RoPE scaling)."""
+
+    @field_validator("family")
+    @classmethod
+    def _known_family(cls, v: str) -> str:
+        if v not in FAMILIES:
+            raise ValueError(f"family {v!r}: one of {', '.join(FAMILIES)}")
+        return v
+
+    @property
+    def tied(self) -> bool:
+        return self.family == "qwen2"
 
     @model_validator(mode="after")
     def _gqa(self) -> "TinyModelSpec":
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.family == "qwen2" and self.num_heads * self.head_dim != self.hidden_size:
+            # vLLM's Qwen2 takes head_dim as hidden_size / num_heads, whatever config.json says
+            raise ValueError(f"family qwen2: num_heads ({self.num_heads}) x head_dim ({self.head_dim}) must equal "
+                             f"hidden_size ({self.hidden_size})")
         return self
 
     def fingerprint(self) -> str:
-        return hashlib.sha256(self.model_dump_json().encode()).hexdigest()[:10]
+        # qwen3, the default, keeps the fingerprint it had before families: models built then stay valid
+        dump = self.model_dump_json(exclude={"family"} if self.family == "qwen3" else None)
+        return hashlib.sha256(dump.encode()).hexdigest()[:10]
 
 
 class ModelConfig(Section):
@@ -240,4 +260,4 @@ class RunConfig(Section):
         if self.model.path is not None:
             return Path(self.model.path).expanduser().absolute()
         assert self.model.tiny is not None
-        return self.run.root_dir / "models" / f"tiny-qwen3-{self.model.tiny.fingerprint()}"
+        return self.run.root_dir / "models" / f"tiny-{self.model.tiny.family}-{self.model.tiny.fingerprint()}"

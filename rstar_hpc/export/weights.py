@@ -20,7 +20,7 @@ from rstar_hpc.export.choose import ExportError
 from rstar_hpc.trainer import host_device
 from rstar_hpc.trainer.checkpoint import FORMAT
 from rstar_hpc.trainer.hf_convert import export_hf_checkpoint
-from rstar_hpc.trainer.arch import Qwen3Arch
+from rstar_hpc.trainer.arch import Arch
 from rstar_hpc.trainer.model import build_model
 from rstar_hpc.trainer.parallel import destroy_distributed, init_distributed
 
@@ -55,7 +55,7 @@ def write_hf_weights(ckpt_dir: Path, out: Path, *, model_dir: Path, params_dtype
     if common.get("format") != FORMAT:
         raise ExportError(f"{ckpt_dir}: format {common.get('format')!r}, expected {FORMAT!r}; not a trainer "
                           f"checkpoint of this version")
-    arch = Qwen3Arch.from_hf_config(model_dir)
+    arch = Arch.from_hf_config(model_dir)
     with one_process_world(), host_device.on_host():
         model = build_model(arch, backend="cpu", params_dtype=getattr(torch, params_dtype))
         loaded = dist_checkpointing.load(model.sharded_state_dict(), str(ckpt_dir))

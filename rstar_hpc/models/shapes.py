@@ -1,14 +1,17 @@
-"""The numbers of a Qwen3 model that layouts and memory depend on, found without loading it (no torch).
+"""The numbers of a model that layouts and memory depend on, found without loading it (no torch).
 
 Where they come from, first match wins: `model.tiny` (the CPU demo), `config.json` under `model.path`, or a
-published Qwen3 shape whose name starts the model directory's name (`/lustre/Qwen3-14B-Base` -> `qwen3-14b`),
-so a recipe can be checked and planned on a login node before the weights are copied there.
+published shape whose name starts the model directory's name (`/lustre/Qwen3-14B-Base` -> `qwen3-14b`,
+`Meta-Llama-3.1-8B-Instruct` -> `llama-3.1-8b`), so a recipe can be checked and planned on a login node before the
+weights are copied there. A config.json of a family the trainer does not build (models/families.py) is refused.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 from pathlib import Path
+
+from rstar_hpc.models.families import FAMILIES, Llama3Rope, family_of, llama3_rope, rope_theta
 
 
 def read_hf_config(config: dict | Path | str) -> dict:
@@ -25,8 +28,8 @@ def read_hf_config(config: dict | Path | str) -> dict:
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The architecture numbers of a checkpoint's config.json: the one parser of it (the trainer's Qwen3Arch adds
-    the checks that make it a Qwen3)."""
+    """The architecture numbers and family of a checkpoint's config.json: the one parser of it (the trainer's
+    `Arch` adds what megatron-core needs besides)."""
 
     vocab_size: int
     hidden_size: int
@@ -39,27 +42,48 @@ class ModelShape:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0
     max_position_embeddings: int = 40960
+    family: str = "qwen3"
+    rope_scaling: Llama3Rope | None = None
 
     @classmethod
     def from_hf_config(cls, config: dict | Path | str):
         c = read_hf_config(config)
+        family = family_of(c)
         heads = c["num_attention_heads"]
-        rope = c.get("rope_scaling") or c.get("rope_parameters") or {}
         return cls(vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
                    intermediate_size=c["intermediate_size"], num_layers=c["num_hidden_layers"], num_heads=heads,
                    num_kv_heads=c.get("num_key_value_heads", heads),
                    head_dim=c.get("head_dim") or c["hidden_size"] // heads,
                    tie_word_embeddings=c.get("tie_word_embeddings", False),
                    rms_norm_eps=c.get("rms_norm_eps", 1e-6),
-                   rope_theta=float(c.get("rope_theta", rope.get("rope_theta", 1_000_000.0))),
-                   max_position_embeddings=c.get("max_position_embeddings", 40960))
+                   rope_theta=rope_theta(c, 1_000_000.0),
+                   max_position_embeddings=c.get("max_position_embeddings", 40960),
+                   family=family.name, rope_scaling=llama3_rope(c))
+
+    @property
+    def qkv_bias(self) -> bool:
+        return FAMILIES[self.family].qkv_bias
+
+    @property
+    def qk_norm(self) -> bool:
+        return FAMILIES[self.family].qk_norm
+
+    @property
+    def qkv_bias_params(self) -> int:
+        """Biases of one layer's query, key and value projections (Qwen2's), 0 without."""
+        return self.head_dim * (self.num_heads + 2 * self.num_kv_heads) if self.qkv_bias else 0
+
+    @property
+    def norm_params(self) -> int:
+        """One layer's norm weights: the two pre-norms, and the query and key head norms (Qwen3's)."""
+        return 2 * self.hidden_size + (2 * self.head_dim if self.qk_norm else 0)
 
     @property
     def num_params(self) -> int:
         """Parameters of the Hugging Face model (embeddings once if tied)."""
         h, d = self.hidden_size, self.head_dim
-        attn = h * d * (self.num_heads + 2 * self.num_kv_heads) + self.num_heads * d * h + 2 * d
-        layer = attn + 3 * h * self.intermediate_size + 2 * h
+        attn = h * d * (self.num_heads + 2 * self.num_kv_heads) + self.num_heads * d * h + self.qkv_bias_params
+        layer = attn + 3 * h * self.intermediate_size + self.norm_params
         return self.num_layers * layer + self.vocab_size * h * (1 if self.tie_word_embeddings else 2) + h
 
 
@@ -68,7 +92,22 @@ def _qwen3(hidden: int, inter: int, layers: int, heads: int, kv: int, tied: bool
                       num_heads=heads, num_kv_heads=kv, head_dim=128, tie_word_embeddings=tied)
 
 
-# the published dense Qwen3 models (their config.json)
+def _qwen25(hidden: int, inter: int, layers: int, heads: int, kv: int, eps: float, theta: float = 1e6,
+            positions: int = 131072) -> ModelShape:
+    return ModelShape(vocab_size=152064, hidden_size=hidden, intermediate_size=inter, num_layers=layers,
+                      num_heads=heads, num_kv_heads=kv, head_dim=128, rms_norm_eps=eps, rope_theta=theta,
+                      max_position_embeddings=positions, family="qwen2")
+
+
+def _llama31(hidden: int, inter: int, layers: int, heads: int) -> ModelShape:
+    return ModelShape(vocab_size=128256, hidden_size=hidden, intermediate_size=inter, num_layers=layers,
+                      num_heads=heads, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
+                      max_position_embeddings=131072, family="llama",
+                      rope_scaling=Llama3Rope(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                              original_max_position_embeddings=8192))
+
+
+# the published models (their config.json): dense Qwen3; Qwen2.5 7B and up (untied; 0.5B-3B tie theirs); Llama 3.1
 PUBLISHED: dict[str, ModelShape] = {
     "qwen3-0.6b": _qwen3(1024, 3072, 28, 16, 8, True),
     "qwen3-1.7b": _qwen3(2048, 6144, 28, 16, 8, True),
@@ -76,7 +115,22 @@ PUBLISHED: dict[str, ModelShape] = {
     "qwen3-8b": _qwen3(4096, 12288, 36, 32, 8, False),
     "qwen3-14b": _qwen3(5120, 17408, 40, 40, 8, False),
     "qwen3-32b": _qwen3(5120, 25600, 64, 64, 8, False),
+    "qwen2.5-7b": _qwen25(3584, 18944, 28, 28, 4, 1e-6),
+    "qwen2.5-math-7b": _qwen25(3584, 18944, 28, 28, 4, 1e-6, theta=10000.0, positions=4096),
+    "qwen2.5-14b": _qwen25(5120, 13824, 48, 40, 8, 1e-5),
+    "qwen2.5-32b": _qwen25(5120, 27648, 64, 40, 8, 1e-5),
+    "llama-3.1-8b": _llama31(4096, 14336, 32, 32),
+    "llama-3.1-70b": _llama31(8192, 28672, 80, 64),
 }
+
+
+def published_shape(name: str) -> str | None:
+    """The PUBLISHED key a model directory's name starts with (case and a leading `Meta-` aside), None if none."""
+    name = name.lower().removeprefix("meta-")
+    for key in sorted(PUBLISHED, key=len, reverse=True):  # qwen3-14b before qwen3-1...
+        if name.startswith(key) and not name[len(key):len(key) + 1].isdigit():
+            return key
+    return None
 
 
 def model_shape(model) -> tuple[ModelShape, str] | None:
@@ -85,12 +139,11 @@ def model_shape(model) -> tuple[ModelShape, str] | None:
         t = model.tiny
         return ModelShape(vocab_size=t.vocab_size, hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
                           num_layers=t.num_layers, num_heads=t.num_heads, num_kv_heads=t.num_kv_heads,
-                          head_dim=t.head_dim), "model.tiny"
+                          head_dim=t.head_dim, tie_word_embeddings=t.tied, family=t.family), "model.tiny"
     path = Path(model.path).expanduser()
     if (path / "config.json").is_file():
         return ModelShape.from_hf_config(path), str(path / "config.json")
-    name = path.name.lower()
-    for key in sorted(PUBLISHED, key=len, reverse=True):  # qwen3-14b before qwen3-1...
-        if name.startswith(key) and not name[len(key):len(key) + 1].isdigit():
-            return PUBLISHED[key], f"published shape {key} (by the name of {path}; no config.json there)"
-    return None
+    key = published_shape(path.name)
+    if key is None:
+        return None
+    return PUBLISHED[key], f"published shape {key} (by the name of {path}; no config.json there)"

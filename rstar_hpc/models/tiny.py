@@ -1,10 +1,12 @@
-"""Tiny Qwen3-architecture models, built on the fly: no model hub is reachable on compute nodes or in CI.
+"""Tiny models of each family the trainer builds, made on the fly: no model hub is reachable on compute nodes or
+in CI.
 
 `make_tiny_model(out_dir, spec)` trains a byte-level BPE tokenizer on a built-in corpus of the rStar2
 format (digits split one per token; ChatML markers as special tokens; the rStar2 tags as single,
-non-special tokens so decoding keeps them), attaches the rStar2 chat template, and writes a random-init
-`Qwen3ForCausalLM` in Hugging Face format (float32 safetensors) that vLLM and the trainer load.
-The same spec gives byte-identical files; building takes a couple of seconds.
+non-special tokens so decoding keeps them), attaches the rStar2 chat template, and writes a random-init model of
+`spec.family` with transformers' own class (`Qwen3ForCausalLM`, `Qwen2ForCausalLM` with tied embeddings, or
+`LlamaForCausalLM` with Llama 3's RoPE scaling) in Hugging Face format (float32 safetensors) that vLLM and the
+trainer load. The same spec gives byte-identical files; building takes a couple of seconds.
 """
 from __future__ import annotations
 
@@ -78,23 +80,39 @@ def fmt_special_pattern():
     return Regex("|".join(m.replace("|", r"\|") for m in markers))
 
 
+def _family_config(spec: TinyModelSpec) -> tuple[str, dict]:
+    """(transformers' class name prefix, the config's family-specific arguments)."""
+    if spec.family == "qwen2":   # q/k/v biases are Qwen2's own; tied as Qwen2.5 up to 3B
+        return "Qwen2", dict(rms_norm_eps=1e-6, rope_theta=1_000_000.0)
+    if spec.family == "llama":
+        # every regime of Llama 3's scaling at head_dim 32: wavelengths below original/4 kept, above original
+        # divided by factor, a mix between
+        return "Llama", dict(rms_norm_eps=1e-5, rope_theta=500_000.0, attention_bias=False, mlp_bias=False,
+                             rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                           "high_freq_factor": 4.0,
+                                           "original_max_position_embeddings": spec.max_position_embeddings // 4})
+    return "Qwen3", dict(rms_norm_eps=1e-6, rope_theta=1_000_000.0, attention_bias=False)
+
+
 def build_model(spec: TinyModelSpec, tokenizer):
     import torch
-    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+    import transformers
+    from transformers import GenerationConfig
 
+    name, family_args = _family_config(spec)
     vocab = len(tokenizer)
-    config = Qwen3Config(
+    config = getattr(transformers, f"{name}Config")(
         vocab_size=vocab, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
         num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
         num_key_value_heads=spec.num_kv_heads, head_dim=spec.head_dim,
-        max_position_embeddings=spec.max_position_embeddings, tie_word_embeddings=False,
-        rms_norm_eps=1e-6, rope_theta=1_000_000.0, attention_bias=False, torch_dtype="float32",
+        max_position_embeddings=spec.max_position_embeddings, tie_word_embeddings=spec.tied,
+        torch_dtype="float32", **family_args,
         bos_token_id=tokenizer.convert_tokens_to_ids(fmt.ENDOFTEXT),
         eos_token_id=tokenizer.convert_tokens_to_ids(fmt.IM_END),
         pad_token_id=tokenizer.convert_tokens_to_ids(fmt.ENDOFTEXT),
     )
     torch.manual_seed(spec.seed)
-    model = Qwen3ForCausalLM(config).to(torch.float32)
+    model = getattr(transformers, f"{name}ForCausalLM")(config).to(torch.float32)
     gen = GenerationConfig(eos_token_id=[config.eos_token_id, config.bos_token_id],
                            pad_token_id=config.pad_token_id, bos_token_id=config.bos_token_id)
     return model, gen

@@ -71,7 +71,7 @@ def shape_of(cfg):
     """(shape, where it came from, parameters: every weight, both embeddings when untied)."""
     found = model_shape(cfg.model)
     if found is None:
-        raise PlanError(f"model.path={cfg.model.path}: no config.json there and no published Qwen3 shape matches its "
+        raise PlanError(f"model.path={cfg.model.path}: no config.json there and no published shape matches its "
                         f"name; copy the model's config.json there first")
     shape, source = found
     return shape, source, shape.num_params

@@ -1,6 +1,7 @@
-"""The trainer role: a Qwen3 policy in Megatron-core, trained by SFT or GRPO-RoC, checkpointed and published.
+"""The trainer role: a Qwen3, Qwen2.5 or Llama 3 policy in Megatron-core, trained by SFT or GRPO-RoC,
+checkpointed and published.
 
-    arch.py        Qwen3Arch: a checkpoint's numbers, checked to be a dense Qwen3 (no torch)
+    arch.py        Arch: a checkpoint's numbers and family (qwen3, qwen2, llama), checked (no torch)
     model.py       the policy as megatron-core GPTModel chunks (TE spec on GPU, SDPA spec on CPU), its logits
     attention.py   attention over packed (THD) rows without Transformer Engine: SDPA/varlen, RoPE per sample
     parallel_dims.py  ParallelDims: tp x pp x dp (and vpp) and what the degrees must divide (no torch)

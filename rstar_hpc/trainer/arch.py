@@ -1,38 +1,23 @@
-"""The architecture the trainer builds: a Qwen3 checkpoint's numbers, checked to be a dense Qwen3 with plain RoPE.
+"""The architecture the trainer builds: a checkpoint's numbers and family (qwen3, qwen2, llama), as
+models/shapes.py reads them from its config.json and models/families.py checks them.
 
-Qwen3 = pre-norm RMSNorm, SwiGLU MLP, RoPE (rotate-half), grouped-query attention, RMSNorm on each query and
-key head before RoPE (`qk_layernorm`), no biases, untied embeddings on the larger models. Only numbers here, no
-torch: model.py maps them onto megatron-core, parallel_dims.py checks a layout against them.
+Every family is a pre-norm RMSNorm decoder with a SwiGLU MLP, rotate-half RoPE and grouped-query attention; the
+family adds QKV biases (qwen2), RMSNorm on each query and key head (qwen3) or Llama 3's RoPE scaling (llama).
+Only numbers here, no torch: model.py maps them onto megatron-core, hf_convert.py maps the weights, parallel_dims.py
+checks a layout against them.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
-from rstar_hpc.models.shapes import ModelShape, read_hf_config
+from rstar_hpc.models.shapes import ModelShape
 
 
 @dataclass(frozen=True)
-class Qwen3Arch(ModelShape):
-    """The architecture numbers of a Qwen3 checkpoint (its config.json, parsed by models.shapes), checked to be a
-    dense Qwen3 with plain RoPE: what the trainer builds."""
-
-    @classmethod
-    def from_hf_config(cls, config: dict | Path | str) -> Qwen3Arch:
-        """Read a Hugging Face `config.json` (a dict, the file, or its directory)."""
-        config = read_hf_config(config)
-        arch = config.get("architectures") or []
-        if config.get("model_type") != "qwen3" and "Qwen3ForCausalLM" not in arch:
-            raise ValueError(f"model_type={config.get('model_type')!r}, architectures={arch}: the trainer builds "
-                             f"Qwen3 (dense) models only; convert or pick a Qwen3 checkpoint")
-        rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", None):
-            raise ValueError(f"rope type {rope_type!r} is not supported by the trainer (plain RoPE only)")
-        if config.get("attention_bias", False):
-            raise ValueError("attention_bias=true: Qwen3 has no attention biases; this checkpoint is not Qwen3")
-        return super().from_hf_config(config)
+class Arch(ModelShape):
+    """A checkpoint's architecture (its config.json, parsed by models.shapes; a family the trainer does not build
+    is refused there): what the trainer builds."""
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -109,7 +109,7 @@ class CPURotaryEmbedding(RotaryEmbedding):
 
     def get_emb(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
         freqs = self.get_freqs_non_repeated(max_seq_len, offset)
-        return torch.cat((freqs, freqs), dim=-1)[:, None, None, :]  # rotate-half layout, as Qwen3
+        return torch.cat((freqs, freqs), dim=-1)[:, None, None, :]  # rotate-half layout, as every family
 
 
 def packed_rope(t: torch.Tensor, freqs: torch.Tensor, config: TransformerConfig, cu_seqlens: torch.Tensor | None = None,

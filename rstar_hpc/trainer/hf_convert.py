@@ -1,9 +1,12 @@
-"""Hugging Face Qwen3 <-> megatron-core GPTModel weights, exact both ways, tensor-parallel aware.
+"""Hugging Face <-> megatron-core GPTModel weights of each family (Qwen3, Qwen2, Llama), exact both ways,
+tensor-parallel aware. The families share the names; Qwen3 adds the query and key head norms (`q_norm`, `k_norm`),
+Qwen2 the query, key and value biases.
 
 Layout facts the mapping rests on (megatron-core 0.16):
   * `linear_qkv.weight` is fused and interleaved per query group: for each of the `num_kv_heads` groups,
     its `num_heads / num_kv_heads` query heads, then its key head, then its value head (rows of `head_dim`).
     Tensor parallelism gives each rank whole groups, so a rank's shard is the same layout over its groups.
+    `linear_qkv.bias` (Qwen2's q/k/v biases) is interleaved and split the same way.
   * `linear_fc1.weight` is [gate; up], each half split by tensor parallelism: rank r holds
     [gate_r; up_r], not a slice of the full [gate; up].
   * column-parallel weights (qkv, fc1, embeddings, output layer) split dim 0; row-parallel ones
@@ -28,7 +31,8 @@ from megatron.core import parallel_state
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from rstar_hpc.trainer.arch import Qwen3Arch
+from rstar_hpc.models.families import FAMILIES
+from rstar_hpc.trainer.arch import Arch
 
 # files the rollout engines need besides the weights; copied on export when present
 AUX_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
@@ -39,23 +43,18 @@ AUX_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json
 # pure mappings (no process groups): full HF tensors <-> one tensor-parallel rank's Megatron tensors
 
 
-def _split_qkv_groups(arch: Qwen3Arch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """[q; k; v] (HF) -> Megatron's per-group interleaved fused rows, all groups."""
-    per = arch.num_heads // arch.num_kv_heads
-    hd, hidden = arch.head_dim, q.size(1)
-    q = q.view(arch.num_kv_heads, per * hd, hidden)
-    k = k.view(arch.num_kv_heads, hd, hidden)
-    v = v.view(arch.num_kv_heads, hd, hidden)
-    return torch.cat([q, k, v], dim=1).reshape(-1, hidden)
+def _split_qkv_groups(arch: Arch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """[q; k; v] (HF weights, or biases) -> Megatron's per-group interleaved fused rows, all groups."""
+    tail = q.shape[1:]
+    groups = [x.reshape(arch.num_kv_heads, -1, *tail) for x in (q, k, v)]
+    return torch.cat(groups, dim=1).reshape(-1, *tail)
 
 
-def _merge_qkv_groups(arch: Qwen3Arch, fused: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _merge_qkv_groups(arch: Arch, fused: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     per = arch.num_heads // arch.num_kv_heads
-    hd = arch.head_dim
-    g = fused.view(arch.num_kv_heads, (per + 2) * hd, -1)
-    q, k, v = g.split([per * hd, hd, hd], dim=1)
-    hidden = fused.size(1)
-    return q.reshape(-1, hidden), k.reshape(-1, hidden), v.reshape(-1, hidden)
+    hd, tail = arch.head_dim, fused.shape[1:]
+    q, k, v = fused.reshape(arch.num_kv_heads, (per + 2) * hd, *tail).split([per * hd, hd, hd], dim=1)
+    return q.reshape(-1, *tail), k.reshape(-1, *tail), v.reshape(-1, *tail)
 
 
 def _pad_rows(w: torch.Tensor, rows: int) -> torch.Tensor:
@@ -64,7 +63,7 @@ def _pad_rows(w: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([w, w.new_zeros(rows - w.size(0), *w.shape[1:])])
 
 
-def hf_to_megatron(hf: dict[str, torch.Tensor], arch: Qwen3Arch, tp: int, tp_rank: int,
+def hf_to_megatron(hf: dict[str, torch.Tensor], arch: Arch, tp: int, tp_rank: int,
                    names: set[str], layers: range | None = None) -> dict[str, torch.Tensor]:
     """The Megatron tensors of rank `tp_rank` (of `tp`) from full HF tensors.
 
@@ -93,9 +92,13 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], arch: Qwen3Arch, tp: int, tp_ran
         fused = _split_qkv_groups(arch, hf[h + "self_attn.q_proj.weight"], hf[h + "self_attn.k_proj.weight"],
                                   hf[h + "self_attn.v_proj.weight"])
         out[m + "self_attention.linear_qkv.weight"] = col(fused)  # whole groups per rank
+        if arch.qkv_bias:
+            biases = (hf[h + f"self_attn.{p}_proj.bias"] for p in "qkv")
+            out[m + "self_attention.linear_qkv.bias"] = col(_split_qkv_groups(arch, *biases))
         out[m + "self_attention.linear_proj.weight"] = row(hf[h + "self_attn.o_proj.weight"])
-        out[m + "self_attention.q_layernorm.weight"] = hf[h + "self_attn.q_norm.weight"]
-        out[m + "self_attention.k_layernorm.weight"] = hf[h + "self_attn.k_norm.weight"]
+        if arch.qk_norm:
+            out[m + "self_attention.q_layernorm.weight"] = hf[h + "self_attn.q_norm.weight"]
+            out[m + "self_attention.k_layernorm.weight"] = hf[h + "self_attn.k_norm.weight"]
         out[m + "mlp.linear_fc1.weight"] = torch.cat([col(hf[h + "mlp.gate_proj.weight"]),
                                                       col(hf[h + "mlp.up_proj.weight"])])
         out[m + "mlp.linear_fc2.weight"] = row(hf[h + "mlp.down_proj.weight"])
@@ -107,7 +110,7 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], arch: Qwen3Arch, tp: int, tp_ran
     return out
 
 
-def megatron_to_hf(shards: list[dict[str, torch.Tensor]], arch: Qwen3Arch,
+def megatron_to_hf(shards: list[dict[str, torch.Tensor]], arch: Arch,
                    layers: range | None = None) -> dict[str, torch.Tensor]:
     """HF tensors from the Megatron tensors of every tensor-parallel rank (rank order) of a model, or of a chunk
     holding global `layers` (numbered from 0 in it) and whichever of embedding and output layer it has."""
@@ -132,9 +135,13 @@ def megatron_to_hf(shards: list[dict[str, torch.Tensor]], arch: Qwen3Arch,
         q, k, v = _merge_qkv_groups(arch, col(m + "self_attention.linear_qkv.weight"))
         hf[h + "self_attn.q_proj.weight"], hf[h + "self_attn.k_proj.weight"], hf[h + "self_attn.v_proj.weight"] = \
             q, k, v
+        if arch.qkv_bias:
+            hf[h + "self_attn.q_proj.bias"], hf[h + "self_attn.k_proj.bias"], hf[h + "self_attn.v_proj.bias"] = \
+                _merge_qkv_groups(arch, col(m + "self_attention.linear_qkv.bias"))
         hf[h + "self_attn.o_proj.weight"] = row(m + "self_attention.linear_proj.weight")
-        hf[h + "self_attn.q_norm.weight"] = first[m + "self_attention.q_layernorm.weight"]
-        hf[h + "self_attn.k_norm.weight"] = first[m + "self_attention.k_layernorm.weight"]
+        if arch.qk_norm:
+            hf[h + "self_attn.q_norm.weight"] = first[m + "self_attention.q_layernorm.weight"]
+            hf[h + "self_attn.k_norm.weight"] = first[m + "self_attention.k_layernorm.weight"]
         gates, ups = zip(*(s[m + "mlp.linear_fc1.weight"].chunk(2, dim=0) for s in shards))
         hf[h + "mlp.gate_proj.weight"] = torch.cat(gates)
         hf[h + "mlp.up_proj.weight"] = torch.cat(ups)
@@ -191,13 +198,13 @@ def _wanted(layers: range, names: set[str]):
 
 @torch.no_grad()
 def load_hf_checkpoint(model: torch.nn.Module, hf_dir: Path | str) -> None:
-    """Copy a Hugging Face Qwen3 checkpoint into `model` (a `parallel.Policy` or one GPTModel: this rank's
+    """Copy a Hugging Face checkpoint into `model` (a `parallel.Policy` or one GPTModel: this rank's
     tensor-parallel shard of its chunks), exactly; each chunk reads only its own tensors.
 
     Raises if the architectures differ or a tensor is missing or left over, naming it.
     """
-    arch: Qwen3Arch = model.arch  # type: ignore[attr-defined]
-    disk = Qwen3Arch.from_hf_config(hf_dir)
+    arch: Arch = model.arch  # type: ignore[attr-defined]
+    disk = Arch.from_hf_config(hf_dir)
     if disk != arch:
         diff = {k: (v, getattr(disk, k)) for k, v in arch.to_dict().items() if getattr(disk, k) != v}
         raise ValueError(f"{hf_dir}: checkpoint architecture differs from the model (model, checkpoint): {diff}; "
@@ -213,7 +220,8 @@ def load_hf_checkpoint(model: torch.nn.Module, hf_dir: Path | str) -> None:
         params = dict(chunk.state_dict(keep_vars=True))
         missing = sorted(n for n in names if n not in mine and not n.endswith("inv_freq"))
         if missing:
-            raise KeyError(f"no Hugging Face source for model tensors {missing[:5]}; the model is not a Qwen3 GPTModel")
+            raise KeyError(f"no Hugging Face source for model tensors {missing[:5]}; the model is not a {arch.family} "
+                           f"GPTModel")
         for name, value in mine.items():
             target = params[name]
             if target.shape != value.shape:
@@ -233,7 +241,7 @@ def _grad(p: torch.nn.Parameter) -> torch.Tensor:
 def stage_hf_state(model: torch.nn.Module, grads: bool = False) -> dict[str, torch.Tensor] | None:
     """This pipeline stage's HF tensors (or, with `grads`, gradients in HF layout) on its tensor-parallel rank 0,
     None on the other tp ranks; every tp rank must call it."""
-    arch: Qwen3Arch = model.arch  # type: ignore[attr-defined]
+    arch: Arch = model.arch  # type: ignore[attr-defined]
     tp = parallel_state.get_tensor_model_parallel_world_size()
     out: dict[str, torch.Tensor] = {}
     for chunk, layers in _chunks(model):
@@ -276,7 +284,8 @@ def export_hf_checkpoint(model: torch.nn.Module, out_dir: Path | str, *, source_
                          max_shard_bytes: int = 5 * 2**30) -> Path | None:
     """Write `model` as a Hugging Face checkpoint (config.json, safetensors, index when sharded).
 
-    `source_dir` is the checkpoint it came from: its config.json and tokenizer files are copied. Collective over
+    `source_dir` is the checkpoint it came from: its config.json (with the family's model_type and architectures)
+    and tokenizer files are copied. Collective over
     the tensor- and pipeline-parallel groups: tp rank 0 of each stage writes that stage's safetensors files (named
     by stage when there are several); the first stage's writes the rest and gets the directory, others get None.
     """
@@ -298,6 +307,8 @@ def export_hf_checkpoint(model: torch.nn.Module, out_dir: Path | str, *, source_
         return None
     files = {k: v for m, _, _ in stages for k, v in m.items()}
     config = json.loads((source / "config.json").read_text())
+    family = FAMILIES[model.arch.family]  # type: ignore[attr-defined]
+    config["model_type"], config["architectures"] = family.model_type, [family.architecture]
     config["torch_dtype"] = stages[0][2].removeprefix("torch.")
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for name in AUX_FILES:

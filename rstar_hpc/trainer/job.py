@@ -32,7 +32,7 @@ from rstar_hpc.exchange.policy_versions import newest_published
 from rstar_hpc.exchange.rundir import RunPaths
 from rstar_hpc.exchange.state import read_stage_state, write_heartbeat, write_stage_state
 from rstar_hpc.metrics_log import metrics_sink
-from rstar_hpc.trainer.arch import Qwen3Arch
+from rstar_hpc.trainer.arch import Arch
 from rstar_hpc.trainer.checkpoint import Checkpointer, SaveOnSignal, TrainState, latest_checkpoint, load_checkpoint
 from rstar_hpc.trainer.heartbeat import ProgressBeat, starting
 from rstar_hpc.trainer.hf_convert import load_hf_checkpoint
@@ -232,7 +232,7 @@ def _model_dir(cfg: RunConfig) -> Path:
 def _build_state(cfg: RunConfig, stage: StageConfig, model_dir: Path, backend: str) -> TrainState:
     """The policy with the model's weights, its optimizer and the stage's lr schedule."""
     tcfg = cfg.trainer
-    model = build_policy(Qwen3Arch.from_hf_config(model_dir), tcfg, backend, seed=cfg.run.seed)
+    model = build_policy(Arch.from_hf_config(model_dir), tcfg, backend, seed=cfg.run.seed)
     load_hf_checkpoint(model, model_dir)
     opt_cfg, lr = tcfg.optimizer, stage.lr or tcfg.optimizer.lr
     optimizer = build_optimizer(model, tcfg, lr)  # after the weights: it copies them to fp32 main weights

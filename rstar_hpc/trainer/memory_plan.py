@@ -93,9 +93,9 @@ def _layer_params(s: ModelShape) -> int:
 def params_per_rank(s: ModelShape, tp: int, pp: int) -> int:
     """Parameters on one rank of the first (or last) stage: its layers' shard plus one vocabulary matrix."""
     layers = s.num_layers // pp
-    norms = layers * (2 * s.hidden_size + 2 * s.head_dim)
     vocab = math.ceil(s.vocab_size / tp) * s.hidden_size
-    return layers * _layer_params(s) // tp + norms + vocab + (s.hidden_size if pp == 1 else 0)
+    return layers * (_layer_params(s) + s.qkv_bias_params) // tp + layers * s.norm_params + vocab + \
+        (s.hidden_size if pp == 1 else 0)
 
 
 def activation_bytes_per_token_layer(s: ModelShape, tp: int, nbytes: int, recompute: str,
@@ -146,7 +146,7 @@ def make_plan(cfg, gpu_memory_gib: float | None = None) -> Plan:
     """The plan of a validated `RunConfig`; raises ValueError when the model's shape is unknown."""
     found = model_shape(cfg.model)
     if found is None:
-        raise ValueError(f"model.path={cfg.model.path}: no config.json there and no published Qwen3 shape matches its "
+        raise ValueError(f"model.path={cfg.model.path}: no config.json there and no published shape matches its "
                          f"name; copy the model's config.json there first")
     s, source = found
     t = cfg.trainer

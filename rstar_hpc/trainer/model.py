@@ -1,4 +1,5 @@
-"""The policy: a Qwen3 (arch.py) as megatron-core `GPTModel` chunks, and the whole-logits forward for evaluation.
+"""The policy: a model of a supported family (arch.py) as megatron-core `GPTModel` chunks, and the whole-logits
+forward for evaluation.
 
 Two layer specs build the same parameters:
   * `cuda` with Transformer Engine installed: `get_gpt_layer_with_transformer_engine_spec` (imported lazily).
@@ -33,7 +34,7 @@ from megatron.core.transformer.transformer_block import (
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from rstar_hpc.trainer.arch import Qwen3Arch
+from rstar_hpc.trainer.arch import Arch
 # attention.py, once imported, gives every attention layer (either spec) its packed_rope
 from rstar_hpc.trainer.attention import CPURotaryEmbedding, SDPACoreAttention
 from rstar_hpc.trainer.logprobs import DEFAULT_CHUNK, HiddenOutputLayer, full_logits, output_weight
@@ -55,19 +56,21 @@ def have_transformer_engine() -> bool:
     return True
 
 
-def layer_spec(backend: Backend) -> ModuleSpec:
-    """Transformer-layer spec: Transformer Engine on CUDA when installed, else local modules + SDPA attention."""
+def layer_spec(backend: Backend, qk_layernorm: bool = True) -> ModuleSpec:
+    """Transformer-layer spec: Transformer Engine on CUDA when installed, else local modules + SDPA attention;
+    `qk_layernorm`: RMSNorm on each query and key head (Qwen3's)."""
     if backend == "cuda" and have_transformer_engine():
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=True)
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    spec = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm")
     attention = spec.submodules.self_attention.submodules
     attention.core_attention = SDPACoreAttention
     spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = RMSNorm
-    attention.q_layernorm = attention.k_layernorm = RMSNorm
+    if qk_layernorm:
+        attention.q_layernorm = attention.k_layernorm = RMSNorm
     return spec
 
 
@@ -109,7 +112,7 @@ class Recompute:
         return {}
 
 
-def transformer_config(arch: Qwen3Arch, *, tp: int = 1, pp: int = 1, vpp: int | None = None,
+def transformer_config(arch: Arch, *, tp: int = 1, pp: int = 1, vpp: int | None = None,
                        backend: Backend = "cpu", params_dtype: torch.dtype = torch.float32,
                        recompute: Recompute = Recompute(), sequence_parallel: bool = False,
                        gradient_accumulation_fusion: bool = False) -> TransformerConfig:
@@ -126,8 +129,8 @@ def transformer_config(arch: Qwen3Arch, *, tp: int = 1, pp: int = 1, vpp: int | 
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=False,
-        qk_layernorm=True,
+        add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
@@ -160,7 +163,7 @@ def transformer_config(arch: Qwen3Arch, *, tp: int = 1, pp: int = 1, vpp: int | 
     )
 
 
-def build_model(arch: Qwen3Arch, *, backend: Backend = "cpu", params_dtype: torch.dtype = torch.float32,
+def build_model(arch: Arch, *, backend: Backend = "cpu", params_dtype: torch.dtype = torch.float32,
                 seed: int = 0, vp_stage: int | None = None, recompute: Recompute = Recompute(),
                 sequence_parallel: bool = False, gradient_accumulation_fusion: bool = False,
                 logprob_chunk: int = DEFAULT_CHUNK) -> GPTModel:
@@ -182,7 +185,7 @@ def build_model(arch: Qwen3Arch, *, backend: Backend = "cpu", params_dtype: torc
                                 gradient_accumulation_fusion=gradient_accumulation_fusion)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=block_spec(layer_spec(backend), config, vp_stage),
+        transformer_layer_spec=block_spec(layer_spec(backend, arch.qk_norm), config, vp_stage),
         vocab_size=arch.padded_vocab_size(tp),
         max_sequence_length=arch.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
@@ -198,6 +201,13 @@ def build_model(arch: Qwen3Arch, *, backend: Backend = "cpu", params_dtype: torc
         model.rotary_pos_emb = CPURotaryEmbedding(kv_channels=arch.head_dim, rotary_percent=1.0,
                                                   rotary_base=arch.rope_theta, use_cpu_initialization=True,
                                                   cp_group=model.pg_collection.cp)
+    if arch.rope_scaling is not None:
+        # megatron's own `rope_scaling` takes the factor only (the other three fixed at Llama 3.1's); its
+        # scaling function, given all four, is transformers' `_compute_llama3_parameters`
+        r, rope = arch.rope_scaling, model.rotary_pos_emb
+        rope.inv_freq = rope._apply_scaling(rope.inv_freq, factor=r.factor, low_freq_factor=r.low_freq_factor,
+                                            high_freq_factor=r.high_freq_factor,
+                                            original_max_position_embeddings=r.original_max_position_embeddings)
     model.arch = arch  # type: ignore[attr-defined]  # for token_logprobs and hf_convert
     model.logprob_chunk = logprob_chunk  # type: ignore[attr-defined]  # tokens per chunk of trainer/logprobs.py
     if model.post_process:  # same parameters and checkpoints; forward returns the hidden states

@@ -37,7 +37,7 @@ from megatron.core.optimizer import OptimizerConfig, clip_grads, get_megatron_op
 from megatron.core.utils import local_multi_tensor_l2_norm
 
 from rstar_hpc.trainer import host_device
-from rstar_hpc.trainer.arch import Qwen3Arch
+from rstar_hpc.trainer.arch import Arch
 from rstar_hpc.trainer.model import Backend, Recompute, build_model
 from rstar_hpc.trainer.parallel_dims import ParallelDims
 
@@ -180,7 +180,7 @@ def destroy_distributed(keep_world: bool = False) -> None:
 class Policy(torch.nn.Module):
     """This rank's model chunks (DDP-wrapped), in virtual-stage order; `arch` is the whole model's."""
 
-    def __init__(self, chunks: list[DistributedDataParallel], arch: Qwen3Arch, length_multiple: int = 1):
+    def __init__(self, chunks: list[DistributedDataParallel], arch: Arch, length_multiple: int = 1):
         super().__init__()
         self.chunks = torch.nn.ModuleList(chunks)
         self.arch = arch
@@ -220,7 +220,7 @@ class Policy(torch.nn.Module):
             c.module.load_state_dict(loaded[f"chunk{i}"], strict=False)
 
 
-def build_policy(arch: Qwen3Arch, trainer, backend: Backend, *, seed: int = 0) -> Policy:
+def build_policy(arch: Arch, trainer, backend: Backend, *, seed: int = 0) -> Policy:
     """This rank's chunks for the `trainer` config section (degrees from the initialised process groups)."""
     vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
     recompute = Recompute(trainer.recompute, tuple(trainer.recompute_modules), trainer.recompute_num_layers)

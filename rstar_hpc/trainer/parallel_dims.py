@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rstar_hpc.trainer.arch import Qwen3Arch
+from rstar_hpc.trainer.arch import Arch
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class ParallelDims:
     def dp_enabled(self) -> bool:
         return self.dp > 1
 
-    def check_model(self, arch: Qwen3Arch) -> None:
+    def check_model(self, arch: Arch) -> None:
         """Head counts must split evenly over tensor-parallel ranks, layers over pipeline stages."""
         for name, n in (("num_attention_heads", arch.num_heads), ("num_key_value_heads", arch.num_kv_heads),
                         ("intermediate_size", arch.intermediate_size)):

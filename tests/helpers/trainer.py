@@ -38,10 +38,10 @@ def trainer_config(backend: str = "cpu", lr: float = 1e-3, weight_decay: float =
 def make_policy(hf_dir: Path, backend: str = "cpu", **trainer):
     """This rank's `parallel.Policy` of the checkpoint at `hf_dir` (process groups must exist)."""
     from rstar_hpc.trainer.hf_convert import load_hf_checkpoint
-    from rstar_hpc.trainer.arch import Qwen3Arch
+    from rstar_hpc.trainer.arch import Arch
     from rstar_hpc.trainer.parallel import build_policy
 
-    policy = build_policy(Qwen3Arch.from_hf_config(hf_dir), trainer_config(backend, **trainer), backend)
+    policy = build_policy(Arch.from_hf_config(hf_dir), trainer_config(backend, **trainer), backend)
     load_hf_checkpoint(policy, hf_dir)
     return policy
 

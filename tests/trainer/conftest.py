@@ -1,4 +1,5 @@
-"""Fixtures of the trainer tests: one tiny Qwen3 checkpoint per session, one gloo world of size 1 per process."""
+"""Fixtures of the trainer tests: one tiny checkpoint per session (and one of each other family), one gloo world of
+size 1 per process."""
 from __future__ import annotations
 
 import warnings
@@ -13,13 +14,13 @@ warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
 
 def _perturbed_tiny_model(tmp_path_factory, **spec) -> Path:
     """The foundation's tiny model, weights perturbed so that every tensor (norms included) matters."""
-    from transformers import Qwen3ForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from rstar_hpc.config.run import TinyModelSpec
     from rstar_hpc.models.tiny import make_tiny_model
 
     base = make_tiny_model(tmp_path_factory.mktemp("tiny") / "base", TinyModelSpec(vocab_size=400, **spec))
-    model = Qwen3ForCausalLM.from_pretrained(base, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for p in model.parameters():
@@ -42,6 +43,19 @@ def tiny_hf_dir(tmp_path_factory):
 def tiny4_hf_dir(tmp_path_factory):
     """A 4-layer tiny model, perturbed: 2 pipeline stages of 2 layers, or 2 x 2 virtual stages of 1."""
     return _perturbed_tiny_model(tmp_path_factory, num_layers=4)
+
+
+@pytest.fixture(scope="session", params=["qwen2", "llama"])
+def family_hf_dir(request, tmp_path_factory):
+    """The tiny model of each family besides Qwen3 (qwen2: QKV biases, tied embeddings; llama: Llama 3's RoPE
+    scaling), perturbed."""
+    return _perturbed_tiny_model(tmp_path_factory, family=request.param)
+
+
+@pytest.fixture(scope="session", params=["qwen2", "llama"])
+def family4_hf_dir(request, tmp_path_factory):
+    """family_hf_dir's model with 4 layers: 2 pipeline stages of 2."""
+    return _perturbed_tiny_model(tmp_path_factory, family=request.param, num_layers=4)
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,7 @@ from rstar_hpc.trainer.hf_convert import (
     megatron_to_hf,
     read_hf_weights,
 )
-from rstar_hpc.trainer.arch import Qwen3Arch
+from rstar_hpc.trainer.arch import Arch
 from rstar_hpc.trainer.attention import SDPACoreAttention, packed_seq_params
 from rstar_hpc.trainer.model import build_model, forward_logits, have_transformer_engine, layer_spec, token_logprobs
 from rstar_hpc.trainer.parallel_dims import ParallelDims
@@ -28,7 +28,7 @@ def hf_model(tiny_hf_dir):
 
 @pytest.fixture(scope="module")
 def policy(dist1, tiny_hf_dir):
-    model = build_model(Qwen3Arch.from_hf_config(tiny_hf_dir))
+    model = build_model(Arch.from_hf_config(tiny_hf_dir))
     load_hf_checkpoint(model, tiny_hf_dir)
     return model.eval()
 
@@ -40,7 +40,7 @@ def pair(request, dist1, tiny_hf_dir, hf_model, policy):
     if request.param == "cpu":
         yield hf_model, policy, 1e-5
         return
-    model = build_model(Qwen3Arch.from_hf_config(tiny_hf_dir), backend="cuda")
+    model = build_model(Arch.from_hf_config(tiny_hf_dir), backend="cuda")
     load_hf_checkpoint(model, tiny_hf_dir)
     yield Qwen3ForCausalLM.from_pretrained(tiny_hf_dir, dtype=torch.float32).cuda().eval(), model.eval(), 1e-4
 
@@ -122,7 +122,7 @@ def test_export_reload_is_identical(policy, tiny_hf_dir, tmp_path, hf_model):
 @pytest.mark.parametrize("tp", [1, 2])
 def test_tensor_parallel_shards_reassemble(tiny_hf_dir, tp):
     """hf -> per-rank shards -> hf is the identity, with vocabulary padding and whole query groups per rank."""
-    arch = Qwen3Arch.from_hf_config(tiny_hf_dir)
+    arch = Arch.from_hf_config(tiny_hf_dir)
     if arch.num_kv_heads % tp:
         pytest.skip("kv heads not divisible")
     hf = read_hf_weights(tiny_hf_dir)
@@ -136,7 +136,7 @@ def test_tensor_parallel_shards_reassemble(tiny_hf_dir, tp):
 
 def test_qkv_layout_is_grouped(tiny_hf_dir):
     """Rank 0 of tp=2 holds query group 0: its query heads, then its key head, then its value head."""
-    arch = Qwen3Arch.from_hf_config(tiny_hf_dir)
+    arch = Arch.from_hf_config(tiny_hf_dir)
     hf = read_hf_weights(tiny_hf_dir)
     qkv = hf_to_megatron(hf, arch, 2, 0, set())["decoder.layers.0.self_attention.linear_qkv.weight"]
     per, hd = arch.num_heads // arch.num_kv_heads, arch.head_dim
@@ -148,19 +148,19 @@ def test_qkv_layout_is_grouped(tiny_hf_dir):
 
 def test_bad_inputs_name_the_problem(dist1, tiny_hf_dir, tmp_path):
     with pytest.raises(FileNotFoundError, match="config.json"):
-        Qwen3Arch.from_hf_config(tmp_path)
+        Arch.from_hf_config(tmp_path)
     cfg = json.loads((tiny_hf_dir / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**cfg, "model_type": "llama", "architectures": ["Llama"]}))
-    with pytest.raises(ValueError, match="Qwen3"):
-        Qwen3Arch.from_hf_config(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "model_type": "mistral", "architectures": ["Mistral"]}))
+    with pytest.raises(ValueError, match="supported: qwen3"):
+        Arch.from_hf_config(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 3}))
-    model = build_model(Qwen3Arch.from_hf_config(tiny_hf_dir))
+    model = build_model(Arch.from_hf_config(tiny_hf_dir))
     with pytest.raises(ValueError, match="num_layers"):
         load_hf_checkpoint(model, tmp_path)
     with pytest.raises(ValueError, match="WORLD_SIZE=3"):
         ParallelDims(world_size=3, tp=2)
     with pytest.raises(ValueError, match="num_key_value_heads=2 is not divisible by tensor_parallel_size=4"):
-        ParallelDims(world_size=4, tp=4).check_model(Qwen3Arch(vocab_size=10, hidden_size=8, intermediate_size=8,
+        ParallelDims(world_size=4, tp=4).check_model(Arch(vocab_size=10, hidden_size=8, intermediate_size=8,
                                                                num_layers=1, num_heads=4, num_kv_heads=2, head_dim=2))
 
 

@@ -98,8 +98,8 @@ def test_eval_takes_an_rstar_prepared_parquet_unchanged(tmp_path):
     hf = tmp_path / "hf"
     hf.mkdir()
     (hf / "config.json").write_text(json.dumps({
-        "max_position_embeddings": 4096, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
-        "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "vocab_size": 512}))
+        "model_type": "qwen3", "max_position_embeddings": 4096, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 32, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "vocab_size": 512}))
     (hf / "model.safetensors").write_bytes(b"")
     (hf / "tokenizer.json").write_text("{}")
     cfg = c.compose("tiny-cpu", [], c.resolve_policy(str(hf)), benches, tmp_path / "out",

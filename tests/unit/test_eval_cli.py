@@ -18,8 +18,8 @@ from rstar_hpc.exchange.rundir import RunPaths
 def _hf(d: Path) -> Path:
     d.mkdir(parents=True, exist_ok=True)
     (d / "config.json").write_text(json.dumps({   # the tiny Qwen3's shape: the config validator reads it
-        "max_position_embeddings": 4096, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
-        "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "vocab_size": 512}))
+        "model_type": "qwen3", "max_position_embeddings": 4096, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 32, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "vocab_size": 512}))
     (d / "model.safetensors").write_bytes(b"")
     (d / "tokenizer.json").write_text("{}")
     return d
