@@ -15,7 +15,8 @@ on one, engine 2 on the other, joined across the bridge) meets, in its one rl st
      not started again inside a job: the next job's start brings it back).
 Each step met by a kill commits within 5 minutes of it (an uninterrupted step takes seconds, so the run is late by
 less). The run finishes with every RL step holding exactly the prompts its data order gives it, none lost or twice,
-and leaves no process (no stopped one either). `run status` names the hang, the losses and the returns."""
+and leaves no process (no stopped one either). `run status` names the hang, the losses and the returns. The model
+is a tiny Qwen2 (QKV biases, tied embeddings): a family besides Qwen3 through SFT, RL and eval on the cluster."""
 from __future__ import annotations
 
 import json
@@ -41,8 +42,18 @@ STALL_S = 15.0   # rollout.scheduler.engine_stall_s here
 LOAD_S = 90.0    # policy_load_timeout_s: an engine whose core stops between steps hangs in its next load
 
 
+@pytest.fixture(scope="module")
+def qwen2_model_dir(tmp_path_factory):
+    """A tiny random-init Qwen2 (QKV biases, tied embeddings: models/tiny.py): the run trains a family besides
+    Qwen3 through SFT, RL and eval."""
+    from rstar_hpc.config.run import TinyModelSpec
+    from rstar_hpc.models.tiny import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("qwen2") / "tiny", TinyModelSpec(family="qwen2"))
+
+
 def two_engine_config(tmp_path, model_dir) -> str:
-    """tiny-cpu cut to one sft and one rl stage of RL_STEPS steps, with two engine ranks."""
+    """tiny-cpu cut to one sft stage, one rl stage of RL_STEPS steps and an eval, with two engine ranks."""
     cfg = yaml.safe_load((REPO / "configs/tiny-cpu.yaml").read_text())
     cfg["run"] = {"name": "engines", "root": str(tmp_path / "runs"), "seed": 0}
     cfg["model"] = {"path": str(model_dir)}
@@ -53,7 +64,9 @@ def two_engine_config(tmp_path, model_dir) -> str:
     cfg["stages"] = [{"name": "sft", "kind": "sft", "num_steps": 2, "prompts_per_step": 8, "lr": 2.0e-3,
                       "data": "demo"},
                      {"name": "rl", "kind": "rl", "num_steps": RL_STEPS, "prompts_per_step": 4,
-                      "max_response_length": 128, "data": "demo"}]
+                      "max_response_length": 128, "data": "demo"},
+                     {"name": "eval", "kind": "eval", "benchmarks": {"demo": "demo"}, "max_prompts": 4,
+                      "num_samples": 2, "prompts_per_step": 4, "max_response_length": 128}]
     cfg["launch"]["rollout"].update(num_nodes=2, tasks_per_node=1, engine_restarts=2)
     path = tmp_path / "engines.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -219,7 +232,7 @@ def _wait_joined(run, rank: int, times: int) -> None:
 
 
 @pytest.mark.timeout(1500)
-def test_a_hung_or_killed_engine_costs_only_its_work_and_comes_back(hosts_cluster, tiny_model_dir, tmp_path):
+def test_a_hung_or_killed_engine_costs_only_its_work_and_comes_back(hosts_cluster, qwen2_model_dir, tmp_path):
     import psutil
 
     from rstar_hpc.exchange.columns import from_table
@@ -228,7 +241,7 @@ def test_a_hung_or_killed_engine_costs_only_its_work_and_comes_back(hosts_cluste
     from rstar_hpc.exchange.rundir import RunPaths
 
     env = {**hosts_cluster.env, "OMP_NUM_THREADS": "1"}
-    rstar("launch", two_engine_config(tmp_path, tiny_model_dir), "--json", env=env)
+    rstar("launch", two_engine_config(tmp_path, qwen2_model_dir), "--json", env=env)
     run = tmp_path / "runs" / "engines"
     events = lambda kind: [e for e in read_events(RunPaths(run)) if e["kind"] == kind]   # noqa: E731
     # 0. engine rank 1's process killed while the stage's first step loads its policy; its keeper starts it again
@@ -274,6 +287,9 @@ def test_a_hung_or_killed_engine_costs_only_its_work_and_comes_back(hosts_cluste
         assert not any(j["state"] in ("FAILED", "CANCELLED") for j in st["jobs"]), st["jobs"]
         time.sleep(2)
 
+    # the trainer trained the Qwen2 and published it as one (its QKV biases converted both ways)
+    _, policy = RunPaths(run).policies().latest()
+    assert json.loads((policy / "config.json").read_text())["model_type"] == "qwen2"
     # each kill cost its step minutes at most: rank 0 did not wait out the load's bound
     assert _committed_at(run, load_step) - killed_at <= LATE_S
     assert _committed_at(run, task_step) - task_killed_at <= LATE_S
