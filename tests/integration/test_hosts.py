@@ -127,3 +127,94 @@ def test_the_rollout_talks_over_the_interface_of_the_nodes_slurm_address(hosts_c
     monkeypatch.setattr(links, "_slurm_node_addr", lambda node: "127.0.0.1")
     assert links.node_interfaces([], {"SLURMD_NODENAME": "gpu1"}) == []
     assert "OMPI_MCA_btl_tcp_if_include" not in links.mpi_env(links.Session(Path("/x"), 0, 2), [])
+
+
+def _rl_config(tmp_path, model_dir, rl_steps: int) -> str:
+    """tiny-cpu cut to a short sft and one rl stage, its rollout on two hosts (rank 0 and engine 1 on one, engine 2
+    on the other), engines found silent after 20 s."""
+    import yaml
+    from tests.helpers.launching import ci_config
+
+    path = ci_config(tmp_path, "cut", model_dir)
+    cfg = yaml.safe_load(path.read_text())
+    cfg["stages"] = [{"name": "sft", "kind": "sft", "num_steps": 2, "prompts_per_step": 8, "lr": 2.0e-3,
+                      "data": "demo"},
+                     {"name": "rl", "kind": "rl", "num_steps": rl_steps, "prompts_per_step": 4,
+                      "max_response_length": 128, "data": "demo"}]
+    cfg["rollout"]["scheduler"].update(heartbeat_s=0.5, engine_timeout_s=20, journal_every_s=0.3)
+    cfg["launch"]["rollout"].update(num_nodes=2, tasks_per_node=1)
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.timeout(900)
+def test_a_rollout_node_cut_off_past_slurms_node_timeout_costs_a_requeue_not_the_run(hosts_cluster, tiny_model_dir,
+                                                                                     tmp_path):
+    """A network partition: engine 2's host loses its link mid-step until Slurm, no longer hearing its slurmd, takes
+    the node for failed (SlurmdTimeout, counted from its last answer) and ends the job; meanwhile rank 0 finds the
+    engine silent and requeues its work, and every process on the cut host runs on. Then the link comes back: the
+    node's slurmd answers, its stale steps are killed, Slurm requeues the job onto the same three hosts, and the run
+    resumes and ends with every rl step holding exactly its prompts, none twice, and no process left."""
+    import re
+
+    from tests.helpers.launching import _tail, rstar, run_processes, status
+    from transformers import AutoTokenizer
+
+    from rstar_hpc.config import load_config
+    from rstar_hpc.exchange.columns import from_table
+    from rstar_hpc.exchange.events import read_events
+    from rstar_hpc.exchange.reader import StepReader
+    from rstar_hpc.exchange.rundir import RunPaths
+    from rstar_hpc.rollout.tasks import stage_steps
+
+    steps = 4
+    env = {**hosts_cluster.env, "OMP_NUM_THREADS": "1"}
+    job = json.loads(rstar("launch", _rl_config(tmp_path, tiny_model_dir, steps), "--json",
+                           env=env).stdout.splitlines()[-1])["jobs"]["run"]
+    run = tmp_path / "runs" / "cut"
+    paths = RunPaths(run)
+    deadline = time.monotonic() + 600
+    while True:   # a step's work has just reached both engines
+        try:
+            doing = json.loads((run / "heartbeat" / "rollout.json").read_text()).get("doing", "")
+        except (FileNotFoundError, json.JSONDecodeError):
+            doing = ""
+        if (m := re.match(r"step (\d+) of stage rl: generating, 0/", doing)) and int(m.group(1)) < steps - 1:
+            break
+        assert time.monotonic() < deadline, "no rl step was seen generating\n" + _tail(run)
+        time.sleep(0.02)
+    node = json.loads((run / "placement" / "rollout-2.json").read_text())["node"]
+
+    def requeues() -> int:
+        out = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True, env=env,
+                             timeout=30).stdout
+        return max((int(t.split("=")[1]) for t in out.split() if t.startswith("Restarts=")), default=0)
+
+    hosts_cluster.cut_node(node)
+    cut_at = time.time()
+    try:
+        while requeues() < 1:   # Slurm's node timeout is 60 s on this cluster
+            assert time.time() - cut_at < 180, "Slurm did not take the cut-off node for failed\n" + _tail(run)
+            time.sleep(1)
+    finally:
+        hosts_cluster.cut_node(node, cut=False)
+    deadline = time.monotonic() + 600
+    while not status(run, env)["done"]:
+        assert time.monotonic() < deadline, "the run did not finish\n" + _tail(run)
+        time.sleep(2)
+    lost = [e for e in read_events(paths) if e["kind"] == "engine_lost"]
+    assert lost and lost[0]["rank"] == 2 and "silent for" in lost[0]["reason"], lost   # before Slurm's verdict
+    cfg = load_config(str(run / "config.yaml"))
+    expected = {t.step: sorted(i.prompt_uid for i in t.items)
+                for t in stage_steps(cfg, paths, "rl", AutoTokenizer.from_pretrained(cfg.model.path),
+                                     steps=range(steps))}
+    reader = StepReader(paths, "rl")
+    for s in range(steps):
+        trajs = from_table(reader.read(s, ["rollout"]))
+        assert sorted(t.prompt_uid for t in trajs) == expected[s] and len({t.key for t in trajs}) == len(trajs), s
+    deadline = time.monotonic() + 60
+    while run_processes(run) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert not run_processes(run), run_processes(run)   # the cut host's stale steps too
