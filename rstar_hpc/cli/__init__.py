@@ -13,7 +13,7 @@ import sys
 import click
 
 from rstar_hpc import __version__
-from rstar_hpc.cli.exit_codes import EXIT_CONFIG, EXIT_USAGE
+from rstar_hpc.cli.exit_codes import EXIT_CONFIG, EXIT_USAGE, Refused
 
 # verb -> (module under rstar_hpc.cli, one-line summary shown by --help)
 VERBS: dict[str, tuple[str, str]] = {
@@ -83,6 +83,10 @@ def main(argv: list[str] | None = None) -> None:
     try:
         cli.main(args=argv, prog_name="rstar-hpc", standalone_mode=False)
     except click.exceptions.Exit as e:
+        sys.exit(e.exit_code)
+    except Refused as e:
+        e.show()
+        e.record()
         sys.exit(e.exit_code)
     except click.ClickException as e:
         e.show()

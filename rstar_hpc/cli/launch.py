@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from rstar_hpc.cli.exit_codes import EXIT_CONFIG, EXIT_FAILED
+from rstar_hpc.cli.exit_codes import EXIT_CONFIG, EXIT_FAILED, EXIT_REFUSED
 
 
 @click.command("launch")
@@ -67,4 +67,4 @@ def command(config: str, overrides: tuple[str, ...], launcher, wait: bool, dry_r
     if status is not None and not status["done"]:
         click.echo("the run stopped before every stage was done:\n  " + "\n  ".join(status["problems"] or
                    ["see `rstar-hpc run status`"]), err=True)
-        sys.exit(EXIT_FAILED)
+        sys.exit(EXIT_REFUSED if status.get("refused") else EXIT_FAILED)

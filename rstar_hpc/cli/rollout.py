@@ -35,20 +35,25 @@ def command(config, steps, stage, engines, sandbox, progress, overrides) -> None
     ENGINES+1 ranks on this node. An engine rank that dies is started again (launch.rollout.engine_restarts) while
     the others go on. OVERRIDES are dotted key=value pairs. Prints one JSON summary line per step.
     """
+    from rstar_hpc.cli.exit_codes import refusing
     from rstar_hpc.config import load_config
     from rstar_hpc.rollout.links import RANK_ENV
 
+    with refusing("rollout"):
+        cfg = load_config(config, list(overrides))
     if steps and not stage:   # steps of the first rl stage, as before stages were walked
-        stage = next((s.name for s in load_config(config, list(overrides)).stages if s.kind == "rl"), None)
+        stage = next((s.name for s in cfg.stages if s.kind == "rl"), None)
         if stage is None:
             raise click.BadParameter("--step needs --stage (the config has no rl stage)", param_hint="--step")
-    cfg = load_config(config, list(overrides))
     if RANK_ENV in os.environ:   # a rank, started by its keeper
         from rstar_hpc.launch.binding import bind
         from rstar_hpc.logs import init_logging
         from rstar_hpc.rollout.job import run
 
         init_logging("rollout", int(os.environ[RANK_ENV]))
+        if int(os.environ[RANK_ENV]) == 0:
+            with refusing("rollout"):   # under srun no keeper read it before the ranks started
+                check_rollout_data(cfg, stage)
         bind(cfg, "rollout")   # before vLLM sees CUDA: this rank's tensor-parallel block, none for rank 0
         run(cfg, stage, list(steps) or None, sandbox=sandbox, progress=progress)
         return
@@ -68,8 +73,9 @@ def command(config, steps, stage, engines, sandbox, progress, overrides) -> None
         from rstar_hpc.launch.roles import local_ranks_env
         env = local_ranks_env(env)   # inside a Slurm task, the ranks are not its tasks   # one keeper for every rank: it checks what would fail them all, and rank 0 shows a bar
         from rstar_hpc.models.resolve import resolve_model
-        check_rollout_data(cfg, stage)   # bad data fails here, before any rank starts
-        resolve_model(cfg)               # fail (or build the tiny model) likewise
+        with refusing("rollout"):
+            check_rollout_data(cfg, stage)   # bad data fails here, before any rank starts
+            resolve_model(cfg)               # fail (or build the tiny model) likewise
         env[TTY_ENV] = "1" if sys.stderr.isatty() else "0"
         progress = True
     rank_args = ["--config", config, *(a for s in steps for a in ("--step", str(s))),

@@ -68,7 +68,10 @@ def serve(workers, run_dir, host, port, announce_host, name, config, stats_inter
         from rstar_hpc.exchange.placement import record_placement
         from rstar_hpc.exchange.rundir import RunPaths
         record_placement(RunPaths(run_dir), "sandbox")
-    limits, config_interval_s = _settings(workers, config, overrides)
+    from rstar_hpc.cli.exit_codes import refusing
+
+    with refusing("sandbox"):
+        limits, config_interval_s = _settings(workers, config, overrides)
     svc = Service(limits, host=host, port=port, run_dir=run_dir, name=name or _slurm_name(),
                   announce_host=announce_host, stats_interval_s=stats_interval or config_interval_s)
     run_loop(svc.serve_forever())

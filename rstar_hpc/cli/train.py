@@ -40,15 +40,21 @@ def command(config: str, overrides: tuple[str, ...], stage_name: str | None, fol
     if show_plan:
         print_memory_plan(config, overrides, as_json, gpu_memory_gib)
         return
+    from rstar_hpc.cli.exit_codes import refusing
     from rstar_hpc.config import load_config
 
-    cfg = load_config(config, overrides)
+    with refusing("trainer"):
+        cfg = load_config(config, overrides)
     if follow and (stage_name or submit):
         raise click.UsageError("--follow walks every stage: it takes neither --stage nor --submit")
     stage = _pick_stage(cfg, stage_name, none_left_ok=follow)
     if submit:
         _submit_and_follow(cfg, config, overrides, stage)
         return
+    if stage is not None and cfg.model.path is not None:
+        from rstar_hpc.models.resolve import resolve_model
+        with refusing("trainer"):   # on every rank, before the minute torch and megatron-core take to import
+            resolve_model(cfg, build=False)
     _train_here(cfg, stage, follow)
 
 

@@ -1,6 +1,6 @@
 """The run's fault events, `launch/events.jsonl`: what a launcher (the sbatch supervisor, a submitit RoleJob) or the
 rollout's keeper did about a fault: a role that crashed or hung and was started again, a sandbox service that died and was restarted, a
-job that gave up, a node lost. `rstar-hpc run status` reads them into its `faults` and `problems`. Stdlib only.
+job that gave up, a role that refused its inputs, a node lost. `rstar-hpc run status` reads them into its `faults` and `problems`. Stdlib only.
 
 Each event is one JSON line appended with a single write(2) on an O_APPEND descriptor, so the launchers of one run
 (three RoleJobs under submitit) may append at once without losing or mixing lines; a line cut by a kill is
@@ -17,10 +17,13 @@ import time
 
 from rstar_hpc.exchange.rundir import RunPaths
 
-KINDS = ("crash", "hang", "gave_up", "node_lost", "engine_lost", "engine_hung", "engine_back", "engine_gave_up")
+KINDS = ("crash", "hang", "gave_up", "refused", "node_lost", "engine_lost", "engine_hung", "engine_back",
+         "engine_gave_up")
 """crash: a role's step ended before its stages were done; hang: its heartbeat went stale and its step was killed;
-gave_up: it failed more often than launch.role_restarts allows; node_lost: a node of the job went DOWN or stopped
-answering (launch/nodes.py), so the job was requeued onto the nodes that are left. The rollout's own: engine_lost:
+gave_up: it failed more often than launch.role_restarts allows; refused: it refused its config or inputs (exit 78,
+cli/exit_codes.py; `message` says why), which no restart can fix, so its job stopped without a requeue; node_lost:
+a node of the job went DOWN or stopped answering (launch/nodes.py), so the job was requeued onto the nodes that are
+left. The rollout's own: engine_lost:
 an engine rank died or went silent, its unfinished trajectories requeued (`requeued`); engine_hung: its rank went
 on reporting but its engine made no token for rollout.scheduler.engine_stall_s (the evidence in `reason`), requeued
 the same way and its keeper told to kill it whole and start it again; engine_back: it joined

@@ -18,6 +18,7 @@
       eval/<stage>/results.json, results.md      an eval stage's figures (rstar_hpc.eval)
       model/                                     `rstar-hpc eval`'s OUT only: the checkpoint it exported to evaluate
       launch/jobs.json                           the jobs `rstar-hpc launch` submitted (run status, cancel)
+      launch/refused-<role>.json                 the error a role refused its config or inputs with (no restart)
       heartbeat/<role>.json                      what each role is doing now, rewritten every few seconds
       generate/<job id>/{samples.jsonl,summary.json}  output of `rstar-hpc generate` (the demo's job)
       logs/                                        Slurm and role logs
@@ -177,6 +178,10 @@ class RunPaths:
         """What the launchers did about faults (a role restarted, hung, a sandbox service gone): one JSON line each,
         appended (exchange/events.py); `run status` names them."""
         return self.dir / "launch" / "events.jsonl"
+
+    def refusal(self, role: str) -> Path:
+        """The error a role refused its config or inputs with (cli/exit_codes.Refused): its launcher stops the job."""
+        return self.dir / "launch" / f"refused-{_check('role', role)}.json"
 
     def heartbeat(self, role: str) -> Path:
         return self.dir / "heartbeat" / f"{_check('role', role)}.json"

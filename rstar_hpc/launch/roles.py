@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from rstar_hpc import pipeline
+from rstar_hpc.cli.exit_codes import REFUSED_RUN_ENV
 from rstar_hpc.exchange.rundir import RunPaths
 from rstar_hpc.launch import container
 
@@ -95,6 +96,7 @@ def role_env(cfg, role: str, nodelist: str | None, attempt: int, env=None) -> di
         env.pop("CUDA_VISIBLE_DEVICES", None)   # the batch step's GPUs are not this GPU-less step's
     env.setdefault("OMP_NUM_THREADS", str(getattr(cfg.launch, role).cpus_per_task))
     env["RSTAR_BIND"] = "1"   # the role binds itself to its GPUs from the placement (launch/binding.py)
+    env[REFUSED_RUN_ENV] = str(cfg.run.dir)   # where a role that refuses its inputs says so (cli/exit_codes.py)
     return env
 
 

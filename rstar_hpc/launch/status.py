@@ -7,8 +7,9 @@ Per stage: name, kind, state (pending|running|done|failed), step/steps, the step
 calls, reward, training, checkpoint: means over the stage's steps so far), ETA, last mean reward, pass@1 (eval).
 Per job: id, role, Slurm state and reason, nodes, elapsed. Per role: its last heartbeat and how old it is.
 `problems` says in words what looks wrong (a role silent too long, waiting on a job Slurm has not started, a failed
-stage, a job that ended while the run is not done, and the `faults` the launchers recorded in the last hour: roles
-restarted, hung, given up; RUN/launch/events.jsonl). Nothing here writes to the run directory.
+stage, a job that ended while the run is not done, a role that refused its config or inputs since the run's latest
+launch, and the `faults` the launchers recorded in the last hour: roles restarted, hung, given up;
+RUN/launch/events.jsonl). Nothing here writes to the run directory.
 """
 from __future__ import annotations
 
@@ -205,6 +206,7 @@ def run_status(cfg, paths: RunPaths, env=None, *, with_slurm: bool = True) -> di
               "cancelled": cancelled(paths), "stages": stages, "jobs": jobs, "roles": roles,
               "placement": placement_status(cfg, paths)}
     status["faults"] = faults(paths, now)
+    status["refused"] = refusals(paths)
     status["weights"] = engine_weights(paths)
     status["quarantined"] = taken_back(cfg, paths)
     status["problems"] = problems(status)
@@ -307,6 +309,26 @@ def faults(paths: RunPaths, now: float | None = None, window_s: float = FAULT_WI
     return sorted(out, key=lambda f: f["last"])
 
 
+def refusals(paths: RunPaths) -> list[dict]:
+    """Each role's latest refusal of its config or inputs since the run's latest launch, however long ago: unlike a
+    fault it stands until the config or input is fixed and the run launched again."""
+    from rstar_hpc.exchange.events import read_events
+
+    launches = read_record(paths)["launches"]
+    latest = {e.get("role"): e for e in read_events(paths, since=launches[-1]["submitted_at"] if launches else None)
+              if e.get("kind") == "refused"}
+    out = []
+    for role, e in latest.items():
+        why = " ".join(str(e.get("message") or "see RUN/logs").split())
+        why = why if len(why) <= 500 else why[:500] + " ..."
+        code = f" (exit {e['exit']})" if e.get("exit") is not None else ""
+        out.append({"kind": "refused", "role": role, "host": e.get("host"), "last": e["time"],
+                    "text": f"the {role} refused its config or inputs{code}: {why} -- no restart "
+                            f"can fix that, so the job stopped without a requeue: the run cannot go on until it is "
+                            f"fixed; then `rstar-hpc launch {paths.config} [key=value ...]` continues it"})
+    return out
+
+
 def placement_status(cfg, paths: RunPaths) -> list[dict]:
     """Each planned task (launch/placement.py) with what it observed at its last start (None: not started yet)."""
     from rstar_hpc.exchange.placement import read_placements
@@ -339,10 +361,11 @@ def problems(status: dict) -> list[str]:
             out.append(f"stage {s['name']} FAILED: {s['message'] or 'see RUN/logs'}")
     if status["done"] or status["cancelled"]:
         return out
+    out += [r["text"] for r in status.get("refused", [])]
     for j in jobs:
         if j["state"] == "PENDING" and j["reason"] not in ("", "None", "BeginTime"):
             out.append(f"{j['role']} job {j['job_id']} is PENDING ({j['reason']})")
-    if jobs and not active:
+    if jobs and not active and not status.get("refused"):   # a refusal says what to fix first
         out.append(f"every job of the run has ended ({', '.join(sorted({j['state'] for j in jobs}))}) but the run is "
                    f"not done: `rstar-hpc launch {status['dir']}/config.yaml` resumes it")
     for role, beat in status["roles"].items():

@@ -8,6 +8,9 @@ announcement and for each policy it needs, the trainer for each step's trajector
   the role is done, or if its heartbeat is older than launch.hang_timeout_s (its step killed first, and cancelled
   through Slurm if its srun hangs too: the step is named rstar-<role>, as the supervisor's are), up to
   launch.role_restarts times, like the sbatch supervisor does (events in RUN/launch/events.jsonl);
+- a role that refuses its config or inputs (exit 78, or its RUN/launch/refused-<role>.json: cli/exit_codes.Refused)
+  is not started again, as under the supervisor: its job fails (a `refused` event), and the other roles' jobs,
+  seeing its record, stop their role (it saves, as on TERM) and end without a requeue;
 - on USR2 (`launch.signal_lead_s` before the time limit, or preemption), submitit calls `checkpoint`: the child
   is told to save (USR2) and waited for, then submitit requeues the job (launch.max_restarts times at most) and the
   requeued job starts the role again, which resumes from the run directory;
@@ -29,7 +32,8 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from rstar_hpc.config import RunConfig
+from rstar_hpc.cli.exit_codes import EXIT_REFUSED, refusal
+from rstar_hpc.config import ConfigError, RunConfig
 from rstar_hpc.exchange.events import record_event
 from rstar_hpc.exchange.rundir import RunPaths
 from rstar_hpc.launch import container, placement
@@ -92,6 +96,7 @@ class RoleJob:
         self.run_dir, self.role = str(run_dir), role
         self._child: subprocess.Popen | None = None
         self._stop = False
+        self._refused: dict | None = None   # another role's refusal, which stopped this one
         self.hang_timeout_s: float | None = None   # launch.hang_timeout_s unless set (tests)
 
     def __getstate__(self) -> dict:
@@ -131,11 +136,18 @@ class RoleJob:
         from rstar_hpc.logs import init_logging
 
         init_logging(f"submitit-{self.role}", 0)
-        cfg, paths = self._cfg(), RunPaths(self.run_dir)
+        paths = RunPaths(self.run_dir)
+        try:
+            cfg = self._cfg()
+        except ConfigError as e:   # no start could get further
+            record_event(paths, "refused", role=self.role, message=str(e))
+            raise
         restarts = 0
         while not self._stop:
             if self.role != "sandbox" and role_done(cfg, paths, self.role):
                 return f"{self.role}: every stage of the role is done"
+            if self._refused_elsewhere(paths):
+                break
             argv, env = self.argv(cfg, restarts)
             log.info("starting %s: %s", self.role, " ".join(argv))
             # a session of its own: a hung child's whole process group can be killed (watch.kill_step)
@@ -145,8 +157,15 @@ class RoleJob:
                 return "sandbox: the run is done"
             if self._stop or (self.role != "sandbox" and role_done(cfg, paths, self.role)):
                 continue
-            restarts += 1
             host = os.environ.get("SLURM_JOB_NODELIST")
+            if hung is None and (code == EXIT_REFUSED or refusal(paths, self.role)):
+                found = refusal(paths, self.role)
+                why = found["message"] if found else "see its log in RUN/logs/submitit/"
+                record_event(paths, "refused", role=self.role, host=host, exit=code, message=why)
+                raise RuntimeError(f"{self.role} refused to run (exit {code}): {why}\nno restart can fix this: fix the "
+                                   f"config or the input named above, then `rstar-hpc launch {paths.config} "
+                                   f"[key=value ...]` continues the run")
+            restarts += 1
             if hung is None:
                 record_event(paths, "crash", role=self.role, host=host, exit=code, restart=restarts)
             if restarts > cfg.launch.role_restarts:
@@ -156,7 +175,15 @@ class RoleJob:
                                    f"more than launch.role_restarts={cfg.launch.role_restarts}; see RUN/logs/submitit/")
             log.warning("%s %s before its stages were done; starting it again (%d/%d)", self.role,
                         "hung" if hung else f"ended (exit {code})", restarts, cfg.launch.role_restarts)
+        if self._refused:
+            return f"{self.role}: stopped, the {self._refused['role']} refused its config or inputs"
         return f"{self.role}: stopped"
+
+    def _refused_elsewhere(self, paths: RunPaths) -> dict | None:
+        """Another role's refusal since the run's launch: this one's work cannot lead anywhere, so it stops."""
+        self._refused = self._refused or next((found for r in ROLES if r != self.role
+                                               if (found := refusal(paths, r))), None)
+        return self._refused
 
     def _watch(self, cfg, paths: RunPaths, argv: list[str]) -> tuple[int | None, dict | None]:
         """The child's exit code (None when this is the sandbox and the run is done: the child is then stopped),
@@ -167,6 +194,12 @@ class RoleJob:
             if self.role == "sandbox" and run_done(cfg, paths):
                 end_step(self._child, argv)
                 return None, None
+            if not self._stop and self._refused_elsewhere(paths):
+                log.error("the %s refused its config or inputs (%s): stopping the %s, whose work cannot lead anywhere "
+                          "until that is fixed", self._refused["role"], self._refused["message"], self.role)
+                self._stop = True
+                end_step(self._child, argv)
+                return self._child.returncode, None
             hung = None if self._stop else stale(paths, self.role, since, timeout)
             if hung is not None:
                 log.error("%s hung: no heartbeat for %.0f s (more than launch.hang_timeout_s=%g), last doing: %s "

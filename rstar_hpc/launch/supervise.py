@@ -9,6 +9,9 @@
 - a trainer or rollout whose heartbeat is older than `launch.hang_timeout_s` (hung: SIGSTOPped, deadlocked, stuck
   on a file system) has its step killed and is started again the same way, counted against the same bound; if its
   srun hangs too, the step is cancelled through Slurm first (watch.kill_step), so the new srun is not left pending;
+- a role that refuses its config or inputs (exit 78, or its RUN/launch/refused-<role>.json: cli/exit_codes.Refused)
+  is not started again: no restart can fix that; the supervisor records a `refused` event with the role's error,
+  stops the other roles as when one fails too often, and ends the job without a requeue;
 - a role whose step ends because one of its nodes is lost (Slurm holds it DOWN or not responding) is not started
   again on it: the supervisor records a `node_lost` event and stops the job for a requeue (Slurm requeues a job on a
   node it marks DOWN by itself), so the job starts again on the nodes that are left; the requeued job's supervisor
@@ -33,6 +36,7 @@ import sys
 import time
 from pathlib import Path
 
+from rstar_hpc.cli.exit_codes import EXIT_REFUSED, refusal
 from rstar_hpc.exchange.events import record_event
 from rstar_hpc.exchange.rundir import RunPaths
 from rstar_hpc.launch import placement
@@ -60,6 +64,8 @@ class Supervisor:
         self.stop_reason: str | None = None
         self.stop_at = 0.0
         self.failed = False   # a role ended more often than launch.role_restarts: the job fails, no requeue
+        self.refused: str | None = None   # the role that refused its inputs: the job fails at once, no requeue
+        self.log_of: dict[str, Path] = {}
 
     # ------------------------------------------------------------------------------------------------ steps
     def step_argv(self, role: str) -> list[str]:
@@ -76,7 +82,8 @@ class Supervisor:
         return env
 
     def start(self, role: str) -> None:
-        out = open(self.paths.logs / f"{role}-{os.environ.get('SLURM_JOB_ID', 'local')}.log", "ab")  # noqa: SIM115
+        self.log_of[role] = self.paths.logs / f"{role}-{os.environ.get('SLURM_JOB_ID', 'local')}.log"
+        out = open(self.log_of[role], "ab")  # noqa: SIM115
         argv = self.step_argv(role)
         self.starts[role] += 1
         log.info("starting %s: %s", role, " ".join(argv))
@@ -166,6 +173,9 @@ class Supervisor:
         return os.environ.get(f"SLURM_JOB_NODELIST_HET_GROUP_{self.groups[role]}", os.environ.get("SLURM_JOB_NODELIST"))
 
     def restart(self, role: str, code: int, hung: dict | None = None) -> None:
+        if hung is None and (code == EXIT_REFUSED or refusal(self.paths, role)):
+            self.refuse(role, code)
+            return
         # a hung role's silence is no running: one that hangs again soon after each start is a loop too
         if time.monotonic() - self.started_at[role] - (hung["silent_s"] if hung else 0.0) > STABLE_S:
             self.restarts[role] = 0   # it ran a good while: a new failure, not a crash loop
@@ -198,6 +208,19 @@ class Supervisor:
             return
         self.start(role)
 
+    def refuse(self, role: str, code: int) -> None:
+        """The role refused its config or inputs: starting it again would refuse again. Stop the job, no requeue."""
+        found = refusal(self.paths, role)
+        why = found["message"] if found else _tail(self.log_of.get(role))
+        record_event(self.paths, "refused", role=role, host=self._nodes(role), exit=code, message=why)
+        log.error("%s refused to run (exit %s): %s\nno restart can fix this: stopping the job without a requeue. Fix the "
+                  "config or the input named above, then `rstar-hpc launch %s [key=value ...]` continues the run",
+                  role, code, why, self.paths.config)
+        self.refused = role
+        self.stop_reason = self.stop_reason or f"{role} refused its config or inputs"
+        self.stop_at = self.stop_at or time.monotonic()
+        self.on_signal(signal.SIGTERM, None)
+
     def wait_unless_stopped(self, seconds: float) -> bool:
         """Sleep `seconds`, ending early when a stop (USR2, TERM, a failed role) arrives; whether one did. The
         signal handler runs between the short sleeps."""
@@ -228,6 +251,8 @@ class Supervisor:
         if run_done(self.cfg, self.paths):
             log.info("run %s: every stage is done", self.paths.name)
             return 0
+        if self.refused:
+            return EXIT_REFUSED
         if self.failed:
             return 1
         if cancelled(self.paths):
@@ -246,6 +271,17 @@ class Supervisor:
         return 0
 
 
+def _tail(log: Path | None, lines: int = 8, limit: int = 2000) -> str:
+    """The last lines of a role's log: what it said before it refused (when it left no refusal record)."""
+    try:
+        with open(log, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 16384))
+            text = f.read().decode(errors="replace")
+    except (OSError, TypeError):
+        return "see RUN/logs/"
+    return "\n".join(text.strip().splitlines()[-lines:])[-limit:]
+
+
 def _ending_in_slurm(job: str) -> str | None:
     """The job's state when Slurm itself is ending it: COMPLETING after `scancel` (with or without --signal=KILL:
     TERM, KillWait, KILL), `scontrol requeue`, or the time limit. None while it runs: a TERM alone (preemption's grace
@@ -258,12 +294,18 @@ def _ending_in_slurm(job: str) -> str | None:
 
 
 def main(run_dir: str) -> int:
-    from rstar_hpc.config import load_config
+    from rstar_hpc.config import ConfigError, load_config
     from rstar_hpc.logs import init_logging
 
     init_logging("supervisor", 0)
     paths = RunPaths(run_dir)
-    cfg = load_config(str(Path(run_dir) / "config.yaml"))
+    try:
+        cfg = load_config(str(paths.config))
+    except ConfigError as e:   # no role could start: no requeue either
+        log.error("%s refused: %s\nfix it, then `rstar-hpc launch %s [key=value ...]` continues the run", paths.config,
+                  e, paths.config)
+        record_event(paths, "refused", role="supervisor", message=str(e))
+        return EXIT_REFUSED
     restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
     if restarts > cfg.launch.max_restarts:
         log.error("job %s was requeued %d times, more than launch.max_restarts=%d: not starting again. The run "

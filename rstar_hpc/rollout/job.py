@@ -28,6 +28,7 @@ def run(cfg, stage: str | None = None, steps: Sequence[int] | None = None, *, sa
     yet: the stage driver's walk, rstar_hpc.pipeline), else `steps` of `stage` (default: its uncommitted ones).
     Ends the process (os._exit) with the job's outcome. `sandbox`: HOST:PORT of sandbox services (default: the run
     directory's announcements); `progress`: a bar on rank 0 when a terminal shows it (else progress log lines)."""
+    from rstar_hpc.cli.exit_codes import refusing
     from rstar_hpc.config import prepare_run_dir
     from rstar_hpc.exchange.rundir import RunPaths
     from rstar_hpc.models.resolve import resolve_model
@@ -36,8 +37,9 @@ def run(cfg, stage: str | None = None, steps: Sequence[int] | None = None, *, sa
     rank = int(os.environ.get(RANK_ENV, 0))
     _catch_stop_signals(rank)
     if rank == 0:
-        prepare_run_dir(cfg)
-        model_dir = resolve_model(cfg)
+        with refusing("rollout"):
+            prepare_run_dir(cfg)
+            model_dir = resolve_model(cfg)
     else:
         model_dir = _wait_for_model(cfg)
     if rank == 0:

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from rstar_hpc import pipeline
+from rstar_hpc.cli.exit_codes import refusing
 from rstar_hpc.config import RunConfig, StageConfig
 from rstar_hpc.exchange.errors import StorageError
 from rstar_hpc.exchange.policy_versions import newest_published
@@ -65,7 +66,8 @@ def run(cfg: RunConfig, stage_name: str, *, on_step: Callable[[int, dict], None]
         # a collective that times out (trainer.collective_timeout_s) fails naming its megatron group
         with naming_failed_collectives():
             if rank0:
-                _prepare_run(cfg)
+                with refusing("trainer"):
+                    _prepare_run(cfg)
             torch.distributed.barrier()  # the run directory and the model exist before anyone reads them
             if read_stage_state(paths, stage.name).status == "DONE":
                 log.info("stage %s is DONE already; nothing to train (rerun it under a new stage name)", stage.name)
@@ -247,7 +249,8 @@ def _stage_data(cfg: RunConfig, stage: StageConfig, paths: RunPaths, model_dir: 
     if stage.kind == "sft":
         from rstar_hpc.trainer.sft import SFTStageData
 
-        return SFTStageData(cfg, stage, model_dir)
+        with refusing("trainer"):   # the stage's data file; an rl stage's is the run's own trajectories
+            return SFTStageData(cfg, stage, model_dir)
     from rstar_hpc.trainer.rl import RLStageData
 
     return RLStageData(cfg, stage, paths)

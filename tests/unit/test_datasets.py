@@ -9,6 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 from tests.helpers.datafiles import CALL, openai_chat, verl_row, write_jsonl, write_parquet
 
+from rstar_hpc.cli.exit_codes import EXIT_REFUSED
 from rstar_hpc.config import load_config
 from rstar_hpc.data.answers import ground_truth
 from rstar_hpc.data.prompts import REPEATS, SYSTEM_UNUSED, read_prompt_file
@@ -123,7 +124,7 @@ def test_rollout_cli_refuses_bad_data_before_starting_ranks(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"question": "x"}\n')
     r = subprocess.run([sys.executable, "-m", "rstar_hpc", "rollout", "--step", "0", f"run.root={tmp_path}",
                         f"stages.rl-short.data={tmp_path / 'bad.jsonl'}"], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 3, r.stderr[-2000:]
+    assert r.returncode == EXIT_REFUSED, r.stderr[-2000:]   # the role's: a launcher does not start it again
     assert "bad.jsonl row 1: no answer" in r.stderr and "Traceback" not in r.stderr
 
 
