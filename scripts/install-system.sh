@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs the Debian packages rstar-hpc drives for real: bubblewrap (sandbox), Slurm + munge
-# (the emulated cluster), OpenMPI (rollout ranks). A no-op, in well under a second, once they are there.
+# (the emulated cluster; iproute2 for its nodes as hosts), OpenMPI (rollout ranks). A no-op, in well under a second, once they are there.
 set -euo pipefail
 need=()
 command -v bwrap     >/dev/null || need+=(bubblewrap)
@@ -12,6 +12,7 @@ command -v mpirun    >/dev/null || need+=(openmpi-bin)
 [ -e /usr/include/x86_64-linux-gnu/openmpi/mpi.h ] || [ -e /usr/lib/x86_64-linux-gnu/openmpi/include/mpi.h ] \
     || need+=(libopenmpi-dev)
 command -v lsof >/dev/null || need+=(lsof)
+command -v ip   >/dev/null || need+=(iproute2)   # the cluster of hosts' namespaces and links (cluster up --hosts)
 if [ ${#need[@]} -eq 0 ]; then exit 0; fi
 if [ "$(id -u)" -ne 0 ]; then
     echo "rstar-hpc: missing system packages: ${need[*]}" >&2
