@@ -58,6 +58,50 @@ def preflight(cfg) -> None:
             from rstar_hpc.rollout.validation import val_prompts
             val_prompts(cfg, s)
     resolve_model(cfg)   # builds the tiny model once here, so no two roles race to build it
+    problem = rollout_mpi_problem(cfg)
+    if problem:
+        raise LaunchError(problem)
+
+
+# run by the roles' interpreter, never in this process: an mpi4py imported here uninitialised stays so
+_MPI_VERSION = ("import mpi4py; mpi4py.rc.initialize = mpi4py.rc.finalize = False; from mpi4py import MPI; "
+                "print(MPI.Get_library_version().splitlines()[0])")
+
+
+def rollout_mpi_problem(cfg) -> str | None:
+    """Why the rollout's ranks could not join where they will run (None: they can, or this host cannot tell: the
+    rollout runs in an image, or environment modules load its MPI). They join through Open MPI 4's ompi-server,
+    which Open MPI 5, MPICH and Intel MPI do not have."""
+    from rstar_hpc.launch import container
+    from rstar_hpc.launch.roles import python_of
+
+    if "rollout" not in {t.role for t in placement.plan(cfg)} or container.python(cfg, "rollout") or \
+            cfg.launch.modules:
+        return None
+    python = python_of(cfg)
+    try:
+        proc = subprocess.run([python, "-c", _MPI_VERSION], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"could not ask {python} for its MPI ({e})"
+    version = proc.stdout.strip().strip("\x00") if proc.returncode == 0 else None
+    return mpi_refusal(version, shutil.which("ompi-server") is not None, python, proc.stderr.strip()[-300:])
+
+
+def mpi_refusal(version: str | None, has_server: bool, python: str, error: str = "") -> str | None:
+    """The launch's verdict on the MPI the rollout would run on (`version`: MPI_Get_library_version's first line,
+    None if mpi4py failed to load); None: fine."""
+    fix = ("load Open MPI 4.1 (launch.modules: [openmpi/4.1]) or install it (openmpi-bin), with mpi4py built "
+           "against it (MPICC=mpicc pip install --no-binary mpi4py mpi4py), or run the rollout in an image that has "
+           "them (launch.rollout.container: containers/rollout.Dockerfile)")
+    if version is None:
+        return f"the rollout's MPI: {python} cannot import mpi4py ({error or 'no output'}); {fix}"
+    if not version.startswith("Open MPI v4"):
+        return (f"the rollout's ranks join through Open MPI 4's ompi-server, and {python}'s mpi4py runs on "
+                f"{version.split(',')[0]}, which has none (Open MPI 5 removed it; MPICH and Intel MPI never had it); "
+                f"{fix}")
+    if not has_server:
+        return f"the rollout's ranks join through Open MPI 4's ompi-server, not found on PATH; {fix}"
+    return None
 
 
 def _active_jobs(paths: RunPaths, env) -> list[dict]:
