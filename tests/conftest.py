@@ -134,13 +134,14 @@ def gpu_cluster():
 def hosts_cluster(tmp_path_factory):
     """A cluster whose nodes are hosts (rstar_hpc/cluster/hosts.py: a network namespace on a private bridge, a
     hostname, /tmp and /dev/shm each): gpu[1-3] and cpu1, so a run's trainer, two-node rollout and sandbox each
-    have hosts of their own. The session's scratch ($TMPDIR) and pytest's folders stand for shared storage. Skipped
+    have hosts of their own. The session's scratch ($TMPDIR), pytest's folders and the checkout stand for shared
+    storage. Skipped
     without root (network namespaces), which CI has."""
     from rstar_hpc.cluster import ClusterSpec
 
     if os.geteuid() != 0:
         pytest.skip("a cluster of hosts needs root (network namespaces)")
-    shared = (os.environ["TMPDIR"], str(tmp_path_factory.getbasetemp()))
+    shared = (os.environ["TMPDIR"], str(tmp_path_factory.getbasetemp()), str(REPO))   # a checkout under /tmp too
     yield from _local_cluster("rstar-hc-", ClusterSpec(num_gpu_nodes=3, num_cpu_nodes=1, hosts=True, shared=shared))
 
 

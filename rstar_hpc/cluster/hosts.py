@@ -10,8 +10,8 @@ route of the host touches. A node's slurmd starts inside its namespaces; every p
   - the node's name as hostname (slurm.conf NodeHostname), and /etc/hosts naming every node and the host;
   - one interface on the bridge, and routes to the bridge's subnet and the host's own addresses only: nothing out;
   - a tmpfs on /tmp and on /dev/shm: a file one node writes there, no other node sees. Paths under /tmp that stand
-    for shared storage (the state directory, and `shared`: a run root under /tmp) are bound back in, as Lustre is
-    mounted on every node. Everything outside /tmp and /dev/shm is the host's, as on nodes of one image.
+    for shared storage (the state directory, this Python environment, and `shared`: a run root or a checkout under
+    /tmp) are bound back in, as Lustre is mounted on every node. Everything outside /tmp and /dev/shm is the host's, as on nodes of one image.
 `down` removes every namespace, link and directory `up` made; `up` first removes what a crashed cluster left.
 Needs root (CAP_NET_ADMIN, CAP_SYS_ADMIN), which the plain cluster does not.
 """
@@ -23,6 +23,7 @@ import os
 import shlex
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
 RANGE = ipaddress.ip_network("198.18.0.0/15")
@@ -70,8 +71,9 @@ class NodeHosts:
         self.tag = f"rs{h}"
         self.bridge = f"{self.tag}b"
         self.host_tmp = Path("/run") / f"rstar-hosts-{h}"   # the host's /tmp, seen from a node's own /tmp
-        # shared storage under /tmp, bound back into each node's /tmp (longest last: a path inside another)
-        self.shared = sorted({str(self.state), *(str(Path(p).absolute()) for p in shared)}, key=len)
+        # shared storage under /tmp, bound back into each node's /tmp (longest last: a path inside another); the
+        # Python environment this runs in too, as a site's software is on every node
+        self.shared = sorted({str(self.state), sys.prefix, *(str(Path(p).absolute()) for p in shared)}, key=len)
 
     # ---- names ------------------------------------------------------------------------------------
     def netns(self, node: str) -> str:
