@@ -132,7 +132,7 @@ class EngineRoster:
         HELLO: those still loading stay `starting` and join it later (on_hello)."""
         self.engines = {e: Engine(e, acked_at=self.job.loading.pop(e, None)) for e in ranks}
         self.step_of = (start.get("stage"), start.get("step"))
-        self.lost = []
+        before = len(self.lost)   # lost while the step waited for its policy (judge_loads): returned then
         self.broadcast(TAG_START, start)
         hello: dict[int, dict] = {}
         first_ready: float | None = None
@@ -171,7 +171,7 @@ class EngineRoster:
             self.keep_alive(list(hello))   # engines that are ready wait for the slow loaders
         if not hello:
             raise RuntimeError(f"no engine rank started: {'; '.join(f'{x.rank}: {x.why}' for x in self.lost)}")
-        return hello, list(self.lost)
+        return hello, self.lost[before:]
 
     def _this_step(self, msg) -> bool:
         """An ACK or HELLO of this step (one of an earlier step, from a loader that finished it late, is not)."""
@@ -201,6 +201,18 @@ class EngineRoster:
                 lost.append(self.lose(s.rank, f"hung: still {s.doing or 'starting'} {now - s.acked_at:.0f}s after "
                                       f"START (rollout.scheduler.policy_load_timeout_s={sc.policy_load_timeout_s:g})",
                                       hung=True))
+        return lost
+
+    def judge_loads(self) -> list[Lost]:
+        """Between steps: engines still loading an earlier step's policy (job.loading) past policy_load_timeout_s
+        are hung; lost now (their keepers kill and restart them), so they are out of the next step."""
+        now, bound, lost = time.monotonic(), self.sc.policy_load_timeout_s, []
+        for rank, since in [(r, t) for r, t in self.job.loading.items() if time.monotonic() - t > bound]:
+            del self.job.loading[rank]
+            self.engines[rank] = Engine(rank)   # starting: so the Lost says it never got ready
+            lost.append(self.lose(rank, f"hung: still loading the policy {now - since:.0f}s after START "
+                                        f"(rollout.scheduler.policy_load_timeout_s={bound:g})", hung=True))
+            self.job.dead.add(rank)
         return lost
 
     # --------------------------------------------------------------------------------------------- judgment

@@ -86,7 +86,7 @@ class StepScheduler:
                                      beat=lambda text: self.waiting(engines, text), taken_back=self.hooks.taken_back)
         self.tally.policy_ready()
         self.tally.policy_version = policy_ref[0] if policy_ref is not None else None
-        hello = self.start_engines(engines, policy_ref)
+        hello = self.start_engines([e for e in engines if e not in self.roster.job.dead], policy_ref)
         q = self.queue
         q.items, carried = self.levers.carry_in(self.paths, self.stage, self.step, q.items)
         self.prepare_admission(hello)
@@ -133,11 +133,11 @@ class StepScheduler:
 
     # ----------------------------------------------------------------------------------------------- start
     def waiting(self, engines: list[int], text: str) -> None:
-        """While rank 0 waits for the step's policy: keep the engines waiting too (keep-alive), and say why."""
+        """While rank 0 waits for the step's policy: keep-alive to the engines, stuck loads judged, and say why."""
         if self.hooks.stop():
             self.roster.drain()
-            raise StopRequested(f"{self.hooks.stop()} while step {self.step} of stage {self.stage} waited for its "
-                                f"policy")
+            raise StopRequested(f"{self.hooks.stop()} while step {self.step} of stage {self.stage} waited for its policy")
+        self.requeue(self.roster.judge_loads())
         self.roster.keep_alive(engines)
         self.heartbeat(text, "wait_policy", every_s=self.sc.heartbeat_s)
 
@@ -283,7 +283,7 @@ class StepScheduler:
                       "pause)", x.rank, x.why, back, resumed)
         if lost and self.levers.closing:   # the step is closed: they are carried as they were
             self.levers.carry_queued(q.take_waiting())
-        if lost and not self.roster.live() and not self.levers.over(q.items, q.results):
+        if lost and q.admission and not self.roster.live() and not self.levers.over(q.items, q.results):
             raise RuntimeError(f"all engine ranks died; {len(q.items) - len(q.results)} trajectories of step "
                                f"{self.step} unfinished, nothing written")
 

@@ -262,10 +262,12 @@ def test_a_hung_or_killed_engine_costs_only_its_work_and_comes_back(hosts_cluste
     os.kill(core, signal.SIGSTOP)
     stopped_at = time.time()
     deadline = time.monotonic() + STALL_S + LOAD_S + 120
-    while not events("engine_hung"):
-        assert time.monotonic() < deadline, "engine rank 2 was not found hung\n" + _tail(run)
-        time.sleep(0.2)
+    # the trainer held from now: a core that stops between two steps hangs in the next load, and later steps go on
+    # without it (late join) until the load's bound; while rank 0 waits for the next policy it judges that load too
     with _TrainerHeld(run):
+        while not events("engine_hung"):
+            assert time.monotonic() < deadline, "engine rank 2 was not found hung\n" + _tail(run)
+            time.sleep(0.2)
         _wait_joined(run, 2, 2)
     assert _engine_pid(run, 1) == survivor and _engine_pid(run, 2) not in (None, hung_rank)
     assert not psutil.pid_exists(core) or psutil.Process(core).status() == psutil.STATUS_ZOMBIE, "the core lives on"
@@ -296,7 +298,7 @@ def test_a_hung_or_killed_engine_costs_only_its_work_and_comes_back(hosts_cluste
     seen = {r: json.loads((run / "placement" / f"rollout-{r}.json").read_text()) for r in (0, 2)}
     assert seen[0]["net_ns"] != seen[2]["net_ns"], seen   # engine 2 on a host of its own
     [hung] = events("engine_hung")
-    assert (hung["rank"], hung["stage"]) == (2, "rl") and hung["step"] >= hung_step, hung
+    assert (hung["rank"], hung["stage"]) == (2, "rl") and hung_step <= hung["step"] <= hung_step + 1, hung
     if hung["step"] == hung_step and "made no token" in hung["reason"]:   # it held requests: its token counter
         assert hung["time"] - stopped_at <= STALL_S + 10, hung
     else:   # it had nothing in its engine then: its next policy load never ended

@@ -27,6 +27,6 @@ def test_submitit_job_runs_an_rstar_hpc_command_on_a_cluster_node(slurm_cluster,
     out = tmp_path / "tiny"
     job = submit_command(cfg, "sandbox", ["make-tiny-model", str(out), "--layers", "1", "--seed", "3"])
     stdout = wait(job, timeout_s=180)
-    assert f"{out}: Qwen3" in stdout
+    assert f"{out}: qwen3" in stdout
     assert is_tiny_model(out)
     assert (tmp_path / "tiny-cpu" / "logs" / "submitit").is_dir()

@@ -317,3 +317,21 @@ def test_a_late_joiner_gets_work_in_the_running_step(tmp_path, monkeypatch):
     comm.sent.clear()
     s.dispatch(s.queue.admit(1.0))
     assert [(d, len(w)) for d, tag, w in comm.sent if tag == TAG_WORK] == [(2, 2)]
+
+
+def test_a_load_stuck_across_steps_is_judged_while_the_next_step_waits_for_its_policy(monkeypatch):
+    """A load still running past policy_load_timeout_s (carried from earlier steps) is lost while rank 0 waits for
+    the next policy, not only at the next start; the start then leaves it out and does not report it twice."""
+    from rstar_hpc.rollout.engines import JobEngines
+
+    clock = _Clock(monkeypatch)
+    t = clock.now
+    job = JobEngines(loading={2: t - 100.0, 3: t - 10.0})
+    comm = _Comm(clock, 4, [(t + 1, 1, TAG_HELLO, {"capacity_tokens": 1000}), (t + 1, 3, TAG_HELLO,
+                                                                               {"capacity_tokens": 1000})])
+    roster = EngineRoster(comm, _MPI, _sc(policy_load_timeout_s=90.0), job=job)
+    lost = roster.judge_loads()
+    assert [(x.rank, x.hung, x.starting) for x in lost] == [(2, True, True)] and "100s after START" in lost[0].why
+    assert job.dead == {2} and job.loading == {3: t - 10.0} and comm.restarts == [(2, lost[0].why)]
+    hello, during = roster.start([1, 3], {"step": 1}, lambda text: None)
+    assert sorted(hello) == [1, 3] and during == [] and [x.rank for x in roster.lost] == [2]
