@@ -176,3 +176,21 @@ def run_roles(tmp_path: Path, cfg: dict, trainer: list[str], rollout: list[str],
         for f in logs.values():
             f.close()
     return out
+
+
+def wait_rl_step(run: Path, phase: str, steps: range, what: str) -> int:
+    """The rl step (one of `steps`) whose rollout heartbeat now reads "step N of stage rl: <phase>..." (a regex):
+    "generating, 0/" as a step's work reaches the engines, "starting 2 engine\\(s\\), 0 ready" while they load."""
+    import re
+
+    deadline = time.monotonic() + 600
+    while True:
+        try:
+            doing = json.loads((run / "heartbeat" / "rollout.json").read_text()).get("doing", "")
+        except (FileNotFoundError, json.JSONDecodeError):
+            doing = ""
+        m = re.match(rf"step (\d+) of stage rl: {phase}", doing)
+        if m and int(m.group(1)) in steps:
+            return int(m.group(1))
+        assert time.monotonic() < deadline, f"no rl step was seen {what}\n" + _tail(run)
+        time.sleep(0.02)

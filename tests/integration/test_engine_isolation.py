@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from tests.helpers.launching import REPO, _tail, rstar, run_processes, status
+from tests.helpers.launching import REPO, _tail, rstar, run_processes, status, wait_rl_step
 from tests.helpers.procfs import environ
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.vllm,
@@ -40,6 +40,8 @@ RL_STEPS = 6
 LATE_S = 300.0   # the most a step met by a kill may end after it (the issue's bound on the run's delay)
 STALL_S = 15.0   # rollout.scheduler.engine_stall_s here
 LOAD_S = 90.0    # policy_load_timeout_s: an engine whose core stops between steps hangs in its next load
+GENERATING = "generating, 0/"                       # a step's work has just reached both engines
+STARTING = r"starting 2 engine\(s\), 0 ready"       # rank 0 STARTed the engines, none ready yet: they load
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +60,7 @@ def two_engine_config(tmp_path, model_dir) -> str:
     cfg["run"] = {"name": "engines", "root": str(tmp_path / "runs"), "seed": 0}
     cfg["model"] = {"path": str(model_dir)}
     cfg["rollout"]["engine"]["kv_cache_memory_mb"] = 64
-    cfg["rollout"]["scheduler"].update(journal_every_s=0.3,   # a step of seconds journals parts: "mid-step" is seen
+    cfg["rollout"]["scheduler"].update(journal_every_s=0.3,   # a step of seconds journals parts: a killed one keeps them
                                        heartbeat_s=0.5, engine_stall_s=STALL_S, policy_load_timeout_s=LOAD_S,
                                        engine_timeout_s=20)
     cfg["stages"] = [{"name": "sft", "kind": "sft", "num_steps": 2, "prompts_per_step": 8, "lr": 2.0e-3,
@@ -78,17 +80,6 @@ def _engine_pid(run, rank: int) -> int | None:
         return json.loads((run / "placement" / f"rollout-{rank}.json").read_text())["pid"]
     except (FileNotFoundError, json.JSONDecodeError, KeyError):
         return None
-
-
-def _mid_step(run, steps: range) -> int | None:
-    """An rl step whose journal holds finished trajectories and whose commit is not written yet."""
-    from rstar_hpc.exchange.rundir import RunPaths
-
-    for step in steps:
-        d = RunPaths(run).traj_step_dir("rl", step)
-        if any(d.glob("rollout-part-*.commit.json")) and not (d / "rollout.commit.json").exists():
-            return step
-    return None
 
 
 def _joined(run, rank: int) -> int:
@@ -150,50 +141,6 @@ def _rank_processes(run, rank: int) -> list[int]:
     return out
 
 
-def _wait_generating(run, steps: range) -> int:
-    """An rl step whose work rank 0 has just dispatched (its heartbeat's first line of the phase, written at once:
-    "generating, 0/32 trajectories done"): both engines hold requests then."""
-    import re
-
-    deadline = time.monotonic() + 600
-    while True:
-        try:
-            doing = json.loads((run / "heartbeat" / "rollout.json").read_text()).get("doing", "")
-        except (FileNotFoundError, json.JSONDecodeError):
-            doing = ""
-        m = re.match(r"step (\d+) of stage rl: generating, 0/", doing)
-        if m and int(m.group(1)) in steps:
-            return int(m.group(1))
-        assert time.monotonic() < deadline, "no rl step was seen generating\n" + _tail(run)
-        time.sleep(0.02)
-
-
-def _wait_mid_step(run, steps: range, what: str) -> int:
-    deadline = time.monotonic() + 600
-    while (step := _mid_step(run, steps)) is None:
-        assert time.monotonic() < deadline, f"no rl step was seen mid-step for {what}\n" + _tail(run)
-        time.sleep(0.05)
-    return step
-
-
-def _wait_starting(run, steps: range) -> int:
-    """An rl step whose engines rank 0 has just STARTed, none ready yet (its heartbeat while the engines load:
-    "starting 2 engine(s), 0 ready")."""
-    import re
-
-    deadline = time.monotonic() + 600
-    while True:
-        try:
-            doing = json.loads((run / "heartbeat" / "rollout.json").read_text()).get("doing", "")
-        except (FileNotFoundError, json.JSONDecodeError):
-            doing = ""
-        m = re.match(r"step (\d+) of stage rl: starting 2 engine\(s\), 0 ready", doing)
-        if m and int(m.group(1)) in steps:
-            return int(m.group(1))
-        assert time.monotonic() < deadline, "no rl step was seen starting its engines\n" + _tail(run)
-        time.sleep(0.02)
-
-
 def _committed_at(run, step: int) -> float:
     """When rl step `step`'s trajectories were committed (wall clock)."""
     from rstar_hpc.exchange.rundir import RunPaths
@@ -245,7 +192,7 @@ def test_a_hung_or_killed_engine_costs_only_its_work_and_comes_back(hosts_cluste
     run = tmp_path / "runs" / "engines"
     events = lambda kind: [e for e in read_events(RunPaths(run)) if e["kind"] == kind]   # noqa: E731
     # 0. engine rank 1's process killed while the stage's first step loads its policy; its keeper starts it again
-    load_step = _wait_starting(run, range(1))
+    load_step = wait_rl_step(run, STARTING, range(1), "starting its engines")
     first_rank1 = _engine_pid(run, 1)
     first_core1 = _engine_core(first_rank1)
     os.kill(first_rank1, signal.SIGKILL)
@@ -256,7 +203,7 @@ def test_a_hung_or_killed_engine_costs_only_its_work_and_comes_back(hosts_cluste
     # 1. engine rank 2's engine core stopped as a step's work reaches the engines, once rank 1 is back in the run
     while not events("engine_back"):
         time.sleep(0.2)
-    hung_step = _wait_generating(run, range(events("engine_back")[0]["step"], RL_STEPS - 3))
+    hung_step = wait_rl_step(run, GENERATING, range(events("engine_back")[0]["step"], RL_STEPS - 3), "generating")
     survivor, hung_rank = _engine_pid(run, 1), _engine_pid(run, 2)
     core = _engine_core(hung_rank)
     os.kill(core, signal.SIGSTOP)
@@ -276,7 +223,7 @@ def test_a_hung_or_killed_engine_costs_only_its_work_and_comes_back(hosts_cluste
     while not (back := [e for e in events("engine_back") if e["rank"] == 2]):
         assert time.monotonic() < deadline, "engine rank 2 did not take part again\n" + _tail(run)
         time.sleep(0.2)
-    task_step = _wait_starting(run, range(back[0]["step"], RL_STEPS))
+    task_step = wait_rl_step(run, STARTING, range(back[0]["step"], RL_STEPS), "starting its engines")
     rank1 = _engine_pid(run, 1)
     core1 = _engine_core(rank1)
     os.kill(_task_top(rank1), signal.SIGKILL)

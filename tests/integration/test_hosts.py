@@ -157,9 +157,7 @@ def test_a_rollout_node_cut_off_past_slurms_node_timeout_costs_a_requeue_not_the
     engine silent and requeues its work, and every process on the cut host runs on. Then the link comes back: the
     node's slurmd answers, its stale steps are killed, Slurm requeues the job onto the same three hosts, and the run
     resumes and ends with every rl step holding exactly its prompts, none twice, and no process left."""
-    import re
-
-    from tests.helpers.launching import _tail, rstar, run_processes, status
+    from tests.helpers.launching import _tail, rstar, run_processes, status, wait_rl_step
     from transformers import AutoTokenizer
 
     from rstar_hpc.config import load_config
@@ -175,16 +173,7 @@ def test_a_rollout_node_cut_off_past_slurms_node_timeout_costs_a_requeue_not_the
                            env=env).stdout.splitlines()[-1])["jobs"]["run"]
     run = tmp_path / "runs" / "cut"
     paths = RunPaths(run)
-    deadline = time.monotonic() + 600
-    while True:   # a step's work has just reached both engines
-        try:
-            doing = json.loads((run / "heartbeat" / "rollout.json").read_text()).get("doing", "")
-        except (FileNotFoundError, json.JSONDecodeError):
-            doing = ""
-        if (m := re.match(r"step (\d+) of stage rl: generating, 0/", doing)) and int(m.group(1)) < steps - 1:
-            break
-        assert time.monotonic() < deadline, "no rl step was seen generating\n" + _tail(run)
-        time.sleep(0.02)
+    wait_rl_step(run, "generating, 0/", range(steps - 1), "generating")   # its work has just reached both engines
     node = json.loads((run / "placement" / "rollout-2.json").read_text())["node"]
 
     def requeues() -> int:
