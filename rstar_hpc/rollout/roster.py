@@ -207,7 +207,7 @@ class EngineRoster:
         """Between steps: engines still loading an earlier step's policy (job.loading) past policy_load_timeout_s
         are hung; lost now (their keepers kill and restart them), so they are out of the next step."""
         now, bound, lost = time.monotonic(), self.sc.policy_load_timeout_s, []
-        for rank, since in [(r, t) for r, t in self.job.loading.items() if time.monotonic() - t > bound]:
+        for rank, since in [(r, t) for r, t in self.job.loading.items() if now - t > bound]:
             del self.job.loading[rank]
             self.engines[rank] = Engine(rank)   # starting: so the Lost says it never got ready
             lost.append(self.lose(rank, f"hung: still loading the policy {now - since:.0f}s after START "
