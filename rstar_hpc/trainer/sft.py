@@ -12,7 +12,7 @@ A stage of `kind: sft` with `data: train.jsonl` runs in the trainer role (`rstar
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -57,19 +57,39 @@ def tokenize_conversation(messages: list[dict], tokenizer) -> tuple[torch.Tensor
     return torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.bool)
 
 
-class SFTData:
-    """Tokenized samples served in seeded shuffled epochs; `state_dict()` is the cursor (epoch, position)."""
+class Tokenized(Sequence):
+    """Conversations as (input_ids, loss_mask) samples, each tokenized when first read: a stage draws a few
+    hundred samples of a file of tens of thousands, and tokenizing them all up front held every launched run's
+    trainer for ~50 s before its first step."""
 
-    def __init__(self, samples: list[tuple[torch.Tensor, torch.Tensor]], seed: int = 0, max_tokens: int | None = None):
-        if max_tokens is not None:
-            samples = [(i[:max_tokens], m[:max_tokens]) for i, m in samples]
-        self.samples, self.seed = samples, seed
+    def __init__(self, conversations: list[list[dict]], tokenizer):
+        self.conversations, self.tokenizer = conversations, tokenizer
+        self._done: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __len__(self) -> int:
+        return len(self.conversations)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if i not in self._done:
+            self._done[i] = tokenize_conversation(self.conversations[i], self.tokenizer)
+        return self._done[i]
+
+
+class SFTData:
+    """Samples served in seeded shuffled epochs, each cut to `max_tokens`; `state_dict()` is the cursor (epoch,
+    position)."""
+
+    def __init__(self, samples: Sequence[tuple[torch.Tensor, torch.Tensor]], seed: int = 0,
+                 max_tokens: int | None = None):
+        self.samples, self.seed, self.max_tokens = samples, seed, max_tokens
         self.epoch, self.pos = 0, 0
         self._order = self._shuffle()
 
     @classmethod
     def from_conversations(cls, conversations: list[list[dict]], tokenizer, **kwargs) -> SFTData:
-        return cls([tokenize_conversation(m, tokenizer) for m in conversations], **kwargs)
+        return cls(Tokenized(conversations, tokenizer), **kwargs)
 
     @classmethod
     def from_jsonl(cls, path: str | Path, tokenizer, **kwargs) -> SFTData:
@@ -86,7 +106,8 @@ class SFTData:
             if self.pos == len(self._order):
                 self.epoch, self.pos = self.epoch + 1, 0
                 self._order = self._shuffle()
-            out.append(self.samples[self._order[self.pos]])
+            ids, mask = self.samples[self._order[self.pos]]
+            out.append((ids[:self.max_tokens], mask[:self.max_tokens]) if self.max_tokens else (ids, mask))
             self.pos += 1
         return out
 
