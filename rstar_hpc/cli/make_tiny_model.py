@@ -1,4 +1,4 @@
-"""`rstar-hpc make-tiny-model OUT`: a random-init model (Qwen3, Qwen2 or Llama) + byte-level BPE tokenizer."""
+"""`rstar-hpc make-tiny-model OUT`: a random-init model (Qwen3, Qwen2, Llama or Qwen3 MoE) + byte-level BPE tokenizer."""
 from __future__ import annotations
 
 import json
@@ -20,7 +20,12 @@ from rstar_hpc.models.families import FAMILIES
 @click.option("--max-positions", "max_position_embeddings", default=4096, show_default=True)
 @click.option("--seed", default=0, show_default=True, help="Same seed, same files (byte for byte).")
 @click.option("--family", default="qwen3", show_default=True, type=click.Choice(list(FAMILIES)),
-              help="qwen2: QKV biases, tied embeddings; llama: Llama 3's RoPE scaling.")
+              help="qwen2: QKV biases, tied embeddings; llama: Llama 3's RoPE scaling; qwen3_moe: experts.")
+@click.option("--experts", "num_experts", default=4, show_default=True, help="qwen3_moe: experts per layer.")
+@click.option("--experts-per-token", "num_experts_per_tok", default=2, show_default=True,
+              help="qwen3_moe: experts each token is routed to (top-k).")
+@click.option("--expert-intermediate", "moe_intermediate_size", default=64, show_default=True,
+              help="qwen3_moe: one expert's MLP size.")
 @click.option("--force", is_flag=True, help="Replace OUT if it holds something else.")
 def command(out: str, force: bool, **spec_fields) -> None:
     """Build a tiny model of a family the trainer trains, in Hugging Face format that vLLM and the trainer load.

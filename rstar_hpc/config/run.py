@@ -50,6 +50,9 @@ class RunSection(Section):
         return self.root_dir / self.name
 
 
+MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "router_aux_loss_coef")
+
+
 class TinyModelSpec(Section):
     """A random-init model of a supported family with a byte-level BPE tokenizer (`rstar-hpc make-tiny-model`)."""
 
@@ -65,7 +68,12 @@ class TinyModelSpec(Section):
     max_position_embeddings: int = Field(4096, ge=128)
     seed: int = 0
     family: str = "qwen3"
-    """qwen3, qwen2 (QKV biases, tied embeddings as Qwen2.5 up to 3B) or llama (Llama 3's RoPE scaling)."""
+    """qwen3, qwen2 (QKV biases, tied embeddings as Qwen2.5 up to 3B), llama (Llama 3's RoPE scaling) or qwen3_moe
+    (experts in every layer: the four fields below)."""
+    num_experts: int = Field(4, ge=2)
+    num_experts_per_tok: int = Field(2, ge=1)
+    moe_intermediate_size: int = Field(64, ge=16)
+    router_aux_loss_coef: float = Field(0.001, ge=0)
 
     @field_validator("family")
     @classmethod
@@ -82,6 +90,8 @@ class TinyModelSpec(Section):
     def _gqa(self) -> "TinyModelSpec":
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds num_experts ({self.num_experts})")
         if self.family == "qwen2" and self.num_heads * self.head_dim != self.hidden_size:
             # vLLM's Qwen2 takes head_dim as hidden_size / num_heads, whatever config.json says
             raise ValueError(f"family qwen2: num_heads ({self.num_heads}) x head_dim ({self.head_dim}) must equal "
@@ -89,8 +99,10 @@ class TinyModelSpec(Section):
         return self
 
     def fingerprint(self) -> str:
-        # qwen3, the default, keeps the fingerprint it had before families: models built then stay valid
-        dump = self.model_dump_json(exclude={"family"} if self.family == "qwen3" else None)
+        # qwen3, the default, keeps the fingerprint it had before families, and the dense families theirs from
+        # before the MoE fields: models built then stay valid
+        exclude = set() if FAMILIES[self.family].moe else set(MOE_FIELDS)
+        dump = self.model_dump_json(exclude=exclude | ({"family"} if self.family == "qwen3" else set()))
         return hashlib.sha256(dump.encode()).hexdigest()[:10]
 
 

@@ -60,6 +60,10 @@ class TrainerConfig(Section):
     """Pipeline stages: consecutive layer blocks on different ranks, run by megatron-core's 1F1B schedule over a
     step's micro-batches (the loss and its token masks on the last stage). Must divide the layers. The data-
     parallel size is what is left: trainer ranks / (tensor_parallel_size x pipeline_parallel_size)."""
+    expert_parallel_size: int = Field(1, ge=1)
+    """Mixture-of-experts models (qwen3_moe): ranks that split each layer's experts among them, taken from the
+    data-parallel ranks (megatron's expert parallelism; tokens travel to their experts by all-to-all). Must divide the
+    experts and the data-parallel size. Runs on either backend (gloo has the all-to-all; trainer/model.py)."""
     heartbeat_s: float = Field(30.0, gt=0)
     """While a step trains, rank 0 writes the role's heartbeat this often if micro-batches moved since the last one
     (trainer/heartbeat.py): a step longer than launch.hang_timeout_s that makes progress is not taken for hung, one
@@ -97,7 +101,8 @@ class TrainerConfig(Section):
     """Megatron's sequence parallelism with tensor_parallel_size > 1: the norms and residuals of each layer work on
     1/tp of the micro-batch's tokens, and the tensor-parallel all-reduces become all-gathers and reduce-scatters
     (the same bytes), so the activations outside the matmuls take 1/tp of the memory. Packed micro-batches are
-    padded to a multiple of tp. null: on with tp > 1 on CUDA, off on the CPU."""
+    padded to a multiple of tp. null: on with tp > 1 on CUDA, off on the CPU, except for a mixture-of-experts model
+    (megatron's MoE layer trains with tp > 1 only with it: on on either backend, and false is refused)."""
     overlap_grad_reduce: bool | None = None
     """Reduce each gradient bucket over the data-parallel ranks as soon as the backward pass has filled it, under
     the rest of the backward pass (megatron's DistributedDataParallel). null: on with data-parallel ranks on CUDA.
@@ -198,8 +203,12 @@ def layout_problems(trainer: TrainerConfig, world_size: int, shape=None) -> list
     """What makes this layout impossible on `world_size` trainer ranks for a model of `shape` (a
     `models.shapes.ModelShape`, or None when unknown), each naming the key and the fix."""
     tp, pp, vpp = trainer.tensor_parallel_size, trainer.pipeline_parallel_size, trainer.virtual_pipeline_parallel_size
-    mp = tp * pp
+    mp, ep = tp * pp, trainer.expert_parallel_size
     out = []
+    if ep > 1 and world_size % mp == 0 and (world_size // mp) % ep:
+        out.append(f"trainer.expert_parallel_size={ep} does not divide the data-parallel size {world_size // mp} "
+                   f"(trainer ranks {world_size} / (tp {tp} x pp {pp})), from which its ranks are taken; pick a "
+                   f"divisor of it or change the number of trainer ranks")
     if world_size % mp:
         out.append(f"trainer ranks = launch.trainer.num_nodes x tasks_per_node = {world_size} is not a multiple of "
                    f"trainer.tensor_parallel_size ({tp}) x trainer.pipeline_parallel_size ({pp}) = {mp}; change the "
@@ -210,13 +219,19 @@ def layout_problems(trainer: TrainerConfig, world_size: int, shape=None) -> list
                    f"false or add trainer ranks (launch.trainer)")
     if shape is None:
         return out
+    if ep > 1 and not shape.is_moe:
+        out.append(f"trainer.expert_parallel_size={ep}: the model ({shape.family}) has no experts; set it to 1")
+    elif ep > 1 and shape.num_experts % ep:
+        out.append(f"trainer.expert_parallel_size={ep} does not divide the model's {shape.num_experts} experts; pick "
+                   f"a divisor of {shape.num_experts}")
     stages = pp * (vpp or 1)
     if shape.num_layers % stages:
         key = "pipeline_parallel_size x virtual_pipeline_parallel_size" if vpp else "pipeline_parallel_size"
         out.append(f"the model's {shape.num_layers} layers do not split evenly over trainer.{key} = {stages} "
                    f"stages; pick a divisor of {shape.num_layers}")
-    for name, n in (("attention heads", shape.num_heads), ("key/value heads", shape.num_kv_heads),
-                    ("intermediate_size", shape.intermediate_size)):
+    width = ("moe_intermediate_size", shape.moe_intermediate_size) if shape.is_moe else \
+        ("intermediate_size", shape.intermediate_size)
+    for name, n in (("attention heads", shape.num_heads), ("key/value heads", shape.num_kv_heads), width):
         if n % tp:
             out.append(f"the model's {name} ({n}) do not split over trainer.tensor_parallel_size={tp}; pick a "
                        f"divisor of {n}")

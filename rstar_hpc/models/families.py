@@ -4,7 +4,9 @@ No torch: config validation and the planner read it on login nodes, so an unsupp
 All are pre-norm RMSNorm decoders with a SwiGLU MLP, rotate-half RoPE and grouped-query attention; they differ in
   * qwen3 (Qwen3 dense): RMSNorm on each query and key head before RoPE (`qk_norm`), no biases;
   * qwen2 (Qwen2, Qwen2.5): biases on the query, key and value projections (`qkv_bias`), no QK norm;
-  * llama (Llama 3.x): no biases, no QK norm, and Llama 3's RoPE frequency scaling (`rope_type: llama3`).
+  * llama (Llama 3.x): no biases, no QK norm, and Llama 3's RoPE frequency scaling (`rope_type: llama3`);
+  * qwen3_moe (Qwen3 MoE, Qwen3-30B-A3B): Qwen3's attention, and in every layer a mixture of experts in place of
+    the MLP (a softmax top-k router, SwiGLU experts, no shared expert; megatron-core's MoE layer).
 Each family's tied embeddings and rope theta are the checkpoint's own (models/shapes.py reads them).
 """
 from __future__ import annotations
@@ -33,6 +35,7 @@ class Family:
     qkv_bias: bool
     qk_norm: bool
     rope_types: tuple[str, ...] = ("default",)
+    moe: bool = False
 
     def check(self, config: dict) -> None:
         """Refuse what the trainer cannot build of this family, naming it."""
@@ -50,6 +53,13 @@ class Family:
             raise ValueError(f"layer_types {windowed}: the trainer builds full-attention layers only")
         if config.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act={config['hidden_act']!r}: the trainer builds SwiGLU (silu) MLPs only")
+        if self.moe:   # dense layers among the sparse ones: Qwen3 MoE's published models have none
+            if config.get("mlp_only_layers") or config.get("decoder_sparse_step", 1) != 1:
+                raise ValueError(f"mlp_only_layers={config.get('mlp_only_layers')}, decoder_sparse_step="
+                                 f"{config.get('decoder_sparse_step')}: the trainer builds {self.description} "
+                                 f"with experts in every layer (mlp_only_layers [], decoder_sparse_step 1) only")
+            if config.get("shared_expert_intermediate_size"):
+                raise ValueError(f"shared_expert_intermediate_size: {self.description} has no shared expert")
 
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
@@ -57,6 +67,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("qwen2", "qwen2", "Qwen2ForCausalLM", "Qwen2 / Qwen2.5", qkv_bias=True, qk_norm=False),
     Family("llama", "llama", "LlamaForCausalLM", "Llama 3.x", qkv_bias=False, qk_norm=False,
            rope_types=("default", "llama3")),
+    Family("qwen3_moe", "qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3 MoE", qkv_bias=False, qk_norm=True, moe=True),
 )}
 
 

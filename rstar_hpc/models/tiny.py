@@ -4,8 +4,8 @@ in CI.
 `make_tiny_model(out_dir, spec)` trains a byte-level BPE tokenizer on a built-in corpus of the rStar2
 format (digits split one per token; ChatML markers as special tokens; the rStar2 tags as single,
 non-special tokens so decoding keeps them), attaches the rStar2 chat template, and writes a random-init model of
-`spec.family` with transformers' own class (`Qwen3ForCausalLM`, `Qwen2ForCausalLM` with tied embeddings, or
-`LlamaForCausalLM` with Llama 3's RoPE scaling) in Hugging Face format (float32 safetensors) that vLLM and the
+`spec.family` with transformers' own class (`Qwen3ForCausalLM`, `Qwen2ForCausalLM` with tied embeddings,
+`LlamaForCausalLM` with Llama 3's RoPE scaling, or `Qwen3MoeForCausalLM` with `spec.num_experts` experts) in Hugging Face format (float32 safetensors) that vLLM and the
 trainer load. The same spec gives byte-identical files; building takes a couple of seconds.
 """
 from __future__ import annotations
@@ -91,6 +91,12 @@ def _family_config(spec: TinyModelSpec) -> tuple[str, dict]:
                              rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                            "high_freq_factor": 4.0,
                                            "original_max_position_embeddings": spec.max_position_embeddings // 4})
+    if spec.family == "qwen3_moe":   # top-k weights renormalised, as Qwen3-30B-A3B
+        return "Qwen3Moe", dict(rms_norm_eps=1e-6, rope_theta=1_000_000.0, attention_bias=False,
+                                num_experts=spec.num_experts, num_experts_per_tok=spec.num_experts_per_tok,
+                                moe_intermediate_size=spec.moe_intermediate_size, norm_topk_prob=True,
+                                router_aux_loss_coef=spec.router_aux_loss_coef, decoder_sparse_step=1,
+                                mlp_only_layers=[])
     return "Qwen3", dict(rms_norm_eps=1e-6, rope_theta=1_000_000.0, attention_bias=False)
 
 

@@ -48,12 +48,13 @@ class Workload:
 
 def engine_constants(shape, n_params: int, rates: Rates, tp: int, memory_utilization: float,
                      max_num_seqs: int) -> Engine:
-    """The engine model's constants from the hardware and the model (rates.py explains each)."""
+    """The engine model's constants from the hardware and the model (rates.py explains each). A mixture of experts
+    holds and, at a batch's width, reads all its weights per decode step; its prefill computes the active ones."""
     weights = 2.0 * n_params                                                      # bf16
     kv_per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * 2   # K and V, bf16
     bw = tp * rates.hbm_tbs * 1e12 * rates.decode_efficiency
     c0 = weights / bw + (2 * shape.num_layers * ALLREDUCE_S if tp > 1 else 0.0)
-    prefill = 2.0 * n_params / (tp * rates.peak_tflops * 1e12 * rates.prefill_mfu)
+    prefill = 2.0 * shape.active_params / (tp * rates.peak_tflops * 1e12 * rates.prefill_mfu)
     free = tp * rates.memory_gb * 1e9 * memory_utilization - weights
     if free <= kv_per_token * 1024:
         raise ValueError(f"an engine of {tp} x {rates.memory_gb:g} GB at gpu_memory_utilization {memory_utilization} "

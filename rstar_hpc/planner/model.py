@@ -6,7 +6,8 @@ rollout.engine.tensor_parallel_size GPUs):
   generation_s  one engine's share of the step's prompts_per_step x samples_per_prompt trajectories
                 (generation.py; measured: its tokens / the run's decode tokens per second); tool calls included
   tool_s        what one trajectory waits on its tools (calls x latency): inside generation_s, not added
-  training_s    model FLOPs (trainer/plan.py's model_flops: forward + backward, plus the pi_old forward: 4 passes)
+  training_s    model FLOPs (trainer/plan.py's model_flops: forward + backward, plus the pi_old forward: 4 passes;
+                a mixture of experts' active parameters)
                 of prompts_per_step x G x kept_fraction trajectories of prompt + mean response tokens, / (trainer
                 GPUs x peak x MFU), or / the run's measured FLOP/s per trainer device
   sync_s        the bf16 policy (2 bytes per parameter) / sync_gbs
@@ -81,7 +82,8 @@ def trainer_fits(cfg, trainer_nodes: int, rates: Rates) -> bool:
     """The trainer layout at this node count divides its ranks and (on GPUs) fits their memory."""
     t = cfg.trainer
     ranks = trainer_nodes * cfg.launch.trainer.tasks_per_node
-    if ranks % (t.tensor_parallel_size * t.pipeline_parallel_size):
+    if ranks % (t.tensor_parallel_size * t.pipeline_parallel_size) or \
+            (ranks // (t.tensor_parallel_size * t.pipeline_parallel_size)) % t.expert_parallel_size:
         return False
     if not cfg.launch.trainer.gpus_per_node:
         return True
@@ -176,7 +178,8 @@ def make_run_plan(cfg, rates: Rates, *, nodes: int | None = None, stage: str | N
                         f"{cfg.trainer.tensor_parallel_size} x {cfg.trainer.pipeline_parallel_size}, "
                         f"{rates.memory_gb:g} GB GPUs); give more --nodes or check `rstar-hpc train CONFIG --plan`")
     at_config = plan_split(cfg, configured, rates, shape, n_params, stages)
-    out = {"config": cfg.run.name, "model": source, "parameters": n_params, "nodes": total,
+    out = {"config": cfg.run.name, "model": source, "parameters": n_params, "active_parameters": shape.active_params,
+           "nodes": total,
            "gpus_per_node": devices_per_node(cfg.launch.rollout), "rates": rates.to_dict(),
            "configured_split": at_config["split"], "at_configured_split": at_config}
     for mode in MODES:

@@ -11,7 +11,9 @@ def _pct(v: float) -> str:
 
 def format_run_plan(p: dict) -> str:
     r = p["rates"]
-    lines = [f"plan of {p['config']}: {p['model']}, {p['parameters'] / 1e9:.2f} B parameters",
+    active = p.get("active_parameters", p["parameters"])
+    lines = [f"plan of {p['config']}: {p['model']}, {p['parameters'] / 1e9:.2f} B parameters"
+             + (f" ({active / 1e9:.2f} B active)" if active != p["parameters"] else ""),
              f"rates: {r['source']}; {r['gpu']} ({r['peak_tflops']:g} TFLOPS, {r['hbm_tbs']:g} TB/s, "
              f"{r['memory_gb']:g} GB), MFU {r['mfu']:g}, sync {r['sync_gbs']:.3g} GB/s, checkpoint "
              f"{r['ckpt_gbs']:.3g} GB/s" + (f", decode {r['decode_tok_s']:.0f} tok/s per engine (measured)"

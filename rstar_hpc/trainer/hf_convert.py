@@ -1,6 +1,6 @@
-"""Hugging Face <-> megatron-core GPTModel weights of each family (Qwen3, Qwen2, Llama), exact both ways,
-tensor-parallel aware. The families share the names; Qwen3 adds the query and key head norms (`q_norm`, `k_norm`),
-Qwen2 the query, key and value biases.
+"""Hugging Face <-> megatron-core GPTModel weights of each family (Qwen3, Qwen2, Llama, Qwen3 MoE), exact both
+ways, tensor-parallel aware. The families share the names; Qwen3 adds the query and key head norms (`q_norm`,
+`k_norm`), Qwen2 the query, key and value biases, Qwen3 MoE experts in place of the MLP.
 
 Layout facts the mapping rests on (megatron-core 0.16):
   * `linear_qkv.weight` is fused and interleaved per query group: for each of the `num_kv_heads` groups,
@@ -15,6 +15,10 @@ Layout facts the mapping rests on (megatron-core 0.16):
     `linear_fc1.layer_norm_weight`); the local spec names them `input_layernorm` / `pre_mlp_layernorm`.
     Both are handled by looking at which names the model has.
   * Megatron's vocabulary is padded to a multiple of tp; the padding rows are zero and dropped on export.
+  * experts (megatron's `SequentialMLP`): HF `mlp.gate.weight` (the router, [experts, hidden]) is `mlp.router.weight`,
+    replicated; expert e's `mlp.experts.{e}.{gate,up,down}_proj.weight` are `mlp.experts.local_experts.{e}.linear_fc1`
+    ([gate; up], split as the dense one: expert tensor parallelism is tp) and `linear_fc2`. The pre-MLP norm stays
+    `pre_mlp_layernorm` in the Transformer Engine spec too (megatron fuses it into dense MLPs only).
   * pipeline parallelism gives each chunk a run of layers, numbered from 0 in the chunk (`decoder.layers.{i -
     offset}`); the embedding lives on the first stage, the final norm and output layer on the last. Loading maps
     only the chunk's layers; exporting writes each stage's tensors from that stage (its own safetensors files),
@@ -99,15 +103,32 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], arch: Arch, tp: int, tp_rank: in
         if arch.qk_norm:
             out[m + "self_attention.q_layernorm.weight"] = hf[h + "self_attn.q_norm.weight"]
             out[m + "self_attention.k_layernorm.weight"] = hf[h + "self_attn.k_norm.weight"]
-        out[m + "mlp.linear_fc1.weight"] = torch.cat([col(hf[h + "mlp.gate_proj.weight"]),
-                                                      col(hf[h + "mlp.up_proj.weight"])])
-        out[m + "mlp.linear_fc2.weight"] = row(hf[h + "mlp.down_proj.weight"])
+        if arch.is_moe:
+            out[m + "mlp.router.weight"] = hf[h + "mlp.gate.weight"]
+            for j, e in enumerate(_local_experts(arch, names, m)):   # megatron numbers a rank's experts from 0
+                x, fc = f"{h}mlp.experts.{e}.", f"{m}mlp.experts.local_experts.{j}.linear_fc"
+                out[fc + "1.weight"] = torch.cat([col(hf[x + "gate_proj.weight"]), col(hf[x + "up_proj.weight"])])
+                out[fc + "2.weight"] = row(hf[x + "down_proj.weight"])
+        else:
+            out[m + "mlp.linear_fc1.weight"] = torch.cat([col(hf[h + "mlp.gate_proj.weight"]),
+                                                          col(hf[h + "mlp.up_proj.weight"])])
+            out[m + "mlp.linear_fc2.weight"] = row(hf[h + "mlp.down_proj.weight"])
         te = m + "self_attention.linear_qkv.layer_norm_weight" in names
         out[m + ("self_attention.linear_qkv.layer_norm_weight" if te else "input_layernorm.weight")] = \
             hf[h + "input_layernorm.weight"]
-        out[m + ("mlp.linear_fc1.layer_norm_weight" if te else "pre_mlp_layernorm.weight")] = \
+        out[m + ("mlp.linear_fc1.layer_norm_weight" if te and not arch.is_moe else "pre_mlp_layernorm.weight")] = \
             hf[h + "post_attention_layernorm.weight"]
     return out
+
+
+def _local_experts(arch: Arch, names: set[str], m: str) -> range:
+    """The experts of layer prefix `m` a model with these parameter names holds: all of them (names from outside a
+    model), or, with expert parallelism, its rank's run of them."""
+    local = sum(1 for n in names if n.startswith(m + "mlp.experts.local_experts.") and n.endswith("linear_fc1.weight"))
+    if local in (0, arch.num_experts):
+        return range(arch.num_experts)
+    first = parallel_state.get_expert_model_parallel_rank() * local
+    return range(first, first + local)
 
 
 def megatron_to_hf(shards: list[dict[str, torch.Tensor]], arch: Arch,
@@ -142,15 +163,24 @@ def megatron_to_hf(shards: list[dict[str, torch.Tensor]], arch: Arch,
         if arch.qk_norm:
             hf[h + "self_attn.q_norm.weight"] = first[m + "self_attention.q_layernorm.weight"]
             hf[h + "self_attn.k_norm.weight"] = first[m + "self_attention.k_layernorm.weight"]
-        gates, ups = zip(*(s[m + "mlp.linear_fc1.weight"].chunk(2, dim=0) for s in shards))
-        hf[h + "mlp.gate_proj.weight"] = torch.cat(gates)
-        hf[h + "mlp.up_proj.weight"] = torch.cat(ups)
-        hf[h + "mlp.down_proj.weight"] = row(m + "mlp.linear_fc2.weight")
+        if arch.is_moe:
+            hf[h + "mlp.gate.weight"] = first[m + "mlp.router.weight"]
+            for e in range(arch.num_experts):
+                fc = f"{m}mlp.experts.local_experts.{e}.linear_fc"
+                gates, ups = zip(*(s[fc + "1.weight"].chunk(2, dim=0) for s in shards))
+                x = f"{h}mlp.experts.{e}."
+                hf[x + "gate_proj.weight"], hf[x + "up_proj.weight"] = torch.cat(gates), torch.cat(ups)
+                hf[x + "down_proj.weight"] = row(fc + "2.weight")
+        else:
+            gates, ups = zip(*(s[m + "mlp.linear_fc1.weight"].chunk(2, dim=0) for s in shards))
+            hf[h + "mlp.gate_proj.weight"] = torch.cat(gates)
+            hf[h + "mlp.up_proj.weight"] = torch.cat(ups)
+            hf[h + "mlp.down_proj.weight"] = row(m + "mlp.linear_fc2.weight")
         te = m + "self_attention.linear_qkv.layer_norm_weight" in first
         hf[h + "input_layernorm.weight"] = first[m + ("self_attention.linear_qkv.layer_norm_weight" if te
                                                       else "input_layernorm.weight")]
-        hf[h + "post_attention_layernorm.weight"] = first[m + ("mlp.linear_fc1.layer_norm_weight" if te
-                                                               else "pre_mlp_layernorm.weight")]
+        hf[h + "post_attention_layernorm.weight"] = first[m + ("mlp.linear_fc1.layer_norm_weight" if te and not
+                                                               arch.is_moe else "pre_mlp_layernorm.weight")]
     return {k: v.contiguous() for k, v in hf.items()}
 
 
@@ -237,10 +267,29 @@ def _grad(p: torch.nn.Parameter) -> torch.Tensor:
     return (torch.zeros_like(p) if g is None else g).detach()
 
 
+def _all_experts(mine: dict[str, torch.Tensor], arch: Arch) -> dict[str, torch.Tensor]:
+    """`mine` with every expert-parallel rank's experts, named by their global index (rank r's local expert j is
+    expert r * experts_per_rank + j); every expert-parallel rank must call it."""
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    if ep == 1:
+        return mine
+    group, per_rank, key = parallel_state.get_expert_model_parallel_group(), arch.num_experts // ep, \
+        ".mlp.experts.local_experts."
+    out = {k: v for k, v in mine.items() if key not in k}
+    for name in sorted(k for k in mine if key in k):   # same names, same order on every rank
+        parts = [torch.empty_like(mine[name]) for _ in range(ep)]
+        torch.distributed.all_gather(parts, mine[name].contiguous(), group=group)
+        head, rest = name.split(key)
+        local, tail = rest.split(".", 1)
+        out.update({f"{head}{key}{r * per_rank + int(local)}.{tail}": t for r, t in enumerate(parts)})
+    return out
+
+
 @torch.no_grad()
 def stage_hf_state(model: torch.nn.Module, grads: bool = False) -> dict[str, torch.Tensor] | None:
     """This pipeline stage's HF tensors (or, with `grads`, gradients in HF layout) on its tensor-parallel rank 0,
-    None on the other tp ranks; every tp rank must call it."""
+    None on the other tp ranks; every tp rank must call it, and with expert parallelism every expert-parallel rank
+    (the experts are gathered onto expert-parallel rank 0, which returns them)."""
     arch: Arch = model.arch  # type: ignore[attr-defined]
     tp = parallel_state.get_tensor_model_parallel_world_size()
     out: dict[str, torch.Tensor] = {}
@@ -250,6 +299,7 @@ def stage_hf_state(model: torch.nn.Module, grads: bool = False) -> dict[str, tor
         else:
             mine = {k: v.detach() for k, v in chunk.state_dict().items() if not k.endswith("_extra_state")
                     and isinstance(v, torch.Tensor)}
+        mine = _all_experts(mine, arch)
         shards: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
         for name in sorted(mine):  # same order on every rank
             parts = [mine[name]]
@@ -260,13 +310,15 @@ def stage_hf_state(model: torch.nn.Module, grads: bool = False) -> dict[str, tor
             for r in range(tp):  # a copy: the parameters and gradient buffers move on with training
                 shards[r][name] = parts[r].to("cpu", copy=True)
         out.update(megatron_to_hf(shards, arch, layers))
-    return out if parallel_state.get_tensor_model_parallel_rank() == 0 else None
+    first = parallel_state.get_tensor_model_parallel_rank() == 0 and parallel_state.get_expert_model_parallel_rank() == 0
+    return out if first else None
 
 
 @torch.no_grad()
 def gather_hf_state(model: torch.nn.Module, grads: bool = False) -> dict[str, torch.Tensor] | None:
     """Full HF tensors (or, with `grads`, the parameters' gradients in HF layout) on the first rank of the
-    model-parallel group (tp and pp rank 0), None elsewhere; every tp and pp rank must call it. Gathering a
+    model-parallel group (tp and pp rank 0), None elsewhere; every tp and pp rank must call it (and every
+    expert-parallel rank: `stage_hf_state`). Gathering a
     large model's stages onto one rank is for tests and small models; `export_hf_checkpoint` writes per stage."""
     mine = stage_hf_state(model, grads)
     if parallel_state.get_pipeline_model_parallel_world_size() == 1:

@@ -58,7 +58,8 @@ def run(cfg: RunConfig, stage_name: str, *, on_step: Callable[[int, dict], None]
     backend = tcfg.backend if tcfg.backend != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     starting(paths, stage.name, "torch.distributed and the model-parallel groups", _env_rank0())
     init_distributed(tp=tcfg.tensor_parallel_size, pp=tcfg.pipeline_parallel_size, backend=backend,
-                     seed=cfg.run.seed, vpp=tcfg.virtual_pipeline_parallel_size, timeout_s=tcfg.collective_timeout_s)
+                     seed=cfg.run.seed, vpp=tcfg.virtual_pipeline_parallel_size, timeout_s=tcfg.collective_timeout_s,
+                     ep=tcfg.expert_parallel_size)
     rank0 = torch.distributed.get_rank() == 0
     signal_save = SaveOnSignal()
     trainer = None

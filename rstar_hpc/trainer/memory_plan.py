@@ -5,7 +5,8 @@ Arithmetic from the config alone (no torch, no GPU): the model's shape (`models.
 pipeline stage (the first: it holds the most micro-batches in flight, and the embedding; the last stage's output
 layer and logits are counted on it too, as the worst case of either):
 
-  weights      parameters of the rank's shard x 2 (bf16) or 4 (fp32) bytes
+  weights      parameters of the rank's shard x 2 (bf16) or 4 (fp32) bytes; a mixture-of-experts model's experts
+               all count (split over tp x trainer.expert_parallel_size), its router replicated
   grads        megatron DDP's gradient buffer: 4 bytes with grad_reduce_in_fp32 or fp32, else 2
   optimizer    AdamW's two fp32 moments + fp32 main weights (bf16 only): 8 or 12 bytes/param, / dp when
                use_distributed_optimizer
@@ -15,7 +16,7 @@ layer and logits are counted on it too, as the worst case of either):
                (q, k, v, their norms' inputs, attention output, MLP: gate+up, SwiGLU out)], flash attention (no
                s^2 term). `selective` drops the recomputed modules' share (core_attn: none with flash attention;
                mlp: 3I/tp; layernorm: 2h), `full` keeps one block input per recompute_num_layers layers plus one
-               block's full activations.
+               block's full activations. With experts, the MLP's share is each token's top-k experts': 3kI_e/tp.
   logits       last stage, one chunk of trainer.logprob_chunk_tokens tokens (trainer/logprobs.py): [chunk, vocab/tp]
                in the params dtype + fp32 (softmax and gradient made in place) + the gradient in the params dtype
   overhead     4 GiB: CUDA context, NCCL buffers, allocator fragmentation (a rule of thumb, not a measurement)
@@ -55,6 +56,7 @@ class Plan:
     pp: int
     vpp: int | None
     dp: int
+    ep: int
     params_dtype: str
     distributed_optimizer: bool
     recompute: str
@@ -77,31 +79,30 @@ def model_flops(s: ModelShape, seqlens: list[int], passes: int = 3) -> tuple[flo
     """(model FLOPs of `passes` passes over samples of these lengths, N): 3 for a training step (forward and
     backward), 1 for a forward (the RL step's pi_old recompute). Per pass 2 * N * tokens + 2 * L * H * d * sum(s^2):
     N the matmul parameters (the tied embedding once, as the LM head), the second term causal attention (QK^T and AV,
-    half the square). Flash attention's recomputation in backward is not counted: model FLOPs, as MFU uses."""
+    half the square). Flash attention's recomputation in backward is not counted: model FLOPs, as MFU uses. A
+    mixture of experts counts the experts a token goes through (top-k) and the router: its active parameters."""
     h, d = s.hidden_size, s.head_dim
-    per_layer = h * d * (s.num_heads + 2 * s.num_kv_heads) + s.num_heads * d * h + 3 * h * s.intermediate_size
+    per_layer = h * d * (s.num_heads + 2 * s.num_kv_heads) + s.num_heads * d * h + s.active_mlp_params
     n = s.num_layers * per_layer + s.vocab_size * h
     attention = 2 * passes * s.num_layers * s.num_heads * d * sum(x * x for x in seqlens)
     return 2.0 * passes * n * sum(seqlens) + attention, n
 
 
-def _layer_params(s: ModelShape) -> int:
-    h, d = s.hidden_size, s.head_dim
-    return h * d * (s.num_heads + 2 * s.num_kv_heads) + s.num_heads * d * h + 3 * h * s.intermediate_size
-
-
-def params_per_rank(s: ModelShape, tp: int, pp: int) -> int:
-    """Parameters on one rank of the first (or last) stage: its layers' shard plus one vocabulary matrix."""
+def params_per_rank(s: ModelShape, tp: int, pp: int, ep: int = 1) -> int:
+    """Parameters on one rank of the first (or last) stage: its layers' shard plus one vocabulary matrix; with
+    experts, its 1/ep of them split over tp, and the router whole."""
     layers = s.num_layers // pp
     vocab = math.ceil(s.vocab_size / tp) * s.hidden_size
-    return layers * (_layer_params(s) + s.qkv_bias_params) // tp + layers * s.norm_params + vocab + \
-        (s.hidden_size if pp == 1 else 0)
+    sharded = s.attention_params + (s.expert_params // ep if s.is_moe else s.mlp_params)
+    router = s.mlp_params - s.expert_params if s.is_moe else 0
+    return layers * sharded // tp + layers * (s.norm_params + router) + vocab + (s.hidden_size if pp == 1 else 0)
 
 
 def activation_bytes_per_token_layer(s: ModelShape, tp: int, nbytes: int, recompute: str,
                                      modules: list[str]) -> float:
     """Saved activations of one layer per token (see the module docstring)."""
-    h, d, heads, kv, inter = s.hidden_size, s.head_dim, s.num_heads, s.num_kv_heads, s.intermediate_size
+    h, d, heads, kv = s.hidden_size, s.head_dim, s.num_heads, s.num_kv_heads
+    inter = s.num_experts_per_tok * s.moe_intermediate_size if s.is_moe else s.intermediate_size
     norms, mlp = 2 * 2 * h, 3 * inter / tp
     full = norms + (heads + 2 * kv) * d / tp + (heads + kv) * d / tp + heads * d / tp + mlp
     if recompute == "selective":
@@ -155,12 +156,13 @@ def make_plan(cfg, gpu_memory_gib: float | None = None) -> Plan:
     dp = world // (tp * pp)
     bf16 = t.params_dtype == "bfloat16"
     nbytes = 2 if bf16 else 4
-    n = params_per_rank(s, tp, pp)
+    n = params_per_rank(s, tp, pp, t.expert_parallel_size)
     opt_bytes = (12 if bf16 else 8) * n / (dp if t.use_distributed_optimizer else 1)
     logits = min(t.micro_batch_tokens, t.logprob_chunk_tokens) * math.ceil(s.vocab_size / tp) * (nbytes + 4 + nbytes)
     memory = {"weights": n * nbytes, "grads": n * (4 if (t.grad_reduce_in_fp32 or not bf16) else 2),
               "optimizer": opt_bytes, "activations": _activations(cfg, s, tp, pp, vpp, nbytes), "logits": logits}
-    return Plan(model=source, world_size=world, tp=tp, pp=pp, vpp=vpp, dp=dp, params_dtype=t.params_dtype,
+    return Plan(model=source, world_size=world, tp=tp, pp=pp, vpp=vpp, dp=dp, ep=t.expert_parallel_size,
+                params_dtype=t.params_dtype,
                 distributed_optimizer=t.use_distributed_optimizer, recompute=t.recompute,
                 micro_batch_tokens=t.micro_batch_tokens, params_per_rank=n,
                 memory_gib={**{k: round(v / GIB, 2) for k, v in memory.items()}, "overhead": OVERHEAD_GIB},
@@ -170,7 +172,7 @@ def make_plan(cfg, gpu_memory_gib: float | None = None) -> Plan:
 def format_plan(plan: Plan) -> str:
     """The plan as two small tables."""
     lay = (f"tp {plan.tp} x pp {plan.pp}{f' (x vpp {plan.vpp})' if plan.vpp else ''} x dp {plan.dp} = "
-           f"{plan.world_size} ranks")
+           f"{plan.world_size} ranks{f', experts over ep {plan.ep}' if plan.ep > 1 else ''}")
     optimizer = "distributed" if plan.distributed_optimizer else "plain"
     lines = [f"model: {plan.model}",
              (f"layout: {lay}; {plan.params_dtype}, {optimizer} optimizer, recompute {plan.recompute}, "

@@ -8,6 +8,13 @@ Two layer specs build the same parameters:
 Both take packed sequences (`PackedSeqParams`, THD layout, attention.py): one row of concatenated samples, RoPE
 restarting at every sample, attention block-diagonal and causal.
 
+A mixture-of-experts family (qwen3_moe) gets megatron-core's MoE layer in every layer's MLP: its top-k softmax
+router with the load-balancing loss (added to the training loss by megatron's `MoEAuxLossAutoScaler`, logged by
+step.py), its all-to-all token dispatcher, and its `SequentialMLP` experts (no grouped GEMM, which needs CUDA). In
+the local spec the router is `HostTopKRouter`, and without CUDA the dispatcher `HostAlltoAllTokenDispatcher`: they
+run where megatron's assume CUDA (its router moves its weight to the GPU, its dispatcher copies token counts on a
+CUDA stream).
+
 The output layer returns the last hidden states, not the logits (`logprobs.HiddenOutputLayer`): the trainer takes
 log-probabilities and the loss from them in chunks of tokens (trainer/logprobs.py), never the full-vocabulary
 logits; `forward_logits` computes those for evaluation and tests. Megatron pads the vocabulary to a multiple of the
@@ -26,6 +33,10 @@ import torch.nn.functional as F
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.moe import moe_utils
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
     TransformerBlock,
@@ -43,6 +54,9 @@ from rstar_hpc.trainer.parallel_dims import ParallelDims
 Backend = Literal["cpu", "cuda"]
 log = logging.getLogger(__name__)
 
+if not hasattr(moe_utils, "te_general_gemm"):   # megatron 0.16 leaves it undefined without Transformer Engine, and
+    moe_utils.te_general_gemm = None            # its router's gating then fails on a NameError; None: torch's mm
+
 
 @functools.cache
 def have_transformer_engine() -> bool:
@@ -56,22 +70,68 @@ def have_transformer_engine() -> bool:
     return True
 
 
-def layer_spec(backend: Backend, qk_layernorm: bool = True) -> ModuleSpec:
+def layer_spec(backend: Backend, qk_layernorm: bool = True, num_experts: int | None = None) -> ModuleSpec:
     """Transformer-layer spec: Transformer Engine on CUDA when installed, else local modules + SDPA attention;
-    `qk_layernorm`: RMSNorm on each query and key head (Qwen3's)."""
+    `qk_layernorm`: RMSNorm on each query and key head (Qwen3's); `num_experts`: megatron's MoE layer as the MLP."""
+    moe = {"num_experts": num_experts, "moe_grouped_gemm": False} if num_experts else {}
     if backend == "cuda" and have_transformer_engine():
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm, **moe)
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm", **moe)
     attention = spec.submodules.self_attention.submodules
     attention.core_attention = SDPACoreAttention
     spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = RMSNorm
     if qk_layernorm:
         attention.q_layernorm = attention.k_layernorm = RMSNorm
+    if num_experts:
+        spec.submodules.mlp.submodules.router = HostTopKRouter
     return spec
+
+
+class HostTopKRouter(TopKRouter):
+    """megatron's top-k router, its logits computed where its input is: megatron's `gating` moves the weight to
+    `torch.cuda.current_device()` first, which a CPU process does not have."""
+
+    def gating(self, input: torch.Tensor) -> torch.Tensor:
+        if input.is_cuda:
+            return super().gating(input)
+        dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(self.config.moe_router_dtype, input.dtype)
+        return moe_utils.router_gating_linear(input, self.weight, self.bias, dtype)
+
+
+class HostAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
+    """megatron's all-to-all dispatcher without CUDA: its token counts are host tensors already, so the copies it
+    makes on a CUDA side stream (and the wait for them) become conversions in place."""
+
+    def _maybe_dtoh_and_synchronize(self, point: str, tokens_per_expert: torch.Tensor | None = None):
+        if torch.cuda.is_available():
+            return super()._maybe_dtoh_and_synchronize(point, tokens_per_expert)
+        if not self.drop_and_pad and point == self.cuda_dtoh_point:   # as numpy, as megatron's copy leaves them
+            self.input_splits, self.output_splits, self.output_splits_tp = (
+                x.numpy() if torch.is_tensor(x) else x
+                for x in (self.input_splits, self.output_splits, self.output_splits_tp))
+        return tokens_per_expert
+
+
+def _host_dispatchers(build):
+    """Run `build` (a model's construction) so that its MoE layers' all-to-all dispatchers work without CUDA:
+    megatron's creates a CUDA stream, shared by all, when the first is built; on a process without CUDA a
+    placeholder stands in for it (never used: the dispatchers become `HostAlltoAllTokenDispatcher`)."""
+    if torch.cuda.is_available():
+        return build()
+    if MoEAlltoAllTokenDispatcher.cuda_dtoh_stream is None:
+        MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _NO_STREAM
+    model = build()
+    for m in model.modules():
+        if isinstance(m, MoELayer) and isinstance(m.token_dispatcher, MoEAlltoAllTokenDispatcher):
+            m.token_dispatcher.__class__ = HostAlltoAllTokenDispatcher
+    return model
+
+
+_NO_STREAM = object()
 
 
 class RMSNorm(torch.nn.RMSNorm):
@@ -112,7 +172,7 @@ class Recompute:
         return {}
 
 
-def transformer_config(arch: Arch, *, tp: int = 1, pp: int = 1, vpp: int | None = None,
+def transformer_config(arch: Arch, *, tp: int = 1, pp: int = 1, vpp: int | None = None, ep: int = 1,
                        backend: Backend = "cpu", params_dtype: torch.dtype = torch.float32,
                        recompute: Recompute = Recompute(), sequence_parallel: bool = False,
                        gradient_accumulation_fusion: bool = False) -> TransformerConfig:
@@ -136,6 +196,8 @@ def transformer_config(arch: Arch, *, tp: int = 1, pp: int = 1, vpp: int | None 
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp,
+        # the experts' parameters are then reduced over their own data-parallel group, not the whole one
+        expert_model_parallel_size=ep,
         pipeline_dtype=params_dtype,
         # packed micro-batches differ in length: stages exchange shapes before activations. Not with virtual
         # stages: with pp=2 the previous and the next stage are one rank, and megatron's shape exchange (one
@@ -143,7 +205,9 @@ def transformer_config(arch: Arch, *, tp: int = 1, pp: int = 1, vpp: int | None 
         # length (step.py). Its unbatched p2p keeps the directions on two groups: used on gloo, and for pp=2
         batch_p2p_comm=on_gpu and not (pp == 2 and vpp is not None),
         variable_seq_lengths=vpp is None,
-        moe_token_dispatcher_type="alltoall",  # dense model; megatron refuses variable lengths with 'allgather'
+        # megatron refuses variable lengths with 'allgather'
+        moe_token_dispatcher_type="alltoall",
+        **moe_config_fields(arch),
         # the loss function returns sums; finalize_model_grads divides by the step's trained tokens, all ranks
         calculate_per_token_loss=True,
         deallocate_pipeline_outputs=True,
@@ -163,6 +227,19 @@ def transformer_config(arch: Arch, *, tp: int = 1, pp: int = 1, vpp: int | None 
     )
 
 
+def moe_config_fields(arch: Arch) -> dict:
+    """megatron's MoE settings for a mixture-of-experts `arch` (none for a dense one). Hugging Face's router is a
+    softmax over all experts, then the top k, renormalised to sum to 1 with `norm_topk_prob`; megatron's softmax
+    over the top-k logits is that renormalised form, its softmax before the top k the other."""
+    if not arch.is_moe:
+        return {}
+    return {"num_moe_experts": arch.num_experts, "moe_ffn_hidden_size": arch.moe_intermediate_size,
+            "moe_router_topk": arch.num_experts_per_tok, "moe_router_score_function": "softmax",
+            "moe_router_pre_softmax": not arch.norm_topk_prob, "moe_router_dtype": "fp32",
+            "moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": arch.router_aux_loss_coef,
+            "moe_grouped_gemm": False, "moe_permute_fusion": False}
+
+
 def build_model(arch: Arch, *, backend: Backend = "cpu", params_dtype: torch.dtype = torch.float32,
                 seed: int = 0, vp_stage: int | None = None, recompute: Recompute = Recompute(),
                 sequence_parallel: bool = False, gradient_accumulation_fusion: bool = False,
@@ -176,16 +253,18 @@ def build_model(arch: Arch, *, backend: Backend = "cpu", params_dtype: torch.dty
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
-    ParallelDims(world_size=torch.distributed.get_world_size(), tp=tp, pp=pp, vpp=vpp).check_model(arch)
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    ParallelDims(world_size=torch.distributed.get_world_size(), tp=tp, pp=pp, vpp=vpp, ep=ep).check_model(arch)
     torch.manual_seed(seed)
     if backend == "cuda":  # weights are initialised on the GPU, from megatron's CUDA RNG tracker
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
-    config = transformer_config(arch, tp=tp, pp=pp, vpp=vpp, backend=backend, params_dtype=params_dtype,
+    config = transformer_config(arch, tp=tp, pp=pp, vpp=vpp, ep=ep, backend=backend, params_dtype=params_dtype,
                                 recompute=recompute, sequence_parallel=sequence_parallel,
                                 gradient_accumulation_fusion=gradient_accumulation_fusion)
-    model = GPTModel(
+    model = _host_dispatchers(lambda: GPTModel(
         config=config,
-        transformer_layer_spec=block_spec(layer_spec(backend, arch.qk_norm), config, vp_stage),
+        transformer_layer_spec=block_spec(layer_spec(backend, arch.qk_norm, arch.num_experts or None), config,
+                                          vp_stage),
         vocab_size=arch.padded_vocab_size(tp),
         max_sequence_length=arch.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
@@ -196,7 +275,7 @@ def build_model(arch: Arch, *, backend: Backend = "cpu", params_dtype: torch.dty
         rotary_base=arch.rope_theta,  # a float is fine and keeps theta exact
         rotary_percent=1.0,
         vp_stage=vp_stage,
-    )
+    ))
     if backend == "cpu":
         model.rotary_pos_emb = CPURotaryEmbedding(kv_channels=arch.head_dim, rotary_percent=1.0,
                                                   rotary_base=arch.rope_theta, use_cpu_initialization=True,

@@ -47,7 +47,7 @@ from rstar_hpc.trainer.parallel_dims import ParallelDims
 
 
 def init_distributed(tp: int = 1, pp: int = 1, backend: Backend = "cpu", seed: int = 0,
-                     vpp: int | None = None, timeout_s: float | None = None) -> ParallelDims:
+                     vpp: int | None = None, timeout_s: float | None = None, ep: int = 1) -> ParallelDims:
     """Join the process group (env:// from torchrun, or SLURM_* under srun) and build Megatron's groups.
 
     Idempotent within a process: a second call checks the degrees and returns. `timeout_s`: a collective that waits
@@ -80,21 +80,23 @@ def init_distributed(tp: int = 1, pp: int = 1, backend: Backend = "cpu", seed: i
         timeout = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s else {}
         torch.distributed.init_process_group("cpu:gloo,cuda:nccl" if backend == "cuda" else "gloo", rank=rank,
                                              world_size=world, **timeout)
-    dims = ParallelDims(world_size=torch.distributed.get_world_size(), tp=tp, pp=pp, vpp=vpp)
+    dims = ParallelDims(world_size=torch.distributed.get_world_size(), tp=tp, pp=pp, vpp=vpp, ep=ep)
     if parallel_state.model_parallel_is_initialized():
         have = (parallel_state.get_tensor_model_parallel_world_size(),
                 parallel_state.get_pipeline_model_parallel_world_size(),
-                parallel_state.get_virtual_pipeline_model_parallel_world_size())
-        if have != (tp, pp, vpp):
-            raise RuntimeError(f"model parallel groups already built with (tp, pp, vpp)={have}, asked for "
-                               f"{(tp, pp, vpp)}")
+                parallel_state.get_virtual_pipeline_model_parallel_world_size(),
+                parallel_state.get_expert_model_parallel_world_size())
+        if have != (tp, pp, vpp, ep):
+            raise RuntimeError(f"model parallel groups already built with (tp, pp, vpp, ep)={have}, asked for "
+                               f"{(tp, pp, vpp, ep)}")
         return dims
     # megatron gives its groups `timedelta(minutes=distributed_timeout_minutes)`: a fraction keeps the seconds exact
     # (no rounding to whole minutes). It builds one group without it (EXPERT_DATA_PARALLEL_GROUP_GLOO, 30 min), so
     # every group of this rank is set again after, as megatron's own update_pg_timeout does.
     minutes = {"distributed_timeout_minutes": timeout_s / 60} if timeout_s else {}
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                             virtual_pipeline_model_parallel_size=vpp, **minutes)
+                                             virtual_pipeline_model_parallel_size=vpp,
+                                             expert_model_parallel_size=ep, **minutes)
     if timeout_s:
         timeout = datetime.timedelta(seconds=timeout_s)
         for group in getattr(parallel_state, "_global_process_group_list", None) or []:
@@ -224,7 +226,7 @@ def build_policy(arch: Arch, trainer, backend: Backend, *, seed: int = 0) -> Pol
     """This rank's chunks for the `trainer` config section (degrees from the initialised process groups)."""
     vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
     recompute = Recompute(trainer.recompute, tuple(trainer.recompute_modules), trainer.recompute_num_layers)
-    knobs = cuda_knobs(trainer, backend)
+    knobs = cuda_knobs(trainer, backend, moe=arch.is_moe)
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=trainer.grad_reduce_in_fp32,
                                                use_distributed_optimizer=trainer.use_distributed_optimizer,
                                                overlap_grad_reduce=knobs["overlap_grad_reduce"])
@@ -247,10 +249,11 @@ def build_policy(arch: Arch, trainer, backend: Backend, *, seed: int = 0) -> Pol
     return Policy(chunks, arch, multiple)
 
 
-def cuda_knobs(trainer, backend: Backend) -> dict[str, bool]:
+def cuda_knobs(trainer, backend: Backend, moe: bool = False) -> dict[str, bool]:
     """`trainer.sequence_parallel`, `overlap_grad_reduce` and `gradient_accumulation_fusion`, their nulls
     resolved for this backend and layout (initialised process groups); fused accumulation asked for without Apex's
-    extension is an error naming it (sequence parallelism at tp 1 is refused by the config itself)."""
+    extension is an error naming it (sequence parallelism at tp 1 is refused by the config itself). A `moe` model
+    at tp > 1 trains with sequence parallelism on either backend: megatron's MoE layer refuses to train without."""
     cuda = backend == "cuda"
     tp = parallel_state.get_tensor_model_parallel_world_size()
     dp = parallel_state.get_data_parallel_world_size()
@@ -266,7 +269,10 @@ def cuda_knobs(trainer, backend: Backend) -> dict[str, bool]:
 
     def pick(value, default: bool) -> bool:
         return default if value is None else bool(value)
-    return {"sequence_parallel": pick(trainer.sequence_parallel, cuda and tp > 1),
+    if moe and tp > 1 and trainer.sequence_parallel is False:
+        raise ValueError("trainer.sequence_parallel=false with tensor_parallel_size > 1: megatron's MoE layer does "
+                         "not train without sequence parallelism; set it to null or true")
+    return {"sequence_parallel": pick(trainer.sequence_parallel, (cuda or moe) and tp > 1),
             "overlap_grad_reduce": pick(trainer.overlap_grad_reduce, cuda and dp > 1),
             "gradient_accumulation_fusion": pick(trainer.gradient_accumulation_fusion, fusable)}
 

@@ -12,12 +12,14 @@ from rstar_hpc.trainer.arch import Arch
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Parallel degrees of the trainer: world = tp * pp * dp (dp derived); vpp model chunks per pipeline rank."""
+    """Parallel degrees of the trainer: world = tp * pp * dp (dp derived); vpp model chunks per pipeline rank; ep
+    of the dp ranks split a mixture-of-experts layer's experts (expert tensor parallelism is tp)."""
 
     world_size: int
     tp: int = 1
     pp: int = 1
     vpp: int | None = None
+    ep: int = 1
 
     def __post_init__(self) -> None:
         if self.tp < 1 or self.pp < 1 or self.world_size % (self.tp * self.pp):
@@ -26,6 +28,8 @@ class ParallelDims:
                              f"or the number of trainer ranks")
         if self.vpp is not None and self.pp == 1:
             raise ValueError(f"virtual_pipeline_parallel_size={self.vpp} needs pipeline_parallel_size > 1")
+        if self.ep < 1 or self.dp % self.ep:
+            raise ValueError(f"expert_parallel_size={self.ep} does not divide the data-parallel size {self.dp}")
 
     @property
     def dp(self) -> int:
@@ -45,11 +49,14 @@ class ParallelDims:
 
     def check_model(self, arch: Arch) -> None:
         """Head counts must split evenly over tensor-parallel ranks, layers over pipeline stages."""
-        for name, n in (("num_attention_heads", arch.num_heads), ("num_key_value_heads", arch.num_kv_heads),
-                        ("intermediate_size", arch.intermediate_size)):
+        width = ("moe_intermediate_size", arch.moe_intermediate_size) if arch.is_moe else \
+            ("intermediate_size", arch.intermediate_size)
+        for name, n in (("num_attention_heads", arch.num_heads), ("num_key_value_heads", arch.num_kv_heads), width):
             if n % self.tp:
                 raise ValueError(f"{name}={n} is not divisible by tensor_parallel_size={self.tp}; "
                                  f"pick a tensor_parallel_size that divides it")
+        if self.ep > 1 and (not arch.is_moe or arch.num_experts % self.ep):
+            raise ValueError(f"expert_parallel_size={self.ep} does not divide the model's {arch.num_experts} experts")
         stages = self.pp * (self.vpp or 1)
         if arch.num_layers % stages:
             raise ValueError(f"num_hidden_layers={arch.num_layers} is not divisible by pipeline_parallel_size="

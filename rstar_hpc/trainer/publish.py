@@ -64,7 +64,9 @@ def publish_policy(model: torch.nn.Module, paths: RunPaths, *, source_dir: str |
         torch.distributed.broadcast_object_list(holder, src=0)
     version, tmp = int(holder[0]), Path(str(holder[1]))
     failed: StorageError | None = None
-    if parallel_state.get_data_parallel_rank() == 0:  # one replica is enough; its tp ranks gather to tp rank 0
+    # one replica is enough: its tp ranks gather to tp rank 0, and with expert parallelism the data-parallel ranks
+    # that hold its other experts join (a dense model's expert-data-parallel rank is its data-parallel rank)
+    if parallel_state.get_expert_data_parallel_rank() == 0:
         try:
             with dirs.guard(tmp, "policy"):
                 export_hf_checkpoint(model, tmp, source_dir=source_dir, max_shard_bytes=max_shard_bytes)

@@ -106,9 +106,10 @@ SLOW_ENV = "RSTAR_HPC_TEST_SLOW_MICRO_BATCH_S"   # test hook: seconds each micro
 
 
 def _schedule(policy: Policy, micro_batches: list[MicroBatch], loss_fn: LossFn | None, forward_only: bool,
-              temperature: float = 1.0) -> list:
+              temperature: float = 1.0) -> tuple[list, int]:
     """Run megatron's schedule over the micro-batches (moved to the model's device); what the last stage's loss
-    function returned, per micro-batch (empty elsewhere). Log-probabilities are taken at `temperature`."""
+    function returned, per micro-batch (empty elsewhere), and how many micro-batches ran (fillers included).
+    Log-probabilities are taken at `temperature`."""
     # padded on the host, then moved: to a multiple of length_multiple (a few shapes for the compiled kernels, and
     # rows that split over the tensor-parallel ranks with sequence parallelism)
     m = policy.length_multiple
@@ -137,7 +138,26 @@ def _schedule(policy: Policy, micro_batches: list[MicroBatch], loss_fn: LossFn |
         forward_step_func=forward_step, data_iterator=[iter(mbs) for _ in chunks] if len(chunks) > 1 else iter(mbs),
         model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=len(mbs),
         seq_length=max(mb.num_slots for mb in mbs), micro_batch_size=1, forward_only=forward_only,
-        collect_non_loss_data=forward_only)
+        collect_non_loss_data=forward_only), len(mbs)
+
+
+def _load_balancing_loss(policy: Policy, micro_batches: int) -> dict[str, float]:
+    """The MoE router's load-balancing loss of the step (without its coefficient), as megatron's
+    `track_moe_metrics` reports it: per layer and micro-batch, averaged over data-parallel ranks; its gradient is
+    in the step's already (megatron's `MoEAuxLossAutoScaler`). Every rank calls; empty for a dense model."""
+    from megatron.core.transformer.moe.moe_utils import (
+        clear_aux_losses_tracker,
+        get_moe_layer_wise_logging_tracker,
+        reduce_aux_losses_tracker_across_ranks,
+    )
+
+    tracker = get_moe_layer_wise_logging_tracker()
+    if not policy.arch.is_moe or "load_balancing_loss" not in tracker:
+        return {}
+    reduce_aux_losses_tracker_across_ranks(["load_balancing_loss"])
+    value = float(tracker["load_balancing_loss"]["values"].sum()) / (policy.arch.num_layers * micro_batches)
+    clear_aux_losses_tracker()
+    return {"train/moe_load_balancing_loss": value}
 
 
 def forward_backward(policy: Policy, micro_batches: list[MicroBatch], loss_fn: LossFn = sft_loss,
@@ -147,14 +167,18 @@ def forward_backward(policy: Policy, micro_batches: list[MicroBatch], loss_fn: L
     denom = dp_sum([float(sum(mb.num_trained for mb in micro_batches))])[0]
     with host_device.on_host():
         policy.zero_grad_buffers()
-        out = _schedule(policy, micro_batches, loss_fn, forward_only=False, temperature=temperature)
+        if policy.arch.is_moe:   # what a forward outside a step (a test's) may have left
+            from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+            clear_aux_losses_tracker()
+        out, ran = _schedule(policy, micro_batches, loss_fn, forward_only=False, temperature=temperature)
+        balance = _load_balancing_loss(policy, ran)
     sums: dict = {}
     for reduced in out:   # device tensors: read once, in from_last_stage
         for k, v in reduced.items():
             sums[k] = sums.get(k, 0.0) + v
     sums = from_last_stage(sums)
     d = max(denom, 1.0)
-    return {"loss": sums.pop("loss_sum") / d, "num_tokens": denom, **{k: v / d for k, v in sums.items()}}
+    return {"loss": sums.pop("loss_sum") / d, "num_tokens": denom, **{k: v / d for k, v in sums.items()}, **balance}
 
 
 @torch.no_grad()
@@ -164,7 +188,7 @@ def forward_logprobs(policy: Policy, micro_batches: list[MicroBatch], temperatur
     distribution at `temperature` (logits / temperature)."""
     policy.eval()
     with host_device.on_host():
-        out = _schedule(policy, micro_batches, None, forward_only=True, temperature=temperature)
+        out, _ = _schedule(policy, micro_batches, None, forward_only=True, temperature=temperature)
     policy.train()
     if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         return None

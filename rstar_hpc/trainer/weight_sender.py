@@ -141,7 +141,8 @@ def offer_policy(model: torch.nn.Module, server: WeightServer | None, *, version
     rank 0, whose `server` offers them as `version`."""
     from rstar_hpc.trainer.hf_convert import gather_hf_state
 
-    state = gather_hf_state(model) if parallel_state.get_data_parallel_rank() == 0 else None
+    # replica 0, and with expert parallelism the ranks that hold its other experts (publish.publish_policy)
+    state = gather_hf_state(model) if parallel_state.get_expert_data_parallel_rank() == 0 else None
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     if rank == 0:
         if server is None or state is None:

@@ -1,5 +1,5 @@
-"""One rank of the model-family test: `python family_worker.py HF_DIR OUT_DIR` with RANK/WORLD_SIZE/MASTER_PORT set
-(tensor parallel = WORLD_SIZE).
+"""One rank of the model-family test: `python family_worker.py HF_DIR OUT_DIR [EP]` with RANK/WORLD_SIZE/MASTER_PORT
+set (tensor parallel = WORLD_SIZE / EP; EP, default 1: expert-parallel ranks, taken from data-parallel ones).
 
 Loads HF_DIR into the trainer's policy, takes its full-vocabulary logits of `IDS`, trains one optimizer step,
 takes them again and exports the trained policy to OUT_DIR/export; rank 0 saves both logits to OUT_DIR/logits.pt.
@@ -25,9 +25,10 @@ def _full_logits(model, tokens: torch.Tensor) -> torch.Tensor:
     """Logits over the whole (unpadded) vocabulary: the tensor-parallel ranks' shards gathered."""
     from megatron.core import parallel_state
 
+    from rstar_hpc.trainer import host_device
     from rstar_hpc.trainer.model import forward_logits
 
-    with torch.no_grad():
+    with torch.no_grad(), host_device.on_host():   # sequence parallelism's collectives (MoE at tp 2) assume CUDA
         shard = forward_logits(model, tokens)
     group = parallel_state.get_tensor_model_parallel_group()
     parts = [torch.empty_like(shard) for _ in range(torch.distributed.get_world_size(group))]
@@ -49,13 +50,15 @@ def run(hf_dir: str, out_dir: str) -> dict:
     metrics = train_step(policy, make_optimizer(policy, lr=1e-2), None, fixed_batch(policy.arch.vocab_size))
     after = _full_logits(model.eval(), tokens)
     export_hf_checkpoint(policy, Path(out_dir) / "export", source_dir=hf_dir)
-    return {"before": before, "after": after, "loss": metrics["loss"]}
+    return {"before": before, "after": after, "loss": metrics["loss"],
+            "load_balancing_loss": metrics.get("train/moe_load_balancing_loss")}
 
 
 if __name__ == "__main__":
     from rstar_hpc.trainer.parallel import destroy_distributed, init_distributed
 
-    init_distributed(tp=int(os.environ["WORLD_SIZE"]))
+    ep = int(sys.argv[3]) if len(sys.argv) > 3 else 1
+    init_distributed(tp=int(os.environ["WORLD_SIZE"]) // ep, ep=ep)
     result = run(sys.argv[1], sys.argv[2])
     if int(os.environ["RANK"]) == 0:
         torch.save(result, Path(sys.argv[2]) / "logits.pt")

@@ -45,10 +45,10 @@ def tiny4_hf_dir(tmp_path_factory):
     return _perturbed_tiny_model(tmp_path_factory, num_layers=4)
 
 
-@pytest.fixture(scope="session", params=["qwen2", "llama"])
+@pytest.fixture(scope="session", params=["qwen2", "llama", "qwen3_moe"])
 def family_hf_dir(request, tmp_path_factory):
     """The tiny model of each family besides Qwen3 (qwen2: QKV biases, tied embeddings; llama: Llama 3's RoPE
-    scaling), perturbed."""
+    scaling; qwen3_moe: 4 experts, top 2, in every layer), perturbed."""
     return _perturbed_tiny_model(tmp_path_factory, family=request.param)
 
 

@@ -1,6 +1,6 @@
-"""Qwen2 and Llama 3 through the trainer as Qwen3 goes: Hugging Face logits == Megatron logits (fp32) at tensor
-parallel 1 and 2, conversion exact both ways, and load -> one optimizer step -> export giving an HF model of the
-family whose logits are the trained policy's."""
+"""Qwen2, Llama 3 and Qwen3 MoE through the trainer as Qwen3 goes: Hugging Face logits == Megatron logits (fp32) at
+tensor parallel 1 and 2, conversion exact both ways, and load -> one optimizer step -> export giving an HF model of
+the family whose logits are the trained policy's (Qwen3 MoE: its load-balancing loss trained and logged too)."""
 from __future__ import annotations
 
 import dataclasses
@@ -23,7 +23,7 @@ from rstar_hpc.trainer.model import build_model, forward_logits
 
 WORKER = Path(family_worker.__file__)
 TOL = {"rtol": 1e-5, "atol": 1e-5}
-HF_CLASS = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+HF_CLASS = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 def _hf(hf_dir) -> torch.nn.Module:
@@ -41,7 +41,8 @@ def test_the_families_are_what_they_say(family_hf_dir):
     hf = read_hf_weights(family_hf_dir)
     assert type(_hf(family_hf_dir)).__name__ == HF_CLASS[arch.family]
     assert ("model.layers.0.self_attn.q_proj.bias" in hf) == arch.qkv_bias == (arch.family == "qwen2")
-    assert not any("q_norm" in k for k in hf) and not arch.qk_norm
+    assert any("q_norm" in k for k in hf) == arch.qk_norm == arch.is_moe == (arch.family == "qwen3_moe")
+    assert sum(".mlp.experts." in k for k in hf) == 2 * 3 * arch.num_experts   # 4 experts: all converted
     assert arch.tie_word_embeddings == ("lm_head.weight" not in hf) == (arch.family == "qwen2")
     assert (arch.rope_scaling is not None) == (arch.family == "llama")
 
@@ -90,6 +91,13 @@ def test_tensor_parallel_shards_reassemble_with_the_biases_grouped(family_hf_dir
         assert torch.equal(fused[: per * hd], hf[p + "q_proj." + suffix][: per * hd])
         assert torch.equal(fused[per * hd: (per + 1) * hd], hf[p + "k_proj." + suffix][:hd])
         assert torch.equal(fused[(per + 1) * hd:], hf[p + "v_proj." + suffix][:hd])
+    if arch.is_moe:   # rank 1's expert 3: the second halves of its gate and up rows, then of its down columns
+        half, x = arch.moe_intermediate_size // 2, "model.layers.0.mlp.experts.3."
+        e = "decoder.layers.0.mlp.experts.local_experts.3."
+        assert torch.equal(shards[1][e + "linear_fc1.weight"], torch.cat([hf[x + "gate_proj.weight"][half:],
+                                                                          hf[x + "up_proj.weight"][half:]]))
+        assert torch.equal(shards[1][e + "linear_fc2.weight"], hf[x + "down_proj.weight"][:, half:])
+        assert torch.equal(shards[1]["decoder.layers.0.mlp.router.weight"], hf["model.layers.0.mlp.gate.weight"])
 
 
 def _check_run(result: dict, hf_dir: Path, export: Path) -> None:
@@ -104,6 +112,9 @@ def _check_run(result: dict, hf_dir: Path, export: Path) -> None:
     assert type(exported).__name__ == HF_CLASS[config["model_type"]]
     assert (config["model_type"], config["architectures"]) == (source["model_type"], source["architectures"])
     assert read_hf_weights(export).keys() == read_hf_weights(hf_dir).keys()
+    # the router's load-balancing loss: trained (megatron's aux loss) and logged; near 1 when balanced
+    assert (0.5 < result["load_balancing_loss"] < 4.0) if "qwen3_moe" == config["model_type"] else \
+        result["load_balancing_loss"] is None
 
 
 def test_load_train_export_at_tp1(dist1, family_hf_dir, tmp_path):
@@ -123,6 +134,19 @@ def _spawn(world: int, *argv: str) -> None:
 def test_load_train_export_at_tp2(family_hf_dir, tmp_path):
     _spawn(2, str(WORKER), str(family_hf_dir), str(tmp_path))
     _check_run(torch.load(tmp_path / "logits.pt"), family_hf_dir, tmp_path / "export")
+
+
+@pytest.mark.parametrize("family_hf_dir", ["qwen3_moe"], indirect=True)
+def test_two_expert_parallel_ranks_train_and_export_as_one(dist1, family_hf_dir, tmp_path):
+    """trainer.expert_parallel_size 2 on gloo (its all-to-all): each of 2 data-parallel ranks holds 2 of the 4 experts,
+    loaded from their HF tensors; both train the same batch, so the step is the single rank's (the experts' gradients
+    reduced over their own data-parallel group, not the whole one), and the export gathers every expert."""
+    one = family_worker.run(str(family_hf_dir), str(tmp_path / "one"))
+    _spawn(2, str(WORKER), str(family_hf_dir), str(tmp_path), "2")
+    got = torch.load(tmp_path / "logits.pt")
+    _check_run(got, family_hf_dir, tmp_path / "export")
+    assert (got["loss"], got["load_balancing_loss"]) == pytest.approx((one["loss"], one["load_balancing_loss"]))
+    torch.testing.assert_close(got["after"], one["after"], rtol=1e-4, atol=1e-4)   # Adam on another reduction order
 
 
 def test_two_pipeline_stages_train_and_export_as_one_rank(dist1, family4_hf_dir, tmp_path):
