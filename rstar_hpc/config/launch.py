@@ -28,9 +28,11 @@ class ContainerConfig(Section):
 class MPIConfig(Section):
     start: Literal["tasks", "none", "pmix", "pmi2"] = "tasks"
     """How the rollout's ranks are started. Every rank is an MPI process of its own, joined to rank 0 through Open
-    MPI's ompi-server (rollout/links.py), so an engine fails alone. tasks: one srun task per rank (`srun --mpi=none`),
-    across nodes; none: one task on the first rollout node starts every rank itself (one rollout node). pmix and
-    pmi2 are read as tasks (they named the srun MPI plugin of the one MPI world the ranks used to share)."""
+    MPI 4's ompi-server (rollout/links.py), so an engine fails alone; `launch` refuses Open MPI 5 and MPICH, whose
+    separately started ranks cannot join (docs/reliability.md, "Which MPI"). tasks: one srun task per rank
+    (`srun --mpi=none`), across nodes; none: one task on the first rollout node starts every rank itself (one
+    rollout node). pmix and pmi2 are read as tasks (they named the srun MPI plugin of the one MPI world the ranks
+    used to share)."""
     interfaces: list[str] = Field(default_factory=list)
     """The network interfaces the rollout's ranks (and the name server they join through) talk over: names (ib0,
     eth0) or subnets (10.10.0.0/16), given to Open MPI's TCP transport and its wire-up (btl_tcp_if_include,

