@@ -20,6 +20,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from rstar_hpc.config.stages import StageConfig
 from rstar_hpc.exchange.rundir import RunPaths
 from rstar_hpc.exchange.state import read_stage_state
 
@@ -85,30 +86,30 @@ def policy_need(cfg, stage: str, step: int) -> PolicyNeed:
     return starting_policy(cfg, stage)
 
 
-def rollout_steps(stage, num_prompts: int | None = None) -> int:
+def rollout_steps(stage_cfg: StageConfig, num_prompts: int | None = None) -> int:
     """Rollout steps of a stage: an rl stage's num_steps; a hard_subset or eval stage's prompts in chunks of
     prompts_per_step (`num_prompts` of them)."""
-    if stage.kind == "rl":
-        return stage.num_steps
-    return max(1, math.ceil((num_prompts or 0) / stage.prompts_per_step))
+    if stage_cfg.kind == "rl":
+        return stage_cfg.num_steps
+    return max(1, math.ceil((num_prompts or 0) / stage_cfg.prompts_per_step))
 
 
-def val_points(stage) -> list[int]:
+def val_points(stage_cfg: StageConfig) -> list[int]:
     """The steps at which an rl stage's policy is validated (stages[].val_every N): 0, N, 2N, ... and the stage's
     end, num_steps (its final policy). Point p scores the policy rollout step p runs; point num_steps the final."""
-    if stage.kind != "rl" or not stage.val_every:
+    if stage_cfg.kind != "rl" or not stage_cfg.val_every:
         return []
-    return sorted(set(range(0, stage.num_steps, stage.val_every)) | {stage.num_steps})
+    return sorted(set(range(0, stage_cfg.num_steps, stage_cfg.val_every)) | {stage_cfg.num_steps})
 
 
-def val_need(cfg, stage, point: int) -> PolicyNeed:
+def val_need(cfg, stage_cfg: StageConfig, point: int) -> PolicyNeed:
     """The policy validation point `point` scores: rollout step `point`'s (engines hold it already), or at the
     stage's end the final one."""
-    return PolicyNeed(stage.name, point) if point >= stage.num_steps else policy_need(cfg, stage.name, point)
+    return PolicyNeed(stage_cfg.name, point) if point >= stage_cfg.num_steps else policy_need(cfg, stage_cfg.name, point)
 
 
-def val_done(paths: RunPaths, stage, point: int) -> bool:
-    return paths.val_results(stage.name, point).exists()
+def val_done(paths: RunPaths, stage_cfg: StageConfig, point: int) -> bool:
+    return paths.val_results(stage_cfg.name, point).exists()
 
 
 def stage_done(paths: RunPaths, stage: str) -> bool:
@@ -164,28 +165,28 @@ def taken_back(cfg, paths: RunPaths, need: PolicyNeed) -> list[int]:
             if not ShardWriter.is_committed(paths, need.stage, s, PRODUCER)]
 
 
-def stage_prompts(cfg, stage) -> list[dict]:
+def stage_prompts(cfg, stage_cfg: StageConfig) -> list[dict]:
     """All prompts a rollout stage draws from (rl: its data; hard_subset: the source; eval: every benchmark's),
     system turns kept where the stage's `keep_system` says so."""
     from rstar_hpc.data.sets import load_prompt_file, load_prompts
 
-    limit, keep = stage.max_prompts, stage.keep_system
-    if stage.kind == "eval":
+    limit, keep = stage_cfg.max_prompts, stage_cfg.keep_system
+    if stage_cfg.kind == "eval":
         out = []
-        for name, data in stage.benchmark_files().items():
+        for name, data in stage_cfg.benchmark_files().items():
             out += [dict(p, uid=f"{name}/{p['uid']}")
                     for p in load_prompt_file(data, cfg.run.seed, keep_system=keep)[:limit]]
         return out
-    if stage.kind == "hard_subset":
-        return load_prompt_file(stage.data, cfg.run.seed, keep_system=keep)[:limit]
-    return load_prompts(stage, seed=cfg.run.seed, run_dir=cfg.run.dir)[:limit]
+    if stage_cfg.kind == "hard_subset":
+        return load_prompt_file(stage_cfg.data, cfg.run.seed, keep_system=keep)[:limit]
+    return load_prompts(stage_cfg, seed=cfg.run.seed, run_dir=cfg.run.dir)[:limit]
 
 
-def sample_count(cfg, stage) -> int:
+def sample_count(cfg, stage_cfg: StageConfig) -> int:
     """Rollouts per prompt: rl the algorithm's group size (2G, or G in grpo mode), hard_subset its num_samples,
     eval its num_samples or eval.k."""
-    if stage.kind == "rl":
+    if stage_cfg.kind == "rl":
         return cfg.algo.samples_per_prompt
-    if stage.kind == "hard_subset":
-        return stage.num_samples
-    return stage.num_samples or cfg.eval.k
+    if stage_cfg.kind == "hard_subset":
+        return stage_cfg.num_samples
+    return stage_cfg.num_samples or cfg.eval.k

@@ -26,7 +26,7 @@ from rstar_hpc.config.loader import DEFAULT_CONFIG
 @click.option("--sandbox", multiple=True, help="HOST:PORT of a sandbox service [the run directory's].")
 @click.option("--progress", is_flag=True, help="Progress bar on rank 0 [on when this command starts every rank].")
 @click.argument("overrides", nargs=-1)
-def command(config, steps, stage, engines, sandbox, progress, overrides) -> None:
+def command(config, steps, stage: str | None, engines, sandbox, progress, overrides) -> None:
     """The rollout role: generate trajectories and commit them to the run directory.
 
     Without --stage it follows the run: every rl, hard_subset and eval stage in order, each step waiting for the

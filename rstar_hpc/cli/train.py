@@ -9,6 +9,7 @@ import time
 import click
 
 from rstar_hpc.config.loader import DEFAULT_CONFIG
+from rstar_hpc.config.stages import StageConfig
 
 
 @click.command("train")
@@ -58,7 +59,7 @@ def command(config: str, overrides: tuple[str, ...], stage_name: str | None, fol
     _train_here(cfg, stage, follow)
 
 
-def _train_here(cfg, stage, follow: bool) -> None:
+def _train_here(cfg, stage_cfg: StageConfig, follow: bool) -> None:
     """This process is a trainer rank (alone: a world of one): train `stage`, then with `follow` each one after."""
     import warnings
 
@@ -77,13 +78,13 @@ def _train_here(cfg, stage, follow: bool) -> None:
     from rstar_hpc.trainer.heartbeat import starting
 
     # the launcher's hang watch counts from here: say what the first silent seconds are
-    starting(RunPaths(cfg.run.dir), stage.name, "importing torch and megatron-core", rank == 0)
+    starting(RunPaths(cfg.run.dir), stage_cfg.name, "importing torch and megatron-core", rank == 0)
     from rstar_hpc.trainer.job import EXIT_REQUEUE, run
 
     code = 0
-    while stage is not None:
+    while stage_cfg is not None:
         # the bar only on an interactive terminal of rank 0; batch logs get the fixed-field step lines
-        bar = tqdm(total=stage.num_steps, desc=f"train {stage.name}", unit="step",
+        bar = tqdm(total=stage_cfg.num_steps, desc=f"train {stage_cfg.name}", unit="step",
                    disable=None if rank == 0 else True)
 
         def on_step(step: int, metrics: dict, bar=bar) -> None:
@@ -92,11 +93,11 @@ def _train_here(cfg, stage, follow: bool) -> None:
             bar.refresh()
 
         try:
-            code = run(cfg, stage.name, on_step=on_step, keep_world=True)
+            code = run(cfg, stage_cfg.name, on_step=on_step, keep_world=True)
         finally:
             bar.close()
-        ran = stage.name   # for the requeue note below: `stage` is None after the loop
-        stage = _pick_stage(cfg, None, none_left_ok=True) if follow and code == 0 else None
+        ran = stage_cfg.name   # for the requeue note below: `stage` is None after the loop
+        stage_cfg = _pick_stage(cfg, None, none_left_ok=True) if follow and code == 0 else None
     from rstar_hpc.trainer.parallel import destroy_distributed
     destroy_distributed()
     if code == EXIT_REQUEUE:
@@ -159,7 +160,7 @@ def submit_options(cfg, stage_name: str, env=None) -> tuple[list[str], dict[str,
     return sbatch_args, env
 
 
-def _submit_and_follow(cfg, config: str, overrides: tuple[str, ...], stage) -> None:
+def _submit_and_follow(cfg, config: str, overrides: tuple[str, ...], stage_cfg: StageConfig) -> None:
     from tqdm import tqdm
 
     from rstar_hpc.exchange.rundir import RunPaths
@@ -167,17 +168,17 @@ def _submit_and_follow(cfg, config: str, overrides: tuple[str, ...], stage) -> N
 
     res, paths = cfg.launch.trainer, RunPaths(cfg.run.dir)
     paths.create()
-    sbatch_args, env = submit_options(cfg, stage.name)
-    job = submit("trainer", [config, *overrides, "--stage", stage.name], sbatch_args=sbatch_args, env=env)
-    click.echo(f"submitted job {job}: stage {stage.name}; log {paths.logs}/trainer-{stage.name}-{job}.out")
+    sbatch_args, env = submit_options(cfg, stage_cfg.name)
+    job = submit("trainer", [config, *overrides, "--stage", stage_cfg.name], sbatch_args=sbatch_args, env=env)
+    click.echo(f"submitted job {job}: stage {stage_cfg.name}; log {paths.logs}/trainer-{stage_cfg.name}-{job}.out")
     metrics = paths.metrics("trainer")
-    bar = tqdm(total=stage.num_steps, desc=f"job {job} {stage.name}", unit="step")
+    bar = tqdm(total=stage_cfg.num_steps, desc=f"job {job} {stage_cfg.name}", unit="step")
 
     def poll(fields: dict) -> None:
         bar.set_postfix(state=fields.get("JobState", "?"), refresh=False)
         for line in metrics.read_text().splitlines()[-20:] if metrics.exists() else []:
             row = json.loads(line)
-            if row.get("stage") == stage.name:
+            if row.get("stage") == stage_cfg.name:
                 bar.n = max(bar.n, row["step"])
         bar.refresh()
         time.sleep(1.5)
@@ -186,4 +187,4 @@ def _submit_and_follow(cfg, config: str, overrides: tuple[str, ...], stage) -> N
         wait_for_job(job, timeout_s=res.time_min * 60 * (cfg.launch.max_restarts + 1) + 600, on_poll=poll)
     finally:
         bar.close()
-    click.echo(f"job {job} completed; stage {stage.name} at step {bar.n}/{stage.num_steps}")
+    click.echo(f"job {job} completed; stage {stage_cfg.name} at step {bar.n}/{stage_cfg.num_steps}")

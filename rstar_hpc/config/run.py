@@ -226,25 +226,25 @@ class RunConfig(Section):
             raise ValueError("\n".join(problems))
         return self
 
-    def response_budget(self, stage: StageConfig) -> int:
+    def response_budget(self, stage_cfg: StageConfig) -> int:
         """Response tokens (tool outputs included) one trajectory of a rollout stage may hold."""
-        default = self.eval.max_response_length if stage.kind == "eval" else self.rollout.agent.max_response_length
-        return stage.max_response_length or default
+        default = self.eval.max_response_length if stage_cfg.kind == "eval" else self.rollout.agent.max_response_length
+        return stage_cfg.max_response_length or default
 
-    def stage_limits(self, stage: StageConfig) -> StageLimits:
+    def stage_limits(self, stage_cfg: StageConfig) -> StageLimits:
         """The limits a rollout stage's trajectories run with: response_budget (the one rule validation checks
         against the engine context), the stage's turns, and for an eval stage the eval protocol's sampling."""
-        budget = self.response_budget(stage)
-        if stage.kind == "eval":
+        budget = self.response_budget(stage_cfg)
+        if stage_cfg.kind == "eval":
             protocol = self.eval
-            return StageLimits(budget, stage.max_turns or protocol.max_turns,
-                               protocol.temperature if stage.temperature is None else stage.temperature,
-                               protocol.top_p if stage.top_p is None else stage.top_p)
-        return StageLimits(budget, stage.max_turns or self.rollout.agent.max_turns)
+            return StageLimits(budget, stage_cfg.max_turns or protocol.max_turns,
+                               protocol.temperature if stage_cfg.temperature is None else stage_cfg.temperature,
+                               protocol.top_p if stage_cfg.top_p is None else stage_cfg.top_p)
+        return StageLimits(budget, stage_cfg.max_turns or self.rollout.agent.max_turns)
 
-    def engine_context(self, stage: StageConfig) -> int:
+    def engine_context(self, stage_cfg: StageConfig) -> int:
         """The engine context (vLLM max_model_len) a rollout stage runs with."""
-        return stage.max_model_len or self.rollout.engine.max_model_len
+        return stage_cfg.max_model_len or self.rollout.engine.max_model_len
 
     def _check_context(self, s: StageConfig) -> None:
         if s.kind == "sft":

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from rstar_hpc.config.stages import StageConfig
 from rstar_hpc.data.chats import CHAT_ROLES, ChatSet, read_chat_file
 from rstar_hpc.data.files import DataFileMissing, DatasetError, read_rows
 from rstar_hpc.data.prompts import ANSWER_KEYS, QUESTION_KEYS, PromptSet, read_prompt_file
@@ -58,25 +59,25 @@ def _demo_set(data: str, seed: int) -> list[dict]:
                        f"{DEMO_PROMPTS} demo prompts), or '{DEMO_NOISY}'")
 
 
-def load_prompts(stage, seed: int = 0, run_dir=None) -> list[dict]:
+def load_prompts(stage_cfg: StageConfig, seed: int = 0, run_dir=None) -> list[dict]:
     """The prompts of an rl or hard_subset stage as [{"uid", "question", "answer"}] (+ "system" where the stage's
     `keep_system` keeps a prompt's system turn), in file order; `run_dir` resolves `data: "@<stage>"` (the subset an
     earlier hard_subset stage wrote there)."""
-    if stage.data is None:
-        raise DatasetError(f"stage {stage.name!r} ({stage.kind}) has no data; set stages[].data to a JSONL or "
+    if stage_cfg.data is None:
+        raise DatasetError(f"stage {stage_cfg.name!r} ({stage_cfg.kind}) has no data; set stages[].data to a JSONL or "
                            f"Parquet file of prompts with answers, or to '{DEMO}' for the built-in demo set")
-    data = stage.data
+    data = stage_cfg.data
     if data.startswith("@"):
         from rstar_hpc.exchange.rundir import RunPaths
         if run_dir is None:
-            raise DatasetError(f"stage {stage.name!r}: data {data!r} is an earlier stage's output; it needs the "
+            raise DatasetError(f"stage {stage_cfg.name!r}: data {data!r} is an earlier stage's output; it needs the "
                                f"run directory")
         path = RunPaths(run_dir).stage_data(data[1:])
         if not path.is_file():
-            raise DatasetError(f"stage {stage.name!r}: {path} does not exist yet; stage {data[1:]!r} (hard_subset) "
+            raise DatasetError(f"stage {stage_cfg.name!r}: {path} does not exist yet; stage {data[1:]!r} (hard_subset) "
                                f"writes it, and must be done before this stage starts")
         data = str(path)
-    return load_prompt_file(data, seed, keep_system=stage.keep_system)
+    return load_prompt_file(data, seed, keep_system=stage_cfg.keep_system)
 
 
 def load_prompt_file(data: str, seed: int = 0, *, keep_system: bool = False) -> list[dict]:
@@ -87,17 +88,17 @@ def load_prompt_file(data: str, seed: int = 0, *, keep_system: bool = False) -> 
     return read_prompt_file(data, keep_system=keep_system, missing_hint=PROMPT_HINT).rows
 
 
-def load_sft_conversations(stage, seed: int = 0, system_prompt: str | None = None) -> list[list[dict]]:
+def load_sft_conversations(stage_cfg: StageConfig, seed: int = 0, system_prompt: str | None = None) -> list[list[dict]]:
     """The chat samples of an sft stage (lists of {"role", "content"} messages). The built-in demo traces carry
     `system_prompt` (rollout.agent.system_prompt; None: rStar2's), so they match what the rollouts show."""
-    if stage.data is None:
-        raise DatasetError(f"stage {stage.name!r} (sft) has no data; set stages[].data to a chat JSONL file "
+    if stage_cfg.data is None:
+        raise DatasetError(f"stage {stage_cfg.name!r} (sft) has no data; set stages[].data to a chat JSONL file "
                            f"({{\"messages\": [...]}} per line), or to '{DEMO}' for the built-in demo set")
-    if stage.data in (DEMO, DEMO_NOISY):
+    if stage_cfg.data in (DEMO, DEMO_NOISY):
         from rstar_hpc.data.demo_task import sft_samples
-        chats = sft_samples(DEMO_SFT_SAMPLES, seed, system=system_prompt, noisy=stage.data == DEMO_NOISY)
+        chats = sft_samples(DEMO_SFT_SAMPLES, seed, system=system_prompt, noisy=stage_cfg.data == DEMO_NOISY)
         return [s["messages"] for s in chats]
-    return load_chat_jsonl(stage.data)
+    return load_chat_jsonl(stage_cfg.data)
 
 
 def load_chat_jsonl(path: str | Path) -> list[list[dict]]:

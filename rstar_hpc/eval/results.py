@@ -31,6 +31,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 
 from rstar_hpc import pipeline
+from rstar_hpc.config.stages import StageConfig
 from rstar_hpc.eval.metrics import benchmark_metrics
 from rstar_hpc.exchange.atomic import atomic_write_json, atomic_write_text
 from rstar_hpc.exchange.columns import from_table
@@ -64,12 +65,12 @@ def policy_label(cfg, need: pipeline.PolicyNeed) -> str:
     return "base" if need.stage is None else cfg.stage(need.stage).kind
 
 
-def write_eval_results(cfg, paths: RunPaths, stage, num_steps: int) -> dict:
-    rows, versions = collect(paths, stage.name, num_steps)
-    need = pipeline.starting_policy(cfg, stage.name)
-    limits = cfg.stage_limits(stage)
+def write_eval_results(cfg, paths: RunPaths, stage_cfg: StageConfig, num_steps: int) -> dict:
+    rows, versions = collect(paths, stage_cfg.name, num_steps)
+    need = pipeline.starting_policy(cfg, stage_cfg.name)
+    limits = cfg.stage_limits(stage_cfg)
     results = {
-        "stage": stage.name, "k": pipeline.sample_count(cfg, stage),
+        "stage": stage_cfg.name, "k": pipeline.sample_count(cfg, stage_cfg),
         "protocol": {"temperature": limits.temperature, "top_p": limits.top_p, "max_turns": limits.max_turns,
                      "max_response_length": limits.max_response_length},
         "policy": {"version": max(versions) if need.stage is not None and versions else None, "stage": need.stage,
@@ -77,13 +78,13 @@ def write_eval_results(cfg, paths: RunPaths, stage, num_steps: int) -> dict:
                    "label": policy_label(cfg, need), "model": str(cfg.model_dir())},
         "benchmarks": {name: benchmark_metrics(r) for name, r in sorted(rows.items())},
     }
-    folder = paths.eval_dir(stage.name)
+    folder = paths.eval_dir(stage_cfg.name)
     folder.mkdir(parents=True, exist_ok=True)
     atomic_write_json(folder / "results.json", results)
     atomic_write_text(folder / "results.md", markdown(results))
     sink = metrics_sink(paths, "eval")   # metrics/eval.jsonl, and tb/<stage>/ at the policy's trainer step
     for name, m in results["benchmarks"].items():
-        sink.write({"stage": stage.name, "benchmark": name, "policy_version": results["policy"]["version"],
+        sink.write({"stage": stage_cfg.name, "benchmark": name, "policy_version": results["policy"]["version"],
                     "policy_stage": need.stage, "trainer_step": results["policy"]["trainer_step"],
                     "label": results["policy"]["label"], **{k: v for k, v in m.items() if not isinstance(v, dict)}},
                    step=results["policy"]["trainer_step"] or 0, group=name)

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from rstar_hpc import pipeline
+from rstar_hpc.config.stages import StageConfig
 from rstar_hpc.exchange.rundir import RunPaths
 from rstar_hpc.exchange.state import read_heartbeat, read_stage_state
 from rstar_hpc.launch.placement import het_groups, plan
@@ -83,44 +84,44 @@ def _eta_s(records: dict[int, dict], done: int, total: int) -> float | None:
 
 
 # ------------------------------------------------------------------------------------------------ stages
-def _rollout_stage_steps(cfg, paths: RunPaths, stage) -> tuple[int, int | None]:
+def _rollout_stage_steps(cfg, paths: RunPaths, stage_cfg: StageConfig) -> tuple[int, int | None]:
     """(committed rollout steps, total) of a hard_subset or eval stage; total None when its prompts can't be read."""
     from rstar_hpc.exchange.writer import ShardWriter
 
-    done = sum(ShardWriter.is_committed(paths, stage.name, n, pipeline.PRODUCER) for n in paths.traj_steps(stage.name))
+    done = sum(ShardWriter.is_committed(paths, stage_cfg.name, n, pipeline.PRODUCER) for n in paths.traj_steps(stage_cfg.name))
     try:
-        total = pipeline.rollout_steps(stage, len(pipeline.stage_prompts(cfg, stage)))
+        total = pipeline.rollout_steps(stage_cfg, len(pipeline.stage_prompts(cfg, stage_cfg)))
     except Exception:   # noqa: BLE001  (a status must show what it can: the stage itself reports bad data)
         total = None
     return done, total
 
 
-def stage_status(cfg, paths: RunPaths, stage, trainer: dict, rollout: dict, evals: dict) -> dict:
-    state = read_stage_state(paths, stage.name)
-    t_recs, r_recs = trainer.get(stage.name, {}), rollout.get(stage.name, {})
-    if stage.kind in pipeline.TRAINER_KINDS:   # the state moves at checkpoints; the metrics at every step
-        step, steps = max(state.step, max(t_recs, default=0)), stage.num_steps
+def stage_status(cfg, paths: RunPaths, stage_cfg: StageConfig, trainer: dict, rollout: dict, evals: dict) -> dict:
+    state = read_stage_state(paths, stage_cfg.name)
+    t_recs, r_recs = trainer.get(stage_cfg.name, {}), rollout.get(stage_cfg.name, {})
+    if stage_cfg.kind in pipeline.TRAINER_KINDS:   # the state moves at checkpoints; the metrics at every step
+        step, steps = max(state.step, max(t_recs, default=0)), stage_cfg.num_steps
     else:
-        step, steps = _rollout_stage_steps(cfg, paths, stage)
-    started = state.status != "PENDING" or bool(t_recs or r_recs) or bool(paths.traj_steps(stage.name))
+        step, steps = _rollout_stage_steps(cfg, paths, stage_cfg)
+    started = state.status != "PENDING" or bool(t_recs or r_recs) or bool(paths.traj_steps(stage_cfg.name))
     kind_state = {"DONE": "done", "FAILED": "failed"}.get(state.status, "running" if started else "pending")
     last_rollout = r_recs[max(r_recs)] if r_recs else None
     out = {
-        "name": stage.name, "kind": stage.kind, "state": kind_state, "step": step, "steps": steps,
+        "name": stage_cfg.name, "kind": stage_cfg.kind, "state": kind_state, "step": step, "steps": steps,
         "timing": _timing(t_recs, r_recs),
         "eta_s": _eta_s(t_recs or r_recs, step, steps or 0) if kind_state == "running" else None,
         "last_reward": round(last_rollout["mean_reward"], 4) if last_rollout and "mean_reward" in last_rollout else None,
         "policy_version": state.policy_version, "message": state.message,
-        "updated_at": state.updated_at if paths.stage_state(stage.name).exists() else None,
+        "updated_at": state.updated_at if paths.stage_state(stage_cfg.name).exists() else None,
     }
-    results = evals.get(stage.name)
+    results = evals.get(stage_cfg.name)
     if results:
         out["pass1"] = {b: {"pass1": m["pass1"], "stderr": m["pass1_stderr"]} for b, m in results["benchmarks"].items()}
         out["policy_label"] = results["policy"]["label"]
-    if stage.kind == "rl":
-        out.update(validation_status(paths, stage.name))
-    if stage.kind == "hard_subset" and paths.stage_data_stats(stage.name).is_file():
-        out["subset"] = json.loads(paths.stage_data_stats(stage.name).read_text())
+    if stage_cfg.kind == "rl":
+        out.update(validation_status(paths, stage_cfg.name))
+    if stage_cfg.kind == "hard_subset" and paths.stage_data_stats(stage_cfg.name).is_file():
+        out["subset"] = json.loads(paths.stage_data_stats(stage_cfg.name).read_text())
     return out
 
 

@@ -12,6 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rstar_hpc import pipeline
+from rstar_hpc.config.stages import StageConfig
 from rstar_hpc.exchange.atomic import atomic_write_json, tmp_name, unlink_quietly
 from rstar_hpc.exchange.errors import storage_guard
 from rstar_hpc.exchange.columns import TrajectoryColumns
@@ -39,28 +40,28 @@ def select(prompts: list[dict], solved: Counter, sampled: Counter, *, drop_unsol
             and not (drop_unsolved and solved[p["uid"]] == 0)]
 
 
-def write_hard_subset(cfg, paths: RunPaths, stage, num_steps: int) -> dict:
-    prompts = pipeline.stage_prompts(cfg, stage)
-    solved, sampled = solve_counts(paths, stage.name, num_steps)
-    keep = select(prompts, solved, sampled, drop_unsolved=stage.drop_unsolved)
+def write_hard_subset(cfg, paths: RunPaths, stage_cfg: StageConfig, num_steps: int) -> dict:
+    prompts = pipeline.stage_prompts(cfg, stage_cfg)
+    solved, sampled = solve_counts(paths, stage_cfg.name, num_steps)
+    keep = select(prompts, solved, sampled, drop_unsolved=stage_cfg.drop_unsolved)
     if not keep:
-        raise ValueError(f"stage {stage.name!r}: the policy solved every prompt of {stage.data} in all "
-                         f"{pipeline.sample_count(cfg, stage)} rollouts; no hard subset is left to train on. Use a "
+        raise ValueError(f"stage {stage_cfg.name!r}: the policy solved every prompt of {stage_cfg.data} in all "
+                         f"{pipeline.sample_count(cfg, stage_cfg)} rollouts; no hard subset is left to train on. Use a "
                          f"harder source or fewer num_samples")
-    n = pipeline.sample_count(cfg, stage)
+    n = pipeline.sample_count(cfg, stage_cfg)
     counts = Counter(solved[uid] for uid in sampled)
-    stats = {"stage": stage.name, "source": stage.data, "prompts": len(prompts), "sampled": len(sampled),
-             "kept": len(keep), "num_samples": n, "drop_unsolved": stage.drop_unsolved,
+    stats = {"stage": stage_cfg.name, "source": stage_cfg.data, "prompts": len(prompts), "sampled": len(sampled),
+             "kept": len(keep), "num_samples": n, "drop_unsolved": stage_cfg.drop_unsolved,
              "solved_k_of_n": {str(k): counts.get(k, 0) for k in range(n + 1)},
              "summary": f"kept {len(keep)} of {len(sampled)} prompts (solved k/{n}: "
                         + ", ".join(f"{k}: {counts.get(k, 0)}" for k in range(n + 1)) + ")"}
-    path = paths.stage_data(stage.name)
+    path = paths.stage_data(stage_cfg.name)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = tmp_name(path)
     with storage_guard(path, "hard subset", cleanup=lambda: unlink_quietly(tmp)):
         pq.write_table(pa.Table.from_pylist(keep), tmp)
         os.replace(tmp, path)
-    atomic_write_json(paths.stage_data_stats(stage.name), stats, what="hard subset statistics")
+    atomic_write_json(paths.stage_data_stats(stage_cfg.name), stats, what="hard subset statistics")
     return {**stats, "path": str(path)}
 
 

@@ -85,7 +85,7 @@ def _wait_for_model(cfg, timeout_s: float = 600.0):
             time.sleep(1.0)
 
 
-def _scheduler(cfg, paths, stage, steps, progress, model_dir) -> int:
+def _scheduler(cfg, paths, stage: str | None, steps, progress, model_dir) -> int:
     from transformers import AutoTokenizer
 
     from rstar_hpc.rollout.links import RankZeroLinks, Session
@@ -250,7 +250,7 @@ def engine_context(cfg, stage: str | None) -> int:
                default=cfg.rollout.engine.max_model_len)
 
 
-def _engine(cfg, paths, stage, sandbox, model_dir, rank) -> int:
+def _engine(cfg, paths, stage: str | None, sandbox, model_dir, rank) -> int:
     from rstar_hpc.rollout.engine import VLLMEngine
 
     from rstar_hpc.parentage import group_dies_with_me

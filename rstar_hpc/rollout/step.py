@@ -82,13 +82,13 @@ class StepHooks:
 
 
 # --------------------------------------------------------------------------------------------------- step input
-def step_items(stage: StageConfig, step: int, tokenizer, rows: list[dict], *, agent: AgentConfig,
+def step_items(stage_cfg: StageConfig, step: int, tokenizer, rows: list[dict], *, agent: AgentConfig,
                samples_per_prompt: int) -> tuple[list[WorkItem], list[str]]:
     """An rl step's prompts (out of the stage's `rows`, data/sets.load_prompts) x samples_per_prompt, and the
     uids of prompts dropped as over-long (microsoft/rStar filters them too: they cannot be trained on)."""
-    n = stage.prompts_per_step
+    n = stage_cfg.prompts_per_step
     if n > len(rows):
-        raise ValueError(f"stage {stage.name!r}: prompts_per_step={n} but the data has {len(rows)} prompts; a step "
+        raise ValueError(f"stage {stage_cfg.name!r}: prompts_per_step={n} but the data has {len(rows)} prompts; a step "
                          f"cannot hold a prompt twice (its uid names one GRPO group): lower prompts_per_step")
     prompts = [rows[(step * n + i) % len(rows)] for i in range(n)]   # epochs wrap around the file
     return make_items(prompts, tokenizer, agent=agent, samples_per_prompt=samples_per_prompt)

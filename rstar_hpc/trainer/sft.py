@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from rstar_hpc.config.stages import StageConfig
 from rstar_hpc.data.sets import load_chat_jsonl, load_sft_conversations
 from rstar_hpc.models import chat_format as fmt
 from rstar_hpc.trainer.packing import MicroBatch
@@ -127,16 +128,16 @@ class SFTStageData:
     served `prompts_per_step` samples per step, split over data-parallel ranks; the cursor lives in the checkpoint,
     so nothing is settled outside it (`commit`) and no policy version matters (`now_holds`)."""
 
-    def __init__(self, cfg, stage, model_dir: str | Path):
+    def __init__(self, cfg, stage_cfg: StageConfig, model_dir: str | Path):
         from megatron.core import parallel_state
         from transformers import AutoTokenizer
 
-        self.cfg, self.stage = cfg, stage
+        self.cfg, self.stage = cfg, stage_cfg
         self.dp, self.dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
-        if stage.prompts_per_step < self.dp:
-            raise ValueError(f"stage {stage.name!r}: prompts_per_step={stage.prompts_per_step} samples per step cannot "
+        if stage_cfg.prompts_per_step < self.dp:
+            raise ValueError(f"stage {stage_cfg.name!r}: prompts_per_step={stage_cfg.prompts_per_step} samples per step cannot "
                              f"be split over {self.dp} data-parallel ranks; raise it to at least {self.dp}")
-        chats = load_sft_conversations(stage, cfg.run.seed, cfg.rollout.agent.system_prompt)
+        chats = load_sft_conversations(stage_cfg, cfg.run.seed, cfg.rollout.agent.system_prompt)
         self.data = SFTData.from_conversations(chats, AutoTokenizer.from_pretrained(model_dir), seed=cfg.run.seed,
                                                max_tokens=cfg.trainer.micro_batch_tokens)
         self.initial_state = self.data.state_dict()

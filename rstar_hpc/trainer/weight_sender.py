@@ -26,6 +26,7 @@ import time
 import torch
 from megatron.core import parallel_state
 
+from rstar_hpc.config.stages import StageConfig
 from rstar_hpc.exchange import policy_versions
 from rstar_hpc.exchange import weight_protocol as protocol
 
@@ -150,24 +151,24 @@ def offer_policy(model: torch.nn.Module, server: WeightServer | None, *, version
         server.offer(version, stage, trainer_step, state)
 
 
-def offers_in_memory(tcfg, stage) -> bool:
+def offers_in_memory(tcfg, stage_cfg: StageConfig) -> bool:
     """Whether the trained steps of `stage` are offered in memory: RL stages with `weight_sync: memory`."""
-    return tcfg.weight_sync == "memory" and stage.kind == "rl"
+    return tcfg.weight_sync == "memory" and stage_cfg.kind == "rl"
 
 
-def publishes_files(tcfg, stage, step: int) -> bool:
+def publishes_files(tcfg, stage_cfg: StageConfig, step: int) -> bool:
     """Whether trained step `step` of `stage` is published as files: SFT once, at its end; RL every step with
     `weight_sync: files`, else every `publish_every` steps and at the stage's last step."""
-    if stage.kind != "rl":
-        return step == stage.num_steps
+    if stage_cfg.kind != "rl":
+        return step == stage_cfg.num_steps
     if tcfg.weight_sync == "files":
         return True
-    return step % tcfg.publish_every == 0 or step == stage.num_steps
+    return step % tcfg.publish_every == 0 or step == stage_cfg.num_steps
 
 
-def makes_version(tcfg, stage, step: int) -> bool:
+def makes_version(tcfg, stage_cfg: StageConfig, step: int) -> bool:
     """Whether trained step `step` gets a version: offered in memory (offers_in_memory) or as files."""
-    return offers_in_memory(tcfg, stage) or publishes_files(tcfg, stage, step)
+    return offers_in_memory(tcfg, stage_cfg) or publishes_files(tcfg, stage_cfg, step)
 
 
 def start_server(tcfg, paths) -> WeightServer | None:
@@ -178,14 +179,14 @@ def start_server(tcfg, paths) -> WeightServer | None:
     return WeightServer(paths.dir, timeout_s=tcfg.weight_sync_timeout_s, bucket_bytes=tcfg.weight_sync_bucket_mb << 20)
 
 
-def publish_step(model: torch.nn.Module, paths, server: WeightServer | None, tcfg, stage, step: int, *,
+def publish_step(model: torch.nn.Module, paths, server: WeightServer | None, tcfg, stage_cfg: StageConfig, step: int, *,
                  source_dir) -> int | None:
     """Collective, after trained step `step`: offer it in memory (RL stages with `weight_sync: memory`) and/or
     publish it as files (publishes_files), under one run-global version number (exchange/policy_versions.py).
     Returns the version, or None when this step makes none (makes_version)."""
     from rstar_hpc.trainer.publish import publish_policy
 
-    memory, files = offers_in_memory(tcfg, stage), publishes_files(tcfg, stage, step)
+    memory, files = offers_in_memory(tcfg, stage_cfg), publishes_files(tcfg, stage_cfg, step)
     if not (memory or files):   # makes_version, from the two flags
         return None
     holder = [policy_versions.next_version(paths)
@@ -194,9 +195,9 @@ def publish_step(model: torch.nn.Module, paths, server: WeightServer | None, tcf
         torch.distributed.broadcast_object_list(holder, src=0)
     version = int(holder[0])
     if memory:
-        offer_policy(model, server, version=version, stage=stage.name, trainer_step=step)
+        offer_policy(model, server, version=version, stage=stage_cfg.name, trainer_step=step)
     if files:
         publish_policy(model, paths, source_dir=source_dir, keep_last=tcfg.publish_keep_last,
-                       max_shard_bytes=int(tcfg.publish_max_shard_gb * 2**30), version=version, stage=stage.name,
+                       max_shard_bytes=int(tcfg.publish_max_shard_gb * 2**30), version=version, stage=stage_cfg.name,
                        trainer_step=step)
     return version
