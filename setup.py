@@ -4,8 +4,9 @@ Install (CPU machine, what CI and the demo use):   pip install -e '.[cpu,dev,tra
 Install (GPU cluster, a site or container install): pip install 'rstar_hpc-0.1.0-py3-none-any.whl[gpu]'
 The CUDA extra and the CPU extra pin different torch builds: never install both into one environment.
 
-The wheel carries what a run needs besides the code: the shipped configs (configs/ -> rstar_hpc/_shipped/configs)
-and the sbatch templates (sbatch/ -> rstar_hpc/_shipped/sbatch); rstar_hpc/assets.py finds them in a wheel and in a
+The wheel carries what a run needs besides the code: the shipped configs (configs/ -> rstar_hpc/_shipped/configs),
+the sbatch templates (sbatch/ -> rstar_hpc/_shipped/sbatch) and the measured GPU figures the planner reads
+(docs/gpu-figures/ -> rstar_hpc/_shipped/gpu_figures); rstar_hpc/assets.py finds them in a wheel and in a
 checkout alike. Role entry points are modules (`python -m rstar_hpc ...`) and the `rstar-hpc` console script.
 """
 from setuptools import find_packages, setup
@@ -17,7 +18,8 @@ TORCH = "torch==2.13.0"
 GPU_VLLM = "vllm==0.32.0"
 GPU_TE = "transformer-engine[pytorch,core_cu13]==2.11.0"
 # top-level folders of the checkout that the wheel carries inside the package (rstar_hpc/assets.py reads them)
-SHIPPED = {"rstar_hpc._shipped.configs": ("configs", ["*.yaml"]), "rstar_hpc._shipped.sbatch": ("sbatch", ["*.sbatch"])}
+SHIPPED = {"rstar_hpc._shipped.configs": ("configs", ["*.yaml"]), "rstar_hpc._shipped.sbatch": ("sbatch", ["*.sbatch"]),
+           "rstar_hpc._shipped.gpu_figures": ("docs/gpu-figures", ["*.json"])}
 
 install_requires = [
     "torch>=2.6",

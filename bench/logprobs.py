@@ -1,23 +1,26 @@
 """Token log-probabilities at the 14B output layer: the trainer's chunked path against the full-logits path.
 
 Both take the same hidden states [tokens, 5120], output weight [151,936, 5120] and tokens (one packed sample), and
-run forward and backward to the gradients of the hidden states and of the weight:
+run forward and backward to the gradients of the hidden states and of the weight, the latter into the fp32 gradient
+buffer training holds anyway (megatron DDP's `main_grad`):
   * full: the logits of the whole vocabulary (`F.linear`, what megatron's output layer computes), then
     `model.token_logprobs` (fp32 copy, megatron's `vocab_parallel_cross_entropy`, which keeps the fp32 softmax for
-    its backward): the trainer's path before `trainer/logprobs.py`;
+    its backward), the weight's gradient in the weight's dtype added to main_grad and freed (DDP's hook): the
+    trainer's path before `trainer/logprobs.py`;
   * chunked: `logprobs.fused_loss`, chunks of `--chunk` tokens (trainer.logprob_chunk_tokens): per chunk the
-    logits, softmax, log-probabilities, the loss and its gradients, nothing kept for backward.
+    logits, softmax, log-probabilities, the loss and its gradients, the weight's added to main_grad in place;
+    nothing kept for backward.
 The loss is a sum over tokens of log p(token) with a random weight per token (an upstream gradient per token, as
 the RL loss gives).
 After one untimed pass of each (first-call allocations), the paths alternate on every repeat, each timed (wall
 clock of forward + backward; the best repeat) and measured for its peak transient memory: the peak above what was
-allocated before the pass (the inputs, the weight) less the weight's gradient, which the pass leaves allocated. On
-the CPU the peak is the process's resident high-water mark (VmHWM, reset through /proc/self/clear_refs before each
+allocated before the pass (the inputs, the weight and main_grad), whatever was live at it. On the CPU the peak is the process's resident high-water mark (VmHWM, reset through /proc/self/clear_refs before each
 pass; glibc maps tensors of this size with mmap and unmaps them when freed, so the resident set follows the
 allocations); on CUDA, torch's peak allocated bytes.
 The last stdout line is one JSON object: `peak_ratio` = full / chunked transient peak, `speed_ratio` = full time
 / chunked time (each path's best repeat; transient peaks are each path's largest, floored at 1 MiB, the CPU
-measure's resolution), and the relative difference of the two losses.
+measure's resolution), the relative difference of the two losses and the largest of the two weight gradients'
+(over the rows of the first 256 targets, relative to its largest element).
 
     python bench/logprobs.py [--tokens 512] [--chunk 112] [--repeats 2]       # CPU, fp32
     python bench/logprobs.py --device cuda                                     # 8,192 tokens, bf16
@@ -94,25 +97,30 @@ def _weighted_nll(logprobs, tokens, entropy):
     return -(logprobs * tokens.extras["w"]).sum(), {}
 
 
-def one_pass(path: str, hidden, weight, mb, vocab: int, chunk: int) -> tuple[torch.Tensor, float, int]:
+def one_pass(path: str, hidden, weight, main_grad, mb, vocab: int, chunk: int) -> tuple[torch.Tensor, float, int]:
     """Forward + backward of one path; (loss, seconds, transient peak bytes)."""
     from rstar_hpc.trainer.logprobs import full_logits, fused_loss
     from rstar_hpc.trainer.model import token_logprobs
 
     weight.grad = hidden.grad = None
+    main_grad.zero_()
     with Peak(hidden.device.type) as peak:
         t0 = time.perf_counter()
         if path == "full":   # position j predicts token j + 1
             lp = token_logprobs(full_logits(hidden, weight), torch.roll(mb.input_ids, -1)[None], vocab)
             loss = -(lp[0, :-1] * mb.extras["w"][1:]).sum()
+            loss.backward()
+            main_grad.add_(weight.grad)   # megatron DDP's hook, then the gradient is freed
+            weight.grad = None
         else:
+            weight.main_grad = main_grad
             loss = fused_loss(hidden, weight, mb, vocab, _weighted_nll, chunk)[0]
-        loss.backward()
+            loss.backward()
+            del weight.main_grad
         if hidden.is_cuda:
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
-    grad_bytes = weight.grad.numel() * weight.grad.element_size()
-    return loss.detach().float(), seconds, max(0, peak.bytes - grad_bytes)
+    return loss.detach().float(), seconds, peak.bytes
 
 
 def main() -> None:
@@ -138,13 +146,16 @@ def main() -> None:
         w[0] = 0.0   # the first token has no prediction
         mb = MicroBatch(ids, [args.tokens], torch.zeros(args.tokens, dtype=torch.bool),
                         extras={"w": w}).to(args.device)
+        main_grad = torch.ones(weight.shape, dtype=torch.float32, device=args.device)   # resident before any pass
         best = {"full": (float("inf"), 0), "chunked": (float("inf"), 0)}
         losses = {}
+        rows, grads = ids[:256].unique().to(args.device), {}   # the targets' rows: where the gradient is largest
         for path in ("full", "chunked"):   # untimed: allocator and matmul buffers, first-call costs
-            one_pass(path, hidden, weight, mb, args.vocab, chunk)
+            one_pass(path, hidden, weight, main_grad, mb, args.vocab, chunk)
+            grads[path] = main_grad.index_select(0, rows).cpu()
         for r in range(args.repeats):
             for path in (("full", "chunked") if r % 2 == 0 else ("chunked", "full")):
-                losses[path], seconds, peak = one_pass(path, hidden, weight, mb, args.vocab, chunk)
+                losses[path], seconds, peak = one_pass(path, hidden, weight, main_grad, mb, args.vocab, chunk)
                 best[path] = (min(best[path][0], seconds), max(best[path][1], peak))
                 print(f"{path:8s} repeat {r}: {seconds:.3f} s, transient peak {peak / 2**20:.1f} MiB", flush=True)
         for path, (seconds, peak) in best.items():
@@ -157,7 +168,9 @@ def main() -> None:
                    "chunked_peak_mib": round(best["chunked"][1] / 2**20, 1),
                    "peak_ratio": round(max(best["full"][1], FLOOR) / max(best["chunked"][1], FLOOR), 2),
                    "speed_ratio": round(best["full"][0] / best["chunked"][0], 3),
-                   "loss_rel_diff": float((losses["full"] - losses["chunked"]).abs() / losses["full"].abs())}
+                   "loss_rel_diff": float((losses["full"] - losses["chunked"]).abs() / losses["full"].abs()),
+                   "weight_grad_rel_diff": float((grads["full"] - grads["chunked"]).abs().max()
+                                                 / grads["full"].abs().max())}
     finally:
         destroy_distributed()
     print(json.dumps(figures))

@@ -4,9 +4,8 @@ Run through `python bench/trainer.py --model qwen3-1.7b --device cuda ...` (see 
 trainer's (`parallel.build_policy`, one rank, bf16 weights with megatron's fp32 main weights and fp32 gradient
 buffer: what `trainer.params_dtype: bfloat16` trains); the reference is `Qwen3ForCausalLM` (SDPA attention) with
 the same weights, batches, loss, AdamW and clipping, one unpadded sequence per sample. The two run one after the
-other, each after its own warm-up steps. MFU = model FLOPs / step time / `--peak-tflops`, model FLOPs =
-6 * N * tokens + 6 * layers * heads * head_dim * sum(sample_len^2) (N: matmul parameters, the embedding counted
-once, as the LM head; the second term: causal attention, forward + backward).
+other, each after its own warm-up steps. MFU = model FLOPs / step time / `--peak-tflops`, model FLOPs as the
+trainer's perf/mfu counts them (trainer/flops.py: 3 passes of matmul parameters and causal attention).
 """
 from __future__ import annotations
 
@@ -18,12 +17,7 @@ import time
 import torch
 
 from rstar_hpc.models.shapes import PUBLISHED
-from rstar_hpc.trainer.memory_plan import model_flops
-
-
-def step_flops(arch, seqlens: list[int]) -> tuple[float, int]:
-    """(model FLOPs of one training step over samples of these lengths, N): see the module docstring."""
-    return model_flops(arch, seqlens, passes=3)
+from rstar_hpc.trainer.flops import mfu, model_flops
 
 
 def flash_sdpa_ok(arch) -> bool:
@@ -84,9 +78,9 @@ def _timed(args, arch, batches, step) -> dict:
             times.append(time.perf_counter() - t0)
     timed = batches[args.warmup:]
     tokens = [sum(ids.numel() for ids, _ in b) for b in timed]
-    flops = [step_flops(arch, [ids.numel() for ids, _ in b])[0] for b in timed]
+    flops = [model_flops(arch, [ids.numel() for ids, _ in b])[0] for b in timed]
     return {"tokens_per_s": statistics.median(t / s for t, s in zip(tokens, times)),
-            "mfu": statistics.median(f / s / (args.peak_tflops * 1e12) for f, s in zip(flops, times)),
+            "mfu": statistics.median(mfu(f, s, args.peak_tflops) for f, s in zip(flops, times)),
             "step_s": statistics.median(times), "losses": losses,
             "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}
 
@@ -168,7 +162,7 @@ def bench_sized(args) -> dict:
         return None if x is None else round(x, k)
     out = {"bench": "trainer_sft_step_sized", "device": torch.cuda.get_device_name() if cuda else "cpu",
            "torch": torch.__version__, "model": args.model, "layers": arch.num_layers,
-           "params_matmul": step_flops(arch, [1])[1], "params_total": params_total,
+           "params_matmul": model_flops(arch, [1])[1], "params_total": params_total,
            "dtype": "bfloat16 (fp32 main weights)", "layer_spec": "transformer_engine" if cuda and
            have_transformer_engine() else "local+sdpa", "sdpa_flash_with_gqa": flash_sdpa_ok(arch) if cuda else None,
            "micro_batch_tokens": args.seq_len, "samples_per_step": args.samples,

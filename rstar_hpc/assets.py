@@ -1,8 +1,9 @@
-"""The files rstar-hpc carries beside its code: the shipped configs and the sbatch templates.
+"""The files rstar-hpc carries beside its code: the shipped configs, the sbatch templates and the measured GPU
+figures (docs/gpu-figures/).
 
 A wheel (a site install, a container image) holds them inside the package, in rstar_hpc/_shipped/ (setup.py maps
-the checkout's configs/ and sbatch/ there); a checkout (`pip install -e .`) reads its own top-level folders. Either
-way the package finds them itself: nothing depends on the directory a command runs from.
+the checkout's configs/, sbatch/ and docs/gpu-figures/ there); a checkout (`pip install -e .`) reads its own
+folders. Either way the package finds them itself: nothing depends on the directory a command runs from.
 
 Config names resolve in this order, the first hit winning:
     ./configs/NAME.yaml          the user's own, in the directory the command runs from
@@ -27,6 +28,12 @@ def _shipped(folder: str) -> Path:
 
 def packaged_configs_dir() -> Path:
     return _shipped("configs")
+
+
+def gpu_figures_dir() -> Path:
+    """The trainer's measured GPU figures (scripts/gpu-check.sh writes them; planner/gpu_figures.py reads them)."""
+    packaged = PACKAGE / "_shipped" / "gpu_figures"
+    return packaged if packaged.is_dir() else PACKAGE.parent / "docs" / "gpu-figures"
 
 
 def sbatch_dir() -> Path:

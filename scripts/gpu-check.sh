@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The trainer on one GPU with no internet, in a few minutes: SFT and RL steps of a randomly initialised Qwen3
 # (qwen3-0.6b's shape) in bf16, packed, with and without recompute; the last line is one JSON object of tokens/s,
-# MFU, peak memory and `trainer plan`'s prediction (scripts/gpu_check.py; figures: docs/gpu-trainer.md).
+# MFU, peak memory and `trainer plan`'s prediction (scripts/gpu_check.py), also written to docs/gpu-figures/ on a GPU
+# (commit those: the planner's per-card MFU; figures discussed in docs/gpu-trainer.md).
 #
 #   scripts/gpu-check.sh [--dry] [gpu_check.py options]    # --dry: the same steps on the CPU, tiny shape
 #   scripts/gpu-check.sh --fetch-wheels DIR [PYVER]        # where a registry is reachable: the wheels to carry

@@ -6,10 +6,11 @@ setting (none, selective MLP): warm-up steps, then timed steps of
        lengths in [seq_len/8, seq_len/2], token-mean NLL, AdamW, clipping;
   RL   the trainer's GRPO-RoC step on committed-shape trajectories (`rl.build_batch`: RoC, group advantages,
        packing; `rl.rl_step`: pi_old recomputed, the clipped loss, AdamW), 2G = 8 rollouts per prompt, G = 4 kept.
-Figures per step kind: tokens/s (trained tokens), MFU (model FLOPs, `plan.model_flops`: 3 passes for the update,
-1 more for the RL step's recompute, over the card's dense bf16 peak), and the peak memory from the model's build
-on, beside `rstar-hpc train --plan`'s prediction for the same shape and layout. The last stdout line is one JSON
-object of every figure. The first setting also runs one SFT and one RL step under torch.profiler: the top 10 kernels
+Figures per step kind: tokens/s (trained tokens), MFU (trainer/flops.py, as the trainer's perf/mfu: 3 passes for
+the update, 1 more for the RL step's recompute, over the card's dense bf16 peak), and the peak memory from the
+model's build on, beside `rstar-hpc train --plan`'s prediction for the same shape and layout. The last stdout line is one JSON
+object of every figure, with the date, commit, card, torch, CUDA and driver versions; on a GPU it is also written to
+docs/gpu-figures/DATE-CARD-COMMIT.json, where the planner reads its MFU per card (planner/gpu_figures.py). The first setting also runs one SFT and one RL step under torch.profiler: the top 10 kernels
 by time, and how busy the GPU was. `--dry` runs the same steps on the CPU at a tiny shape (a check of the script, no
 figures). On a GPU an untimed pass of the first setting comes first (see measure).
 """
@@ -21,6 +22,7 @@ import gc
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -33,9 +35,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from rstar_hpc.models.shapes import PUBLISHED, ModelShape  # noqa: E402
+from rstar_hpc.trainer import flops  # noqa: E402
 
-# dense bf16 peak TFLOP/s by the name CUDA reports (vendor figures, without sparsity)
-PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0, "L40S": 362.0}
 DRY_SHAPE = ModelShape(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
                        num_kv_heads=2, head_dim=32)
 
@@ -55,6 +56,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--recompute", default="none,selective", help="settings to measure, in this order")
     ap.add_argument("--no-profile", dest="profile", action="store_false",
                     help="skip the torch.profiler pass (one SFT and one RL step of the first setting)")
+    ap.add_argument("--commit", default=None, help="the commit measured, where the tree is no git checkout [git's]")
+    ap.add_argument("--figures-dir", type=Path, default=None,
+                    help="write the JSON there as DATE-CARD-COMMIT.json [docs/gpu-figures on a GPU; --dry: nowhere]")
     args = ap.parse_args()
     args.models = args.models.split(",")
     if unknown := [m for m in args.models if m not in PUBLISHED]:
@@ -68,8 +72,17 @@ def parse_args() -> argparse.Namespace:
 def peak_tflops(args) -> float | None:
     if args.peak_tflops or args.dry:
         return args.peak_tflops
-    name = torch.cuda.get_device_name()
-    return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+    return flops.peak_tflops(torch.cuda.get_device_name())
+
+
+def driver_version() -> str | None:
+    """The GPU driver's version, as nvidia-smi reports it (None without it)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
 
 
 def trainer_config(args, device: str, recompute: str):
@@ -133,10 +146,8 @@ def rl_tables(args, vocab: int) -> list:
 
 def timed(args, steps: list, run, peak: float | None) -> dict:
     """Run `run(step) -> (trained seqlens, FLOP passes)` over `steps`; medians over the timed ones."""
-    from rstar_hpc.trainer.memory_plan import model_flops
-
     cuda = torch.cuda.is_available() and not args.dry
-    times, tokens, flops = [], [], []
+    times, tokens, done = [], [], []
     for i, item in enumerate(steps):
         if cuda:
             torch.cuda.synchronize()
@@ -147,11 +158,11 @@ def timed(args, steps: list, run, peak: float | None) -> dict:
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
             tokens.append(sum(seqlens))
-            flops.append(sum(model_flops(args.shape, seqlens, p)[0] for p in passes))
+            done.append(flops.model_flops(args.shape, seqlens, passes)[0])
     out = {"tokens_per_s": round(statistics.median(t / s for t, s in zip(tokens, times)), 1),
            "step_s": round(statistics.median(times), 3), "tokens_per_step": round(statistics.mean(tokens), 1)}
     if peak:
-        out["mfu"] = round(statistics.median(f / s / (peak * 1e12) for f, s in zip(flops, times)), 4)
+        out["mfu"] = round(statistics.median(flops.mfu(f, s, peak) for f, s in zip(done, times)), 4)
     return out
 
 
@@ -176,13 +187,13 @@ def check(args, device: str, recompute: str, peak: float | None, profile: bool =
 
     def sft(batch):
         train_step(policy, opt, None, pack(batch, args.seq_len))
-        return [len(ids) for ids, _ in batch], [3]
+        return [len(ids) for ids, _ in batch], 3
 
     def rl(table):
         batch = build_batch(table, 0, algo, tcfg, run_seed=0)
         rl_step(policy, opt, None, batch, algo.loss, tcfg)
         lens = [len(ids) for ids, _ in batch.samples]
-        return lens, [3, 1]   # the update, and pi_old recomputed
+        return lens, 4   # the update, and pi_old recomputed
     sft_steps, rl_steps = sft_batches(args, args.shape.vocab_size), rl_tables(args, args.shape.vocab_size)
     out = {"sft": timed(args, sft_steps, sft, peak), "rl": timed(args, rl_steps, rl, peak),
            "planned_gib": planned_gib(args.shape, args, recompute)}
@@ -250,9 +261,9 @@ def main() -> None:
         sys.exit("gpu-check: no CUDA device visible; --dry runs the same steps on the CPU")
     for k, v in (("MASTER_ADDR", "127.0.0.1"), ("RANK", "0"), ("WORLD_SIZE", "1")):
         os.environ.setdefault(k, v)
+    from rstar_hpc.planner.gpu_figures import commit, write_figures
     from rstar_hpc.trainer.model import have_transformer_engine
     from rstar_hpc.trainer.parallel import destroy_distributed, init_distributed
-    from rstar_hpc.trainer.memory_plan import model_flops
 
     init_distributed(tp=1, backend=device)
     peak = peak_tflops(args)
@@ -260,13 +271,19 @@ def main() -> None:
     models = {}
     for name in ["dry"] if args.dry else args.models:
         args.name, args.shape = name, DRY_SHAPE if args.dry else PUBLISHED[name]
-        models[name] = {"params": model_flops(args.shape, [1])[1], **measure(args, device, peak)}
+        models[name] = {"shape": dataclasses.asdict(args.shape), "params": flops.model_flops(args.shape, [1])[1],
+                        **measure(args, device, peak)}
     destroy_distributed()
-    out = {"check": "gpu", "device": torch.cuda.get_device_name() if device == "cuda" else "cpu (--dry)",
-           "torch": torch.__version__, "seq_len": args.seq_len,
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu (--dry)"
+    out = {"check": "gpu", "date": time.strftime("%Y-%m-%d", time.gmtime()), "commit": args.commit or commit(),
+           "card": flops.card(name) if device == "cuda" else None, "device": name, "torch": torch.__version__,
+           "cuda": torch.version.cuda, "driver": driver_version() if device == "cuda" else None,
+           "seq_len": args.seq_len,
            "dtype": "float32" if args.dry else "bfloat16 (fp32 main weights)",
            "layer_spec": "transformer_engine" if device == "cuda" and have_transformer_engine() else "local+sdpa",
            "peak_tflops": peak, "wall_s": round(time.perf_counter() - t0, 1), "models": models}
+    if args.figures_dir or device == "cuda":   # the figures as data: the planner reads its MFU per card from them
+        print(f"gpu-check: figures written to {write_figures(out, args.figures_dir)}", file=sys.stderr)
     print(json.dumps(out))
 
 

@@ -26,7 +26,8 @@ class PlanRefused(click.ClickException):
 @click.option("--peak-tflops", type=float, default=None, help="Dense bf16 TFLOPS per GPU [from --gpu].")
 @click.option("--hbm-tbs", type=float, default=None, help="Memory bandwidth per GPU, TB/s [from --gpu].")
 @click.option("--memory-gb", type=float, default=None, help="Memory per GPU, GB [from --gpu].")
-@click.option("--mfu", type=float, default=None, help="Training model-FLOPs utilisation [0.35].")
+@click.option("--mfu", type=float, default=None, help="Training model-FLOPs utilisation [the card's newest "
+              "docs/gpu-figures file; else 0.35].")
 @click.option("--sync-gbs", type=float, default=None, help="Policy trainer -> engines, GB/s end to end [1.0].")
 @click.option("--ckpt-gbs", type=float, default=None, help="Checkpoint write, GB/s all trainer nodes [10].")
 @click.option("--tool-latency-s", type=float, default=None, help="Seconds per tool call [0.3, the paper's].")

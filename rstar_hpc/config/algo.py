@@ -110,12 +110,22 @@ class LossConfig(Section):
     tis_cap: float | None = Field(2.0, ge=1)
     """Truncated importance sampling, on every trained token that a policy version other than the trainer's
     generated (each token records its version; overlap mode, max_policy_lag, partial rollouts, an engine that fell
-    back to older files: whatever the mode): its loss is weighted by w = min(pi_old / pi_behaviour, tis_cap),
-    pi_old the trainer's recomputed logprob under its current weights (trainer.recompute_old_logprobs) and
-    pi_behaviour the engine's. The clipped ratio pi / pi_old then bounds the update as on-policy PPO does, and w
-    corrects the sampling distribution (AReaL's decoupled objective; verl's and Yao et al.'s TIS, whose cap of 2
-    this follows: it bounds the variance a token whose probability rose a lot since it was sampled can add, at the
-    cost of a small bias). null: no weight (the ratio alone, against pi_old)."""
+    back to older files: whatever the mode; algo.tis.scope: all takes every token): its loss is weighted by
+    w = min(pi_old / pi_behaviour, tis_cap), pi_old the trainer's recomputed logprob under its current weights
+    (trainer.recompute_old_logprobs) and pi_behaviour the engine's. The clipped ratio pi / pi_old then bounds the
+    update as on-policy PPO does, and w corrects the sampling distribution (AReaL's decoupled objective; verl's and
+    Yao et al.'s TIS, whose cap of 2 this follows: it bounds the variance a token whose probability rose a lot
+    since it was sampled can add, at the cost of a small bias). null: no weight (the ratio alone, against pi_old)."""
+
+
+class TISConfig(Section):
+    """Which tokens truncated importance sampling weights (its cap: algo.loss.tis_cap)."""
+
+    scope: Literal["stale", "all"] = "stale"
+    """`stale`: only tokens a policy version other than the trainer's generated. `all`: every trained token, the
+    trainer's own version's too, so the numeric gap between the engine's and the trainer's logprobs (bf16 kernels,
+    other reductions: train/logprob_mismatch_mean) is corrected as well, as verl and slime do. Needs
+    trainer.recompute_old_logprobs and a tis_cap."""
 
 
 class AlgoConfig(Section):
@@ -124,6 +134,7 @@ class AlgoConfig(Section):
     reward: RewardConfig = RewardConfig()
     roc: RoCConfig = RoCConfig()
     loss: LossConfig = LossConfig()
+    tis: TISConfig = TISConfig()
 
     @property
     def samples_per_prompt(self) -> int:

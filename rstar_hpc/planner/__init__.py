@@ -7,6 +7,7 @@ trainer waits while the rollout generates and vice versa) and `overlap` (one-ste
 while step N trains), and the trainer/rollout node split that costs the fewest GPU-hours.
 
     rates.py       the rates (hardware figures, MFU, bandwidths, lengths) and where each default comes from
+    gpu_figures.py docs/gpu-figures/: gpu-check's measured figures, written and read (the per-card MFU)
     engine_sim.py  the engine model: vLLM-like engines, KV-aware admission, preemption, tool turns (also what
                    bench/rollout_balance.py compares admission policies on)
     generation.py  one engine's generation time for a stage's step, simulated with engine_sim.py

@@ -26,7 +26,7 @@ from pathlib import Path
 from rstar_hpc.metrics_log import read_records
 from rstar_hpc.planner.model import CKPT_BYTES_PER_PARAM, PlanError, devices_per_node, shape_of
 from rstar_hpc.planner.rates import Rates
-from rstar_hpc.trainer.memory_plan import model_flops
+from rstar_hpc.trainer.flops import model_flops
 
 
 def _last_by_step(records: list[dict]) -> dict[tuple[str, int], dict]:

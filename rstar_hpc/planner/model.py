@@ -6,7 +6,7 @@ rollout.engine.tensor_parallel_size GPUs):
   generation_s  one engine's share of the step's prompts_per_step x samples_per_prompt trajectories
                 (generation.py; measured: its tokens / the run's decode tokens per second); tool calls included
   tool_s        what one trajectory waits on its tools (calls x latency): inside generation_s, not added
-  training_s    model FLOPs (trainer/plan.py's model_flops: forward + backward, plus the pi_old forward: 4 passes;
+  training_s    model FLOPs (trainer/flops.py's model_flops: forward + backward, plus the pi_old forward: 4 passes;
                 a mixture of experts' active parameters)
                 of prompts_per_step x G x kept_fraction trajectories of prompt + mean response tokens, / (trainer
                 GPUs x peak x MFU), or / the run's measured FLOP/s per trainer device
@@ -35,11 +35,13 @@ from __future__ import annotations
 import math
 from functools import partial
 
+from rstar_hpc.config.stages import StageConfig
 from rstar_hpc.exchange.poll import expected_lateness_s
 from rstar_hpc.models.shapes import model_shape
 from rstar_hpc.planner import generation as gen
 from rstar_hpc.planner.rates import PAPER, Rates
-from rstar_hpc.trainer.memory_plan import make_plan, model_flops
+from rstar_hpc.trainer.flops import model_flops
+from rstar_hpc.trainer.memory_plan import make_plan
 
 CKPT_BYTES_PER_PARAM = 14   # bf16 weights + fp32 main weights + AdamW's two fp32 moments
 MODES = ("on_policy", "overlap")
@@ -92,14 +94,14 @@ def trainer_fits(cfg, trainer_nodes: int, rates: Rates) -> bool:
     return make_plan(trial).total_gib * 2**30 <= rates.memory_gb * 1e9
 
 
-def stage_step(cfg, stage, rl_index: int, split: tuple[int, int], rates: Rates, shape, n_params: int) -> dict:
+def stage_step(cfg, stage_cfg: StageConfig, rl_index: int, split: tuple[int, int], rates: Rates, shape, n_params: int) -> dict:
     """The phases of one step of `stage` at split (trainer nodes, rollout nodes), and both modes' figures."""
     t_nodes, r_nodes = split
     lt, lr = cfg.launch.trainer, cfg.launch.rollout
-    budget = stage.max_response_length or cfg.rollout.agent.max_response_length
-    mean = rates.mean_response(stage, rl_index, budget)
+    budget = stage_cfg.max_response_length or cfg.rollout.agent.max_response_length
+    mean = rates.mean_response(stage_cfg, rl_index, budget)
     engines = r_nodes * lr.tasks_per_node
-    per_engine = math.ceil(stage.prompts_per_step * cfg.algo.samples_per_prompt / engines)
+    per_engine = math.ceil(stage_cfg.prompts_per_step * cfg.algo.samples_per_prompt / engines)
     if rates.decode_tok_s:   # measured
         g = {"generation_s": per_engine * mean / rates.decode_tok_s, "idle_fraction": 0.0}
         g["busy_s"] = g["generation_s"]
@@ -107,9 +109,9 @@ def stage_step(cfg, stage, rl_index: int, split: tuple[int, int], rates: Rates, 
         engine = gen.engine_constants(shape, n_params, rates, cfg.rollout.engine.tensor_parallel_size,
                                       cfg.rollout.engine.gpu_memory_utilization,
                                       cfg.rollout.scheduler.max_trajectories_per_engine)
-        work = gen.Workload(per_engine, mean, budget, rates.prompt_tokens, stage.max_turns or cfg.rollout.agent.max_turns)
+        work = gen.Workload(per_engine, mean, budget, rates.prompt_tokens, stage_cfg.max_turns or cfg.rollout.agent.max_turns)
         g = gen.generation(engine, work, (rates.tool_latency_s, rates.tool_calls_per_traj, rates.tool_tokens))
-    trained = round(stage.prompts_per_step * cfg.algo.trained_per_prompt * rates.kept_fraction)
+    trained = round(stage_cfg.prompts_per_step * cfg.algo.trained_per_prompt * rates.kept_fraction)
     seqlens = [int(rates.prompt_tokens + mean)] * trained
     flops = model_flops(shape, seqlens, passes=4)[0] if trained else 0.0
     t_devices, r_devices = t_nodes * devices_per_node(lt), r_nodes * devices_per_node(lr)
@@ -127,7 +129,7 @@ def stage_step(cfg, stage, rl_index: int, split: tuple[int, int], rates: Rates, 
     handoff = {"on_policy": handover + late(train_s + sync_s), "overlap": late(abs(gen_s - busy_trainer))}
     steps = {"on_policy": gen_s + train_s + sync_s + max(0.0, ckpt_s - gen_s) / every + handoff["on_policy"],
              "overlap": max(gen_s, busy_trainer) + sync_s + handoff["overlap"]}
-    out = {"stage": stage.name, "steps": stage.num_steps, **{k: _r(v) for k, v in phases.items()}}
+    out = {"stage": stage_cfg.name, "steps": stage_cfg.num_steps, **{k: _r(v) for k, v in phases.items()}}
     for mode, step in steps.items():
         out[mode] = {"step_s": _r(step), "handoff_s": _r(handoff[mode], 3), "gpu_hours_per_step": _r(step * (t_devices + r_devices) / 3600, 4),
                      "idle_fraction": {"trainer": _frac(1 - train_s / step), "rollout": _frac(1 - g["busy_s"] / step)}}

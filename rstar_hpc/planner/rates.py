@@ -4,18 +4,20 @@ Every default names its source. `measured.py` replaces them with a finished run'
 
 Hardware (HARDWARE; `--gpu h100|h200|mi300x`), the vendors' published figures:
   peak_tflops   dense BF16 tensor throughput without sparsity: H100 SXM 989 and H200 989 (NVIDIA H100/H200
-                datasheets), MI300X 1307 (AMD Instinct MI300X datasheet). The trainer's `perf/mfu` uses 989 too.
+                datasheets), MI300X 1307 (AMD Instinct MI300X datasheet): trainer/flops.py's PEAK_TFLOPS, which
+                the trainer's `perf/mfu` and gpu-check use too.
   hbm_tbs       memory bandwidth: H100 SXM 3.35 TB/s, H200 4.8 TB/s, MI300X 5.3 TB/s (the same datasheets).
   memory_gb     80, 141, 192 GB.
 
 Training:
   mfu           model-FLOPs utilisation of the update (forward + backward + the forward of the pi_old recompute),
-                per card (HARDWARE). H200 0.36: measured, the trainer's GRPO-RoC step at qwen3-4b's shape on one
-                H200 (bf16, 8K packed micro-batches, selective MLP recompute as the recipe's, no Transformer
-                Engine; scripts/gpu-check.sh, docs/gpu-trainer.md: 0.366 and 0.349 in two runs, 0.407 and 0.380
-                without recompute). H100 and MI300X 0.35, not measured: Megatron-LM reports 41-48% MFU for dense GPT
-                models on H100 at scale (NVIDIA/Megatron-LM README, "weak scaling" table), and an RL step trains
-                one optimizer step on variable-length packed sequences with tensor and pipeline parallelism.
+                per card: measured where docs/gpu-figures/ holds a file of the card (scripts/gpu-check.sh writes
+                them; planner/gpu_figures.py reads the newest: its largest model's RL step with selective recompute,
+                the recipe's setting). H200: 0.3575 from 2026-11-27's two runs at qwen3-4b's shape (bf16, 8K packed
+                micro-batches, no Transformer Engine: 0.366 and 0.349). Cards without a file, ASSUMED_MFU 0.35:
+                Megatron-LM reports 41-48% MFU for dense GPT models on H100 at scale (NVIDIA/Megatron-LM README,
+                "weak scaling" table), and an RL step trains one optimizer step on variable-length packed sequences
+                with tensor and pipeline parallelism. The plan prints which (`mfu_source`).
 
 Generation (the engine model of planner/engine_sim.py: a decode step costs c0 + c1 x batch + c2 x context tokens
 read, prefill p per token). The constants follow from the hardware and the model instead of being fixed:
@@ -59,11 +61,22 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields, replace
 
+from rstar_hpc.config.stages import StageConfig
+from rstar_hpc.planner.gpu_figures import measured_mfu
+from rstar_hpc.trainer.flops import PEAK_TFLOPS
+
 HARDWARE = {
-    "h100": {"peak_tflops": 989.0, "hbm_tbs": 3.35, "memory_gb": 80.0, "mfu": 0.35},
-    "h200": {"peak_tflops": 989.0, "hbm_tbs": 4.8, "memory_gb": 141.0, "mfu": 0.36},
-    "mi300x": {"peak_tflops": 1307.0, "hbm_tbs": 5.3, "memory_gb": 192.0, "mfu": 0.35},
+    "h100": {"peak_tflops": PEAK_TFLOPS["h100"], "hbm_tbs": 3.35, "memory_gb": 80.0},
+    "h200": {"peak_tflops": PEAK_TFLOPS["h200"], "hbm_tbs": 4.8, "memory_gb": 141.0},
+    "mi300x": {"peak_tflops": PEAK_TFLOPS["mi300x"], "hbm_tbs": 5.3, "memory_gb": 192.0},
 }
+ASSUMED_MFU = 0.35
+ASSUMED = "assumed: no docs/gpu-figures file of this card"
+
+
+def card_mfu(card: str) -> tuple[float, str]:
+    """The training MFU of `card` and its source: measured (the newest docs/gpu-figures file), else assumed."""
+    return measured_mfu(card) or (ASSUMED_MFU, ASSUMED)
 ALLREDUCE_S = 10e-6
 PAPER_MEAN_RESPONSE = (2500, 5000, 6000)
 LENGTH_SIGMA = 0.7
@@ -81,7 +94,8 @@ class Rates:
     peak_tflops: float = HARDWARE["h100"]["peak_tflops"]
     hbm_tbs: float = HARDWARE["h100"]["hbm_tbs"]
     memory_gb: float = HARDWARE["h100"]["memory_gb"]
-    mfu: float = HARDWARE["h100"]["mfu"]
+    mfu: float = field(default_factory=lambda: card_mfu("h100")[0])
+    mfu_source: str = field(default_factory=lambda: card_mfu("h100")[1])
     decode_efficiency: float = 0.7
     prefill_mfu: float = 0.5
     tool_latency_s: float = 0.3
@@ -103,7 +117,8 @@ class Rates:
         if gpu not in HARDWARE:
             raise ValueError(f"--gpu {gpu}: unknown; known: {', '.join(HARDWARE)} (or give --peak-tflops, --hbm-tbs "
                              f"and --memory-gb)")
-        return replace(self, gpu=gpu, **HARDWARE[gpu])
+        mfu, source = card_mfu(gpu)
+        return replace(self, gpu=gpu, **HARDWARE[gpu], mfu=mfu, mfu_source=source)
 
     def override(self, **values) -> Rates:
         """These rates with the given fields replaced (None values are ignored)."""
@@ -112,12 +127,14 @@ class Rates:
         if bad:
             raise ValueError(f"unknown rate(s) {', '.join(bad)}; known: {', '.join(sorted(known))}")
         given = {k: v for k, v in values.items() if v is not None}
+        if "mfu" in given:
+            given.setdefault("mfu_source", "flags")
         return replace(self, **given, source=self.source if not given else f"{self.source} + flags")
 
-    def mean_response(self, stage, rl_index: int, budget: int) -> float:
+    def mean_response(self, stage_cfg: StageConfig, rl_index: int, budget: int) -> float:
         """The mean response tokens (model and tool tokens) of an rl stage's trajectories."""
-        if stage.name in self.response_tokens:
-            return min(float(self.response_tokens[stage.name]), float(budget))
+        if stage_cfg.name in self.response_tokens:
+            return min(float(self.response_tokens[stage_cfg.name]), float(budget))
         if rl_index < len(PAPER_MEAN_RESPONSE):
             return min(PAPER_MEAN_RESPONSE[rl_index], 0.6 * budget)
         return 0.45 * budget

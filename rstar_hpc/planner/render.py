@@ -15,7 +15,7 @@ def format_run_plan(p: dict) -> str:
     lines = [f"plan of {p['config']}: {p['model']}, {p['parameters'] / 1e9:.2f} B parameters"
              + (f" ({active / 1e9:.2f} B active)" if active != p["parameters"] else ""),
              f"rates: {r['source']}; {r['gpu']} ({r['peak_tflops']:g} TFLOPS, {r['hbm_tbs']:g} TB/s, "
-             f"{r['memory_gb']:g} GB), MFU {r['mfu']:g}, sync {r['sync_gbs']:.3g} GB/s, checkpoint "
+             f"{r['memory_gb']:g} GB), MFU {r['mfu']:.3g} ({r['mfu_source']}), sync {r['sync_gbs']:.3g} GB/s, checkpoint "
              f"{r['ckpt_gbs']:.3g} GB/s" + (f", decode {r['decode_tok_s']:.0f} tok/s per engine (measured)"
                                             if r.get("decode_tok_s") else ""),
              f"{p['nodes']} GPU nodes x {p['gpus_per_node']} devices; configured split "

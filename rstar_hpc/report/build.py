@@ -30,6 +30,10 @@ LINE_PLOTS = [
     ("response_length.png", "Response length", [("response_length", "")], "tokens (mean)",
      "Mean response length per RL step (tokens)"),
     ("tool_calls.png", "Tool calls per trajectory", [("tool_calls", "")], "calls", "Tool calls per trajectory"),
+    ("logprob_mismatch.png", "Rollout-trainer log-probability mismatch",
+     [("logprob_mismatch_mean", "mean"), ("logprob_mismatch_max", "max")], "|log p_engine - log p_trainer|",
+     ("Mean (solid) and max (dashed) |log p_engine - log p_trainer| over the trained tokens the trainer's own policy "
+      "version generated: numerics alone (kernels, precision, reductions); algo.tis.scope: all corrects it")),
 ]
 HEADLINE_ROWS = [("RL steps", "rl_steps"), ("mean reward, first 10% of steps", "mean_reward_first"),
                  ("mean reward, last 10% of steps", "mean_reward_last"),

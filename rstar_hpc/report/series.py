@@ -22,6 +22,9 @@ TRAINER_KEYS = {
     "error_share": "behaviour/error_share",
     "pass_rate_clean": "behaviour/pass_rate_clean",              # trajectories that called the tool and never failed
     "pass_rate_after_error": "behaviour/pass_rate_after_error",  # ... that failed a call (recovered or not)
+    # |log p_engine - log p_trainer| on the trainer's own version's tokens (trainer/off_policy.py)
+    "logprob_mismatch_mean": "train/logprob_mismatch_mean",
+    "logprob_mismatch_max": "train/logprob_mismatch_max",
     "time_read": "time/read(s)",
     "time_train": "time/train(s)",
     "time_publish": "time/publish(s)",

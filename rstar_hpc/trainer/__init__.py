@@ -20,5 +20,6 @@ checkpointed and published.
     heartbeat.py   rank 0 beats while a step makes progress (a long step is no hang)
     weight_sender.py  rank 0's in-memory offer of each policy to the engines (trainer.weight_sync: memory)
     memory_plan.py per-GPU memory and micro-batch plan of a layout (`rstar-hpc train --plan`), no torch
+    flops.py       model FLOPs and MFU: the one count behind perf/mfu, gpu-check, the planner, the benches
     job.py         the role's job: run(cfg, stage), called by `rstar-hpc train` (jobs/trainer.py)
 """

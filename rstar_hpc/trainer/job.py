@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from megatron.core import parallel_state
 
 from rstar_hpc import pipeline
 from rstar_hpc.cli.exit_codes import refusing
@@ -33,6 +34,7 @@ from rstar_hpc.exchange.policy_versions import newest_published
 from rstar_hpc.exchange.rundir import RunPaths
 from rstar_hpc.exchange.state import read_stage_state, write_heartbeat, write_stage_state
 from rstar_hpc.metrics_log import metrics_sink
+from rstar_hpc.trainer import flops
 from rstar_hpc.trainer.arch import Arch
 from rstar_hpc.trainer.checkpoint import Checkpointer, SaveOnSignal, TrainState, latest_checkpoint, load_checkpoint
 from rstar_hpc.trainer.heartbeat import ProgressBeat, starting
@@ -97,27 +99,27 @@ class StageTrainer:
     its loss and step), the saves (`ckpt`), rank 0's metrics sink and in-memory weight offers (`server`). Restored
     from the stage's own checkpoint, else the previous trainer stage's, else the model. Then `train()`, `close()`."""
 
-    def __init__(self, cfg: RunConfig, stage: StageConfig, backend: str, signal_save: SaveOnSignal):
-        self.cfg, self.stage, self.tcfg, self.backend = cfg, stage, cfg.trainer, backend
+    def __init__(self, cfg: RunConfig, stage_cfg: StageConfig, backend: str, signal_save: SaveOnSignal):
+        self.cfg, self.stage, self.tcfg, self.backend = cfg, stage_cfg, cfg.trainer, backend
         self.paths = RunPaths(cfg.run.dir)
         self.rank0 = torch.distributed.get_rank() == 0
         self.signal_save = signal_save
         self.metrics_out = metrics_sink(self.paths, "trainer") if self.rank0 else None   # metrics/, tb/<stage>/
         self.model_dir: Path = _model_dir(cfg)
-        starting(self.paths, stage.name, "building the model and its optimizer", self.rank0)
-        self.state: TrainState = _build_state(cfg, stage, self.model_dir, backend)
-        starting(self.paths, stage.name, "reading the stage's data", self.rank0)
-        self.data: StageData = _stage_data(cfg, stage, self.paths, self.model_dir)
-        starting(self.paths, stage.name, "restoring its weights and optimizer state", self.rank0)
-        log.info("stage %s (%s): %s", stage.name, stage.kind, _restore(self.state, self.data, cfg, stage, self.paths))
-        starting(self.paths, stage.name, "its first step", self.rank0)
+        starting(self.paths, stage_cfg.name, "building the model and its optimizer", self.rank0)
+        self.state: TrainState = _build_state(cfg, stage_cfg, self.model_dir, backend)
+        starting(self.paths, stage_cfg.name, "reading the stage's data", self.rank0)
+        self.data: StageData = _stage_data(cfg, stage_cfg, self.paths, self.model_dir)
+        starting(self.paths, stage_cfg.name, "restoring its weights and optimizer state", self.rank0)
+        log.info("stage %s (%s): %s", stage_cfg.name, stage_cfg.kind, _restore(self.state, self.data, cfg, stage_cfg, self.paths))
+        starting(self.paths, stage_cfg.name, "its first step", self.rank0)
         self.set_state("RUNNING", step=self.state.step, message="")
-        self.ckpt = Checkpointer(self.paths.ckpt_root(stage.name), async_save=self.tcfg.checkpoint.async_save,
+        self.ckpt = Checkpointer(self.paths.ckpt_root(stage_cfg.name), async_save=self.tcfg.checkpoint.async_save,
                                  keep_last=self.tcfg.checkpoint.keep_last, on_commit=self._committed)
-        self.server = start_server(self.tcfg, self.paths) if stage.kind == "rl" else None   # weight_sync: memory
+        self.server = start_server(self.tcfg, self.paths) if stage_cfg.kind == "rl" else None   # weight_sync: memory
         # rank 0 beats while a step makes progress: a long step is not taken for a hang (trainer/heartbeat.py)
-        self.beat = ProgressBeat(self.paths, lambda: f"stage {stage.name}: training step {self.state.step + 1}",
-                                 stage.name, every_s=self.tcfg.heartbeat_s) if self.rank0 else None
+        self.beat = ProgressBeat(self.paths, lambda: f"stage {stage_cfg.name}: training step {self.state.step + 1}",
+                                 stage_cfg.name, every_s=self.tcfg.heartbeat_s) if self.rank0 else None
 
     def train(self, on_step: Callable[[int, dict], None] | None = None) -> int:
         """The stage's remaining steps: 0 when it is done, EXIT_REQUEUE after a save on USR2/TERM."""
@@ -144,7 +146,7 @@ class StageTrainer:
                     self.checkpoint(wait=stop or state.step == stage.num_steps)
                 _pop_async_seconds(self.ckpt, metrics)
             metrics.update(timer.metrics())
-            _log_step(self.metrics_out, stage, state.step, metrics, self.backend, state.model, data)
+            _log_step(self.metrics_out, stage, state.step, metrics, self.backend, data)
             if self.rank0:
                 write_heartbeat(self.paths, "trainer", f"stage {stage.name}: trained step {state.step}/"
                                 f"{stage.num_steps}", stage=stage.name, step=state.step)
@@ -232,56 +234,56 @@ def _model_dir(cfg: RunConfig) -> Path:
     return resolve_model(cfg, build=False)
 
 
-def _build_state(cfg: RunConfig, stage: StageConfig, model_dir: Path, backend: str) -> TrainState:
+def _build_state(cfg: RunConfig, stage_cfg: StageConfig, model_dir: Path, backend: str) -> TrainState:
     """The policy with the model's weights, its optimizer and the stage's lr schedule."""
     tcfg = cfg.trainer
     model = build_policy(Arch.from_hf_config(model_dir), tcfg, backend, seed=cfg.run.seed)
     load_hf_checkpoint(model, model_dir)
-    opt_cfg, lr = tcfg.optimizer, stage.lr or tcfg.optimizer.lr
+    opt_cfg, lr = tcfg.optimizer, stage_cfg.lr or tcfg.optimizer.lr
     optimizer = build_optimizer(model, tcfg, lr)  # after the weights: it copies them to fp32 main weights
-    schedule = opt_cfg.sft_schedule if stage.kind == "sft" else opt_cfg.schedule
-    scheduler = build_scheduler(optimizer, pipeline.warmup_steps(cfg, stage.name), stage.num_steps, schedule,
+    schedule = opt_cfg.sft_schedule if stage_cfg.kind == "sft" else opt_cfg.schedule
+    scheduler = build_scheduler(optimizer, pipeline.warmup_steps(cfg, stage_cfg.name), stage_cfg.num_steps, schedule,
                                 opt_cfg.min_lr_ratio)
     return TrainState(model, optimizer, scheduler)
 
 
-def _stage_data(cfg: RunConfig, stage: StageConfig, paths: RunPaths, model_dir: Path) -> StageData:
+def _stage_data(cfg: RunConfig, stage_cfg: StageConfig, paths: RunPaths, model_dir: Path) -> StageData:
     """The one place the stage's kind picks its data; past it the loop speaks StageData only."""
-    if stage.kind == "sft":
+    if stage_cfg.kind == "sft":
         from rstar_hpc.trainer.sft import SFTStageData
 
         with refusing("trainer"):   # the stage's data file; an rl stage's is the run's own trajectories
-            return SFTStageData(cfg, stage, model_dir)
+            return SFTStageData(cfg, stage_cfg, model_dir)
     from rstar_hpc.trainer.rl import RLStageData
 
-    return RLStageData(cfg, stage, paths)
+    return RLStageData(cfg, stage_cfg, paths)
 
 
-def _restore(state: TrainState, data: StageData, cfg: RunConfig, stage: StageConfig, paths: RunPaths) -> str:
+def _restore(state: TrainState, data: StageData, cfg: RunConfig, stage_cfg: StageConfig, paths: RunPaths) -> str:
     """Resume the stage, or carry the previous trainer stage's policy over, or start from the model."""
-    own = latest_checkpoint(paths.ckpt_root(stage.name))
+    own = latest_checkpoint(paths.ckpt_root(stage_cfg.name))
     if own is not None:
         load_checkpoint(state, own)
         data.load_state_dict(state.data_state)
         return f"resumed from {own} (step {state.step})"
     data.load_state_dict(data.initial_state)  # a fresh stage: checks that the data's own cursor agrees
-    prev = pipeline.previous_trainer_stage(cfg, stage.name)
+    prev = pipeline.previous_trainer_stage(cfg, stage_cfg.name)
     if prev is None:
         return "starting from the model's weights"
     path = latest_checkpoint(paths.ckpt_root(prev.name))
     if path is None:
-        raise FileNotFoundError(f"stage {stage.name!r} follows trainer stage {prev.name!r}, which has no checkpoint in "
+        raise FileNotFoundError(f"stage {stage_cfg.name!r} follows trainer stage {prev.name!r}, which has no checkpoint in "
                                 f"{paths.ckpt_root(prev.name)}; train it first (rstar-hpc train CONFIG --stage "
                                 f"{prev.name}) or remove it from `stages`")
     # the earlier stage's optimizer state carries its lr and schedule; this stage's hyper-parameters apply
     hyper = [{k: v for k, v in g.items() if k != "params"} for g in state.optimizer.param_groups]
     scheduler, state.scheduler = state.scheduler, None
-    load_checkpoint(state, path, reset_optimizer=stage.reset_optimizer)
+    load_checkpoint(state, path, reset_optimizer=stage_cfg.reset_optimizer)
     for g, h in zip(state.optimizer.param_groups, hyper):
         g.update(h)
     state.scheduler, state.step, state.data_state = scheduler, 0, {}
-    return (f"weights {'' if stage.reset_optimizer else 'and AdamW moments '}from {path} "
-            f"(stage {prev.name}){'; optimizer reset' if stage.reset_optimizer else ''}")
+    return (f"weights {'' if stage_cfg.reset_optimizer else 'and AdamW moments '}from {path} "
+            f"(stage {prev.name}){'; optimizer reset' if stage_cfg.reset_optimizer else ''}")
 
 
 def _pop_async_seconds(ckpt: Checkpointer, metrics: dict) -> None:
@@ -296,10 +298,10 @@ def _env_rank0() -> bool:
     return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0
 
 
-def _set_state(paths: RunPaths, stage: StageConfig, rank0: bool, status: str, **changes) -> None:
+def _set_state(paths: RunPaths, stage_cfg: StageConfig, rank0: bool, status: str, **changes) -> None:
     if not rank0:
         return
-    current = read_stage_state(paths, stage.name)
+    current = read_stage_state(paths, stage_cfg.name)
     write_stage_state(paths, current.advance(status, policy_version=newest_published(paths), **changes))
 
 
@@ -324,26 +326,32 @@ class _Timer:
         return {**{f"time/{k}(s)": v for k, v in self.phases.items()}, "time/step(s)": time.perf_counter() - self.start}
 
 
-def _mfu(model: torch.nn.Module, metrics: dict) -> float | None:
-    """Model FLOPs utilisation of this GPU in the update: 6 x its parameters (its tensor-parallel shard) x its
-    tokens/s, dense matmuls only, over the peak (RSTAR_HPC_PEAK_TFLOPS; default H100/H200 dense bf16, 989)."""
-    if "tokens_per_s" not in metrics:  # a skipped (empty) RL step
+def _mfu(metrics: dict) -> float | None:
+    """Model FLOPs utilisation of this GPU (trainer/flops.py, as gpu-check's): the step's model FLOPs on this
+    data-parallel rank's samples over the time of its update and pi_old recompute, shared by the tensor- and
+    pipeline-parallel ranks; the peak is RSTAR_HPC_PEAK_TFLOPS, else the card's (none for an unknown card)."""
+    if "perf/model_flops" not in metrics:  # a skipped (empty) RL step
         return None
-    params = sum(p.numel() for p in model.parameters())
-    return 6 * params * metrics["tokens_per_s"] / (float(os.environ.get("RSTAR_HPC_PEAK_TFLOPS", "989")) * 1e12)
+    env = os.environ.get("RSTAR_HPC_PEAK_TFLOPS")
+    peak = float(env) if env else flops.peak_tflops(torch.cuda.get_device_name())
+    if peak is None:
+        return None
+    seconds = metrics["step_time_s"] + metrics.get("time/recompute_old_logprobs(s)", 0.0)
+    shared = parallel_state.get_tensor_model_parallel_world_size() * \
+        parallel_state.get_pipeline_model_parallel_world_size()
+    return flops.mfu(metrics["perf/model_flops"], seconds, peak, devices=shared)
 
 
-def _log_step(out, stage: StageConfig, step: int, metrics: dict, backend: str, model: torch.nn.Module,
-              data: StageData) -> None:
+def _log_step(out, stage_cfg: StageConfig, step: int, metrics: dict, backend: str, data: StageData) -> None:
     if out is None:
         return
-    mfu = _mfu(model, metrics) if backend == "cuda" else None
+    mfu = _mfu(metrics) if backend == "cuda" else None
     if mfu is not None:
         metrics["perf/mfu"] = mfu
     clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
-    out.write({"stage": stage.name, "step": step, "time": time.time(), **clean})
+    out.write({"stage": stage_cfg.name, "step": step, "time": time.time(), **clean})
     extra = data.describe(metrics)
-    log.info("%s step %*d/%d | loss %8.4f | grad_norm %7.3f | lr %.2e | tok/s %8.0f%s | step %.2fs", stage.name,
-             len(str(stage.num_steps)), step, stage.num_steps, metrics.get("loss", float("nan")),
+    log.info("%s step %*d/%d | loss %8.4f | grad_norm %7.3f | lr %.2e | tok/s %8.0f%s | step %.2fs", stage_cfg.name,
+             len(str(stage_cfg.num_steps)), step, stage_cfg.num_steps, metrics.get("loss", float("nan")),
              metrics.get("grad_norm", float("nan")), metrics.get("lr", float("nan")), metrics.get("tokens_per_s", 0.0),
              extra, metrics["time/step(s)"])

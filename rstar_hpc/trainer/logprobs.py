@@ -179,16 +179,30 @@ def aligned_logprobs(hidden: torch.Tensor, weight: torch.Tensor, mb, vocab_size:
     return out.masked_fill_(starts, 0.0)
 
 
+def _add_weight_grad(main: torch.Tensor, d32: torch.Tensor, d: torch.Tensor, h: torch.Tensor) -> None:
+    """main += d @ h: a chunk's weight gradient into the gradient buffer (`main_grad`, fp32 unless
+    grad_reduce_in_fp32 is off), with no weight-sized temporary, as megatron's gradient-accumulation fusion does."""
+    if main.dtype == h.dtype:
+        main.addmm_(d, h)
+    elif main.is_cuda:   # bf16 operands, fp32 accumulation and output: one cuBLAS GEMM
+        torch.addmm(main, d, h, out_dtype=main.dtype, out=main)
+    else:   # no mixed-dtype GEMM on the CPU: the chunk's fp32 gradient, and its few hidden rows upcast
+        main.addmm_(d32, h.to(main.dtype))
+
+
 class _FusedLoss(torch.autograd.Function):
     """The loss SUM of a micro-batch from the policy's flattened output and the output weight; see
-    `fused_loss`. The forward leaves the gradients, the backward scales them."""
+    `fused_loss`. The forward leaves the gradients, the backward scales them. A weight with megatron's gradient
+    buffer (`main_grad`: the trainer's, under DDP) gets its gradient added there in the forward, chunk by chunk; the
+    schedule's output gradient is then 1 (no loss scale: fp16 is no params_dtype, config.grad_scale_func is unset)."""
 
     @staticmethod
     def forward(ctx, flat, weight, mb, vocab_size: int, chunk: int, group, loss_fn, metrics: dict):
         first, valid = _vocab_range(weight, vocab_size, group)
         src, targets, starts = _aligned_rows(mb, flat.device)
         grad_h = torch.zeros_like(flat, dtype=torch.float32)
-        grad_w = torch.empty_like(weight) if ctx.needs_input_grad[1] else None
+        main = getattr(weight, "main_grad", None) if ctx.needs_input_grad[1] else None
+        grad_w = torch.empty_like(weight) if ctx.needs_input_grad[1] and main is None else None
         if grad_w is not None:
             grad_w[valid:].zero_()   # padding rows; the real ones are written by the first chunk
         total = flat.new_zeros((), dtype=torch.float32)
@@ -206,26 +220,39 @@ class _FusedLoss(torch.autograd.Function):
                 continue
             # d loss / d logits = g * (onehot(target) - softmax), formed in place of the exponentials
             g = g.detach().float()
-            d = exps.mul_((-g / sums)[None, :])
-            d.scatter_add_(0, row[None, :], torch.where(mine, g, 0.0)[None, :])
-            d = d.to(flat.dtype)
+            d32 = exps.mul_((-g / sums)[None, :])
+            d32.scatter_add_(0, row[None, :], torch.where(mine, g, 0.0)[None, :])
+            d = d32.to(flat.dtype)
             w = weight[:valid]
             grad_h.index_add_(0, src[a:b], (w.t() @ d).t().float())
-            if grad_w is not None and a == 0:
+            if main is not None:
+                _add_weight_grad(main[:valid], d32, d, h)
+            elif grad_w is not None and a == 0:
                 torch.mm(d, h, out=grad_w[:valid])
             elif grad_w is not None:
                 grad_w[:valid].addmm_(d, h)
-            del exps, d   # before the next chunk's logits: one chunk buffer at a time
+            del exps, d32, d   # before the next chunk's logits: one chunk buffer at a time
         ctx.grads = (grad_h.to(flat.dtype), grad_w)
+        ctx.weight = weight if main is not None else None
         return total
 
     @staticmethod
     def backward(ctx, grad):
         grad_h, grad_w = ctx.grads
-        ctx.grads = None
+        weight, ctx.grads, ctx.weight = ctx.weight, None, None
+        if weight is not None and grad.device.type == "cpu" and float(grad) != 1.0:
+            raise RuntimeError(f"a loss scale ({float(grad)}) on the fused loss, whose weight gradient went into "
+                               f"main_grad unscaled in the forward")
         if grad.device.type != "cpu" or float(grad) != 1.0:   # the schedule's scale: 1 unless a loss scale applies
             grad_h = grad_h * grad.to(grad_h.dtype)
             grad_w = grad_w.mul_(grad.to(grad_w.dtype)) if grad_w is not None else None
+        if weight is not None and getattr(weight, "overlap_grad_reduce", False) and \
+                not getattr(weight, "zero_out_wgrad", False):
+            # DDP's hook launches the bucket's overlapped reduce when the weight's gradient arrives: megatron's
+            # unread dummy, flagged as added already. A tied weight (zero_out_wgrad) needs none: the embedding's
+            # own gradient runs the hook, which adds it to main_grad.
+            grad_w = torch.empty_like(weight)
+            weight.grad_added_to_main_grad = True
         return grad_h, grad_w, None, None, None, None, None, None
 
 

@@ -75,19 +75,6 @@ class Plan:
                 "fits": None if self.gpu_memory_gib is None else self.total_gib <= self.gpu_memory_gib}
 
 
-def model_flops(s: ModelShape, seqlens: list[int], passes: int = 3) -> tuple[float, int]:
-    """(model FLOPs of `passes` passes over samples of these lengths, N): 3 for a training step (forward and
-    backward), 1 for a forward (the RL step's pi_old recompute). Per pass 2 * N * tokens + 2 * L * H * d * sum(s^2):
-    N the matmul parameters (the tied embedding once, as the LM head), the second term causal attention (QK^T and AV,
-    half the square). Flash attention's recomputation in backward is not counted: model FLOPs, as MFU uses. A
-    mixture of experts counts the experts a token goes through (top-k) and the router: its active parameters."""
-    h, d = s.hidden_size, s.head_dim
-    per_layer = h * d * (s.num_heads + 2 * s.num_kv_heads) + s.num_heads * d * h + s.active_mlp_params
-    n = s.num_layers * per_layer + s.vocab_size * h
-    attention = 2 * passes * s.num_layers * s.num_heads * d * sum(x * x for x in seqlens)
-    return 2.0 * passes * n * sum(seqlens) + attention, n
-
-
 def params_per_rank(s: ModelShape, tp: int, pp: int, ep: int = 1) -> int:
     """Parameters on one rank of the first (or last) stage: its layers' shard plus one vocabulary matrix; with
     experts, its 1/ep of them split over tp, and the router whole."""

@@ -38,6 +38,7 @@ from megatron.core.utils import local_multi_tensor_l2_norm
 
 from rstar_hpc.trainer import host_device
 from rstar_hpc.trainer.arch import Arch
+from rstar_hpc.trainer.logprobs import output_weight
 from rstar_hpc.trainer.model import Backend, Recompute, build_model
 from rstar_hpc.trainer.parallel_dims import ParallelDims
 
@@ -240,6 +241,8 @@ def build_policy(arch: Arch, trainer, backend: Backend, *, seed: int = 0) -> Pol
                                 gradient_accumulation_fusion=knobs["gradient_accumulation_fusion"])
             # one bucket per chunk after the first, as Megatron-LM does (their grads finish at different times)
             chunks.append(DistributedDataParallel(model.config, ddp_config, model, disable_bucketing=v > 0))
+            if model.post_process:   # the fused loss writes this weight's gradient into main_grad (logprobs.py)
+                output_weight(model).overlap_grad_reduce = ddp_config.overlap_grad_reduce
     for c in chunks:
         c.config.finalize_model_grads_func = finalize_model_grads
         c.config.no_sync_func = [x.no_sync for x in chunks] if len(chunks) > 1 else chunks[0].no_sync

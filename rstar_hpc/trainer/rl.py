@@ -48,6 +48,7 @@ from rstar_hpc.algo.metrics import behaviour_metrics, loss_metrics, response_len
 from rstar_hpc.algo.roc import select_step
 from rstar_hpc.config.algo import AlgoConfig, LossConfig
 from rstar_hpc.config.run import RunConfig
+from rstar_hpc.config.stages import StageConfig
 from rstar_hpc.config.trainer import TrainerConfig
 from rstar_hpc.exchange.columns import TrajectoryColumns
 from rstar_hpc.exchange.errors import CorruptShardError, ExchangeError, StepNotReadyError
@@ -57,6 +58,7 @@ from rstar_hpc.exchange.quarantine import quarantine_commit
 from rstar_hpc.exchange.reader import Consumer
 from rstar_hpc.exchange.rundir import RunPaths
 from rstar_hpc.exchange.state import silence_s, write_heartbeat
+from rstar_hpc.trainer.flops import model_flops
 from rstar_hpc.trainer.off_policy import recompute_old_logprobs, staleness_mask
 from rstar_hpc.trainer.parallel import collective_device, from_last_stage
 from rstar_hpc.trainer.step import TokenSlice, pack, train_step
@@ -181,10 +183,10 @@ def _any_rank(*flags: bool) -> list[bool]:
 
 
 def rl_step(model, optimizer, scheduler, batch: RLBatch, loss_cfg: LossConfig, trainer: TrainerConfig, *,
-            temperature: float = 1.0) -> dict[str, float]:
+            temperature: float = 1.0, tis_scope: str = "stale") -> dict[str, float]:
     """One GRPO-RoC update of the `parallel.Policy` `model` on `batch` (collective over all trainer ranks);
     returns the step's metrics. Tokens another policy version generated (batch.stale) are importance-weighted
-    (algo.loss.tis_cap). `temperature`: the rollout's sampling temperature, at which the trainer takes its
+    (algo.loss.tis_cap), every token with `tis_scope` "all" (algo.tis.scope). `temperature`: the rollout's sampling temperature, at which the trainer takes its
     logprobs so that they compare with the engines' (which vLLM returns after temperature)."""
     metrics = dict(batch.metrics)
     if batch.empty:
@@ -195,7 +197,7 @@ def rl_step(model, optimizer, scheduler, batch: RLBatch, loss_cfg: LossConfig, t
                          old_logprobs=batch.old_logprobs, stale=batch.stale)
     if trainer.recompute_old_logprobs:
         t0 = time.perf_counter()
-        metrics.update(recompute_old_logprobs(model, micro_batches, loss_cfg.tis_cap, temperature))
+        metrics.update(recompute_old_logprobs(model, micro_batches, loss_cfg.tis_cap, temperature, tis_scope))
         metrics["time/recompute_old_logprobs(s)"] = time.perf_counter() - t0
     stats: list[LossStats] = []
 
@@ -207,6 +209,8 @@ def rl_step(model, optimizer, scheduler, batch: RLBatch, loss_cfg: LossConfig, t
         return loss, {}
 
     out = train_step(model, optimizer, scheduler, micro_batches, loss_fn, temperature)
+    if trainer.recompute_old_logprobs:   # its forward pass counts in perf/mfu, as its time does
+        out["perf/model_flops"] += model_flops(model.arch, [n for mb in micro_batches for n in mb.seqlens], 1)[0]
     # the loss ran on the last pipeline stage: its sums, over data-parallel ranks, on every rank
     summed = from_last_stage({k: sum(s[k] for s in stats) for k in LossStats.__annotations__})
     metrics.update(loss_metrics(LossStats(**summed), num_tokens=out["num_tokens"]))
@@ -350,8 +354,9 @@ class RLStageData:
     GRPO-RoC updates. Its state holds the data cursor and the policy version of the trainer's weights, which
     decides per token whether the trainer's own policy generated it (build_batch)."""
 
-    def __init__(self, cfg: RunConfig, stage, paths: RunPaths):
-        self.loss_cfg, self.trainer, self.paths, self.stage = cfg.algo.loss, cfg.trainer, paths, stage.name
+    def __init__(self, cfg: RunConfig, stage_cfg: StageConfig, paths: RunPaths):
+        self.loss_cfg, self.trainer, self.paths, self.stage = cfg.algo.loss, cfg.trainer, paths, stage_cfg.name
+        self.tis_scope = cfg.algo.tis.scope
         self.temperature = cfg.rollout.agent.temperature   # the engines' logprobs are taken after it
         sc = cfg.rollout.scheduler
         if (sc.policy_lag or sc.partial_rollouts) and not cfg.trainer.recompute_old_logprobs and \
@@ -360,10 +365,13 @@ class RLStageData:
                         "with trainer.recompute_old_logprobs false no importance weight applies (algo.loss.tis_cap "
                         "needs the recomputed pi_old): their ratio is taken against the engine's logprobs",
                         sc.policy_lag, sc.partial_rollouts)
+        if self.tis_scope == "all" and not (cfg.trainer.recompute_old_logprobs and cfg.algo.loss.tis_cap):
+            log.warning("algo.tis.scope all weights no token without trainer.recompute_old_logprobs and "
+                        "algo.loss.tis_cap")
         # partial rollouts carry groups from a step into the next: such a step cannot be regenerated alone
-        self.source = TrajectorySource(paths, stage.name, cfg.algo, cfg.trainer, run_seed=cfg.run.seed,
+        self.source = TrajectorySource(paths, stage_cfg.name, cfg.algo, cfg.trainer, run_seed=cfg.run.seed,
                                        regenerate_corrupt=not sc.partial_rollouts)
-        self.start = pipeline.starting_policy(cfg, stage.name)
+        self.start = pipeline.starting_policy(cfg, stage_cfg.name)
         # a fresh stage: no trajectory step trained yet, the weights are the stage's starting policy's
         self.initial_state = {"next_traj_step": 0, "policy_version": version_made_of(paths, self.start)}
 
@@ -376,7 +384,7 @@ class RLStageData:
             write_heartbeat(self.paths, "trainer", f"stage {self.stage}: training on the trajectories of step "
                             f"{batch.step}", stage=self.stage, step=batch.step, phase="train")
         metrics = rl_step(model, optimizer, scheduler, batch, self.loss_cfg, self.trainer,
-                          temperature=self.temperature)
+                          temperature=self.temperature, tis_scope=self.tis_scope)
         self.source.hold(None)   # new weights: no version until one is made of them (now_holds)
         return metrics
 

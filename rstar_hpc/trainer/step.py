@@ -24,6 +24,7 @@ from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from rstar_hpc.trainer import host_device
+from rstar_hpc.trainer.flops import model_flops
 from rstar_hpc.trainer.logprobs import aligned_logprobs, fused_loss, output_weight, unwrapped
 from rstar_hpc.trainer.attention import packed_seq_params
 from rstar_hpc.trainer.packing import (  # noqa: F401  (re-exported)
@@ -272,7 +273,8 @@ def train_step(policy: Policy, optimizer, scheduler: LRSchedule | None, micro_ba
 
     `loss` is the token-mean of `loss_fn` over the step (all micro-batches, all data-parallel ranks), as is
     every metric the loss function returns; `loss_fn` sees log-probabilities at `temperature` (an RL step: the
-    rollout's sampling temperature, so they compare with the engines')."""
+    rollout's sampling temperature, so they compare with the engines'). `perf/model_flops`: the update's model
+    FLOPs on this rank's samples (trainer/flops.py), for perf/mfu."""
     t0 = time.perf_counter()
     policy.train()
     metrics = forward_backward(policy, micro_batches, loss_fn, temperature)
@@ -283,6 +285,8 @@ def train_step(policy: Policy, optimizer, scheduler: LRSchedule | None, micro_ba
         scheduler.step()
     t2 = time.perf_counter()
     tokens = sum(mb.num_tokens for mb in micro_batches)
+    seqlens = [n for mb in micro_batches for n in mb.seqlens]
     return {**metrics, "grad_norm": grad_norm, "lr": lr, "train/update_skipped": float(not applied),
             "tokens_per_s": tokens / (t2 - t0), "step_time_s": t2 - t0,
+            "perf/model_flops": model_flops(policy.arch, seqlens)[0],
             "time/forward_backward(s)": t1 - t0, "time/optimizer(s)": t2 - t1}

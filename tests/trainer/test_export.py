@@ -174,15 +174,18 @@ def test_transformers_gives_the_trainers_logprobs(exported, trajectory, trainer_
 
 
 @pytest.mark.vllm
-def test_vllm_serves_the_export_with_the_trainers_logprobs_and_template(run, exported, trajectory,
-                                                                         trainer_logprobs):
+def test_vllm_serves_the_export_in_bf16_near_the_trainers_logprobs(run, exported, trajectory, trainer_logprobs):
+    """In bf16, as a GPU rollout serves, against the trainer's fp32 logprobs on the same tokens: a small mismatch,
+    not none (what train/logprob_mismatch_* measures and algo.tis.scope: all corrects). In fp32 the two agree
+    within 2e-3: test_families' vLLM test, test_e2e."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     from rstar_hpc.rollout.engine_args import vllm_engine_kwargs
 
     cfg = load_config(run.config)
-    llm = LLM(**vllm_engine_kwargs(cfg.rollout.engine, exported["early"], seed=0))
+    llm = LLM(**vllm_engine_kwargs(cfg.rollout.engine.model_copy(update={"dtype": "bfloat16"}), exported["early"],
+                                   seed=0))
     try:
         defaults = llm.get_default_sampling_params()   # from generation_config.json
         assert (defaults.temperature, defaults.top_p, defaults.max_tokens) == (1.0, 1.0, 512)
@@ -190,7 +193,9 @@ def test_vllm_serves_the_export_with_the_trainers_logprobs_and_template(run, exp
         out = llm.generate(TokensPrompt(prompt_token_ids=ids), SamplingParams(max_tokens=1, prompt_logprobs=0),
                            use_tqdm=False)[0]
         lp = torch.tensor([d[t].logprob for d, t in zip(out.prompt_logprobs[1:], ids[1:])])
-        torch.testing.assert_close(lp, trainer_logprobs, atol=2e-3, rtol=0)
+        mismatch = (lp - trainer_logprobs).abs()
+        print(f"bf16 engine vs fp32 trainer: mean {float(mismatch.mean()):.2e}, max {float(mismatch.max()):.2e}")
+        assert 1e-3 < float(mismatch.mean()) and float(mismatch.max()) < 0.1, mismatch   # 4.6e-3, 2.0e-2 measured
         chat = llm.chat([trajectory["messages"][:1]], SamplingParams(max_tokens=1), tools=[fmt.TOOL_SCHEMA],
                         use_tqdm=False)[0]
         assert chat.prompt_token_ids == trajectory["prompt_ids"]

@@ -49,7 +49,7 @@ def _sample_means(model, batch) -> list[float]:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_rl_step_moves_positive_tokens_up_and_negative_down(dist1, tiny_hf_dir, tmp_path, backend):
+def test_rl_step_moves_positive_tokens_up_and_negative_down(dist1, tiny_hf_dir, tmp_path, backend, monkeypatch):
     cfg = _cfg(tmp_path, tiny_hf_dir)
     paths = RunPaths(cfg.run.dir)
     model = _model(tiny_hf_dir, backend)
@@ -76,8 +76,18 @@ def test_rl_step_moves_positive_tokens_up_and_negative_down(dist1, tiny_hf_dir, 
 
     assert metrics["train/skipped_empty_step"] == 0.0
     assert metrics["train/old_logprob_gap_mean"] == pytest.approx(0.05, abs=1e-4)  # engine minus trainer
+    # the trainer's own version made every token: the rollout-trainer mismatch is measured on all of them
+    assert metrics["train/logprob_mismatch_mean"] == pytest.approx(0.05, abs=1e-4)
+    assert metrics["train/logprob_mismatch_max"] == pytest.approx(0.05, abs=1e-4)
     assert metrics["train/approx_kl"] == pytest.approx(0.0, abs=1e-6)  # pi_old recomputed: ratio 1 at the start
     assert metrics["train/num_tokens"] == 8 * 9 and metrics["tokens_per_s"] > 0
+    # perf/mfu's count (trainer/flops.py): the update's 3 passes and the pi_old recompute's one, over their time
+    from rstar_hpc.trainer import flops, job
+    assert metrics["perf/model_flops"] == pytest.approx(
+        flops.model_flops(model.arch, [ids.numel() for ids, _ in batch.samples], passes=4)[0])
+    monkeypatch.setenv("RSTAR_HPC_PEAK_TFLOPS", "1e-3")
+    assert job._mfu(metrics) == pytest.approx(metrics["perf/model_flops"] / 1e9 / (
+        metrics["step_time_s"] + metrics["time/recompute_old_logprobs(s)"]))
     # the policy's entropy on the trained tokens (the chunks' values are checked in test_logprobs): a fresh tiny
     # model is near uniform over its vocabulary
     vocab = cfg.model.tiny.vocab_size
@@ -115,6 +125,7 @@ def test_tokens_of_an_older_policy_are_weighted_by_truncated_importance_ratios(d
     batch = TrajectorySource(paths, STAGE, cfg.algo, cfg.trainer, run_seed=cfg.run.seed, held_version=1).next()
     m = rl_step(model, make_optimizer(model, lr=1e-3), None, batch, cfg.algo.loss, cfg.trainer)
     assert m["rollout/stale_token_fraction"] == 1.0 and m["train/is_weighted_fraction"] == 1.0
+    assert "train/logprob_mismatch_mean" not in m and on["train/logprob_mismatch_mean"] > 0   # own tokens only
     assert m["train/is_ratio_max"] == pytest.approx(2.718, abs=1e-2)
     assert m["train/is_ratio_min"] == pytest.approx(0.905, abs=1e-2)
     assert 0.0 < m["train/is_truncated_fraction"] < 1.0
@@ -165,6 +176,32 @@ def test_an_on_policy_step_mixing_versions_corrects_exactly_the_older_ones(dist1
         t.policy_version, t.token_policy_versions = 0 if t.policy_version == 1 else 1, None
     held = build_batch(_table(trajs), 0, cfg.algo, cfg.trainer, run_seed=0, held_version=2)
     assert held.metrics["rollout/stale_tokens_masked"] == 4 * 9   # the 4 v0 trajectories' 9 trained tokens each
+
+
+@pytest.mark.parametrize("scope", ["stale", "all"])
+def test_tis_scope_and_the_mismatch_on_the_trainers_own_tokens(dist1, monkeypatch, scope):
+    """Known logprobs, no model. `stale` weights only other versions' tokens, `all` every trained token, by
+    min(pi_old / pi_behaviour, tis_cap); the mismatch is mean and max |engine - trainer| over the trained tokens of
+    the trainer's own version only (neither the stale ones nor an untrained one count)."""
+    from rstar_hpc.trainer import off_policy
+
+    mask = torch.tensor([0, 1, 1, 1, 0, 1, 1, 0], dtype=torch.bool)       # two samples of 4 tokens
+    stale = torch.tensor([0, 0, 1, 1, 0, 0, 0, 0], dtype=torch.float32)
+    mine = torch.tensor([0.0, -1.0, -2.0, -0.5, 0.0, -1.5, -0.25, -1.0])
+    behaviour = mine + torch.tensor([0.0, 0.01, 1.0, -1.0, 0.0, -0.03, 0.02, 5.0])   # engine minus trainer
+    mb = MicroBatch(torch.arange(8), [4, 4], mask, torch.ones(8), behaviour.clone(), extras={"stale": stale})
+    monkeypatch.setattr(off_policy, "forward_logprobs", lambda model, mbs, t: [mine.clone()])
+    m = off_policy.recompute_old_logprobs(None, [mb], tis_cap=2.0, scope=scope)
+
+    assert m["train/logprob_mismatch_mean"] == pytest.approx((0.01 + 0.03 + 0.02) / 3, abs=1e-6)
+    assert m["train/logprob_mismatch_max"] == pytest.approx(0.03, abs=1e-6)
+    assert torch.equal(mb.old_logprobs, mine)
+    weighted = mask if scope == "all" else mask & stale.bool()
+    expected = torch.where(weighted, (mine - behaviour).exp().clamp(max=2.0), 1.0)
+    torch.testing.assert_close(mb.extras["is_weight"], expected, rtol=1e-6, atol=0)
+    own = mask & ~stale.bool()
+    assert (mb.extras["is_weight"][own] != 1).all() if scope == "all" else (mb.extras["is_weight"][own] == 1).all()
+    assert m["train/is_weighted_fraction"] == (1.0 if scope == "all" else 2 / 5)
 
 
 def test_the_trainer_knows_which_policy_version_it_holds(dist1, tiny_hf_dir, tmp_path):

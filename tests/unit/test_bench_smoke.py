@@ -97,9 +97,9 @@ def test_bench_quick_runs_and_ends_with_its_figures(script, tmp_path, short_tmpd
         assert rc == (0 if figures[flag] else 1), f"bench/{script}: exit {rc} with {flag}={figures[flag]}"
     else:
         assert rc == 0, f"bench/{script}: exit {rc}:\n{stderr[-3000:]}"
-    if script == "logprobs.py":   # both paths ran and computed the same loss
+    if script == "logprobs.py":   # both paths ran and computed the same loss and weight gradient
         assert figures["peak_ratio"] > 0 and figures["speed_ratio"] > 0
-        assert figures["loss_rel_diff"] < 1e-5
+        assert figures["loss_rel_diff"] < 1e-5 and figures["weight_grad_rel_diff"] < 1e-5
     if script == "exchange.py":   # what tests/unit/test_exchange_bench.py checked
         for fmt in ("arrow", "jsonl", "parquet"):
             assert figures[fmt]["bytes"] > 0 and figures[fmt]["write_s"] > 0

@@ -75,7 +75,8 @@ def test_parameter_counts_are_the_checkpoints():
 
 
 def test_moe_memory_counts_every_expert_and_flops_the_active_ones():
-    from rstar_hpc.trainer.memory_plan import model_flops, params_per_rank
+    from rstar_hpc.trainer.flops import model_flops
+    from rstar_hpc.trainer.memory_plan import params_per_rank
 
     moe = PUBLISHED["qwen3-30b-a3b"]
     assert model_flops(moe, [1000], passes=1)[1] == moe.active_params - moe.vocab_size * moe.hidden_size - \

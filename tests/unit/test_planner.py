@@ -108,3 +108,38 @@ def test_rollout_idle_from_the_runs_own_records(tmp_path):
     assert idle["steps"] == 4 and idle["idle_fraction"] == 0.25
     assert idle["text"] == "rollout idle 25% of the last 4 steps, waiting on the trainer's policy"
     assert rollout_idle(tmp_path, last=None)["idle_fraction"] == round(104 / 117, 4)
+
+
+def test_the_per_card_mfu_is_read_from_the_newest_gpu_figures_file(tmp_path, monkeypatch):
+    """gpu-check's files (planner/gpu_figures.py): the newest of the card, its largest model's RL step with selective
+    recompute, the mean over its runs; another card's files and a torn file do not count; the plan says which."""
+    from rstar_hpc.planner import gpu_figures, rates
+
+    def run(date: str, card: str, models: dict, repeats: dict | None = None) -> Path:
+        figs = {"date": date, "card": card, "commit": f"c{date[-2:]}", "models": {
+            name: {"params": params, "selective": {"rl": {"mfu": mfu}}, "none": {"rl": {"mfu": 0.9}}}
+            for name, (params, mfu) in models.items()}}
+        if repeats:
+            figs["repeats"] = {name: {"selective": {"rl": {"mfu": mfu}}} for name, mfu in repeats.items()}
+        return gpu_figures.write_figures(figs, tmp_path)
+
+    run("2026-11-01", "h200", {"small": (1, 0.2), "big": (9, 0.3)})
+    newest = run("2026-11-20", "h200", {"small": (1, 0.25), "big": (9, 0.40)}, repeats={"big": 0.30})
+    run("2026-11-25", "h100", {"big": (9, 0.5)})
+    (tmp_path / "2026-11-30-h200-torn.json").write_text('{"date": "2026-11-30", "card": "h2')
+    assert newest.name == "2026-11-20-h200-c20.json"
+    mfu, source = gpu_figures.measured_mfu("h200", tmp_path)
+    assert mfu == pytest.approx(0.35) and source.startswith(f"{newest}, 2026-11-20: big RL step")
+    assert "mean of 2 runs" in source and gpu_figures.measured_mfu("mi300x", tmp_path) is None
+
+    # the shipped file, typed in from docs/gpu-trainer.md: 0.366 and 0.349 in its two runs at qwen3-4b
+    mfu, source = gpu_figures.measured_mfu("h200")
+    assert mfu == pytest.approx(0.3575) and source.startswith("docs/gpu-figures/2026-11-27-h200-typed-from-doc.json")
+    text = _plan("qwen3-14b", "--gpu", "h200").output
+    assert "MFU 0.357 (docs/gpu-figures/2026-11-27-h200-typed-from-doc.json, 2026-11-27: qwen3-4b" in text
+
+    monkeypatch.setattr(rates, "measured_mfu", lambda card: gpu_figures.measured_mfu(card, tmp_path))
+    assert rates.Rates().with_gpu("h100").mfu == 0.5
+    assumed = rates.Rates().with_gpu("mi300x")
+    assert (assumed.mfu, assumed.mfu_source) == (rates.ASSUMED_MFU, rates.ASSUMED)
+    assert rates.Rates().with_gpu("h200").override(mfu=0.2).mfu_source == "flags"

@@ -21,7 +21,7 @@ from rstar_hpc.metrics_log import MetricsSink, tb_tag
 PNG = b"\x89PNG\r\n\x1a\n"
 STEPS = 5
 PLOTS = ["reward.png", "pass1.png", "positive_tool_error.png", "sampled_tool_error.png", "error_share.png",
-         "response_length.png", "tool_calls.png", "step_time.png"]
+         "response_length.png", "tool_calls.png", "logprob_mismatch.png", "step_time.png"]
 
 
 def _trainer_record(rng, roc: RoCConfig, step: int) -> dict:
@@ -35,6 +35,7 @@ def _trainer_record(rng, roc: RoCConfig, step: int) -> dict:
     return {"reward/mean": float(rewards.mean()), **roc_metrics(sel, rewards, p_err, p_format),
             **behaviour_metrics(rewards, statuses, np.arange(33)),
             **response_length_metrics(rng.integers(50, 400, 32), rng.random(32) < 0.1),
+            "train/logprob_mismatch_mean": 1e-3, "train/logprob_mismatch_max": 2e-2,
             "loss": 0.5 / step, "time/read(s)": 0.5, "time/train(s)": 2.0, "time/publish(s)": 0.3,
             "time/checkpoint(s)": 0.4 if step % 2 == 0 else 0.0, "time/step(s)": 3.2}
 
