@@ -173,9 +173,8 @@ class LocalCluster:
         recorded = self._recorded()
         if not recorded:
             return self.hosts.down() if self.hosts else []
-        if self._alive("slurmctld", recorded.get("slurmctld")):
-            subprocess.run(["scancel", "--full", "--quiet", *self._all_job_ids()], env=self.env,
-                           capture_output=True, timeout=15) if self._all_job_ids() else None
+        if self._alive("slurmctld", recorded.get("slurmctld")) and (jobs := self._all_job_ids()):
+            subprocess.run(["scancel", "--full", "--quiet", *jobs], env=self.env, capture_output=True, timeout=15)
             self._wait(lambda: not self._all_job_ids(), 10)
         stopped = []
         # nodes first, controller next, munge last: each still needs the ones after it to shut down cleanly
@@ -361,7 +360,13 @@ class LocalCluster:
                                f"  logs: {self.dir}/ctld/slurmctld.log, {self.dir}/nodes/*/slurmd.log")
 
     def _all_job_ids(self) -> list[str]:
-        out = subprocess.run(["squeue", "-h", "-o", "%A"], env=self.env, capture_output=True, text=True, timeout=10)
+        """The controller's jobs; none when it does not answer in 10 s (one SIGKILLed a moment ago still looked
+        alive to `down`, and squeue then waited on it past any timeout)."""
+        try:
+            out = subprocess.run(["squeue", "-h", "-o", "%A"], env=self.env, capture_output=True, text=True,
+                                 timeout=10)
+        except subprocess.TimeoutExpired:
+            return []
         return out.stdout.split() if out.returncode == 0 else []
 
     @staticmethod
