@@ -197,6 +197,10 @@ def _timing(runs: dict, rl_phases: dict, rl_stages: set[str]) -> dict:
     return out
 
 
+def _secs(s: float | None) -> str:
+    return "done before this demo" if s is None else f"{s:.0f}s"
+
+
 def _report(sft, runs: dict, timing: dict | None = None) -> dict:
     from rstar_hpc.report.build import build_report
     from rstar_hpc.report.figures import fmt
@@ -222,7 +226,7 @@ def _report(sft, runs: dict, timing: dict | None = None) -> dict:
     if timing:
         out["rl_runs"] = timing
         click.echo("      RL wall and idle (trainer / rollout): " + ", ".join(
-            f"{label} {timing[MODES[label][0]]['wall_s']:.0f}s, "
+            f"{label} {_secs(timing[MODES[label][0]]['wall_s'])}, "
             + " / ".join("-" if v is None else f"{v:.0%}" for v in timing[MODES[label][0]]["idle_fraction"].values())
             for label in runs), err=True)
     out.update(report=str(report.markdown), html=str(report.html),

@@ -27,8 +27,14 @@ def job_started_at(paths: RunPaths) -> float | None:
 def run_phases(paths: RunPaths, stages: list[str], *, submitted_at: float, ended_at: float) -> dict[str, float | None]:
     """Seconds per phase: "start" (submission to the job's start: queue and allocation), one row per stage in
     order (from the previous row's end to the stage's DONE; None if it is not DONE), "end" (the last stage's DONE
-    to `ended_at`: the roles' exit and the job's end), and "wall" (`ended_at` - `submitted_at`)."""
+    to `ended_at`: the roles' exit and the job's end), and "wall" (`ended_at` - `submitted_at`).
+
+    A run done before this submission (its last job started before it: a demo run again over its runs) keeps its
+    stage rows, counted from that job's start; its "start", "end" and "wall" are None, as none of them happened now."""
     started = job_started_at(paths)
+    if started is not None and started < submitted_at:
+        earlier = run_phases(paths, stages, submitted_at=started, ended_at=submitted_at)
+        return {**earlier, "start": None, "end": None, "wall": None}
     out: dict[str, float | None] = {"start": None if started is None else round(max(0.0, started - submitted_at), 1)}
     mark = started if started is not None else submitted_at
     for name in stages:

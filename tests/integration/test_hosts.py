@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -104,6 +105,7 @@ def test_down_leaves_nothing_of_its_own_even_after_the_daemons_crashed():
         stopped = LocalCluster(state).down()
     assert any(s.startswith("netns ") for s in stopped), stopped
     assert not _leftovers(hosts.tag, state, hosts.host_tmp), _leftovers(hosts.tag, state, hosts.host_tmp)
+    shutil.rmtree(state)   # its state dir, the one thing down keeps (logs for a post-mortem)
 
 
 def test_hosts_without_root_is_refused_and_says_how(tmp_path, monkeypatch):

@@ -211,3 +211,8 @@ def test_run_phases_add_up_to_the_wall_between_stage_ends(tmp_path):
     assert run_phases(paths, ["eval-base", "rl"], submitted_at=997.0, ended_at=1300.0)["rl"] is None
     bare = run_phases(RunPaths(tmp_path / "never"), ["sft"], submitted_at=5.0, ended_at=9.0)
     assert bare == {"start": None, "sft": None, "end": 4.0, "wall": 4.0}
+    # launched again once done (its job started before this submission): the stages as they ran, no start, end or
+    # wall of this submission (a demo run again over its runs printed an "end" of hours)
+    again = run_phases(paths, ["eval-base", "sft", "eval-sft"], submitted_at=20_000.0, ended_at=20_010.0)
+    assert again == {"start": None, "eval-base": 25.0, "sft": 215.0, "eval-sft": 41.5, "end": None, "wall": None}
+    assert phase_line(again) == "start - | eval-base 25 | sft 215 | eval-sft 42 | end -"
