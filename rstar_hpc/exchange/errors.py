@@ -81,10 +81,16 @@ def is_storage_failure(err: BaseException) -> OSError | None:
             code = int(m.group(1) or m.group(4))
             if code in STORAGE_ERRNOS:
                 return OSError(code, (m.group(2) or m.group(3)).strip())
+        if _TORCH_SHORT_WRITE.search(str(e)):
+            return OSError(errno.ENOSPC, "No space left on device (torch's file writer wrote short and dropped the "
+                                         "errno: a full file system or quota)")
     return None
 
 
 _ERRNO_TEXT = re.compile(r"\[Errno (\d+)\] ([^\n:'\"]+)|([^:\n]+) \(os error (\d+)\)")
+# torch.save's zip writer on a short write: it records the bytes the OS took, and the next record's offset no longer
+# matches ("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"); the ENOSPC itself is lost
+_TORCH_SHORT_WRITE = re.compile(r"inline_container\.cc:\d+\].*unexpected pos \d+ vs \d+")
 
 
 @contextlib.contextmanager

@@ -3,6 +3,7 @@ with StorageError naming the path and the free space, leaves `latest` on the las
 half-written directory, and succeeds once space is freed."""
 from __future__ import annotations
 
+import errno
 import os
 
 import pytest
@@ -36,6 +37,13 @@ def test_checkpoint_and_policy_on_a_full_disk(dist1, tiny_hf_dir, fs):
     size = sum(p.stat().st_size for p in first.rglob("*") if p.is_file())
 
     state.step, state.data_state = 2, {"next_traj_step": 2}
+    # wherever the space runs out, a StorageError: torch's zip writer reports a short write without its errno
+    for tenths in (1, 3, 7, 9):
+        ballast = fill(fs, leave=size * tenths // 10)
+        with pytest.raises(StorageError) as err:
+            save_checkpoint(state, root)
+        assert err.value.errno == errno.ENOSPC and _visible(root) == ["latest", "step-00000001"], tenths
+        ballast.unlink()
     ballast = fill(fs, leave=size // 2)   # half a checkpoint's room
     with pytest.raises(StorageError) as err:
         save_checkpoint(state, root)

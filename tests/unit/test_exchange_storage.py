@@ -192,6 +192,11 @@ def test_storage_failures_are_found_behind_wrappers():
     assert found.errno == errno.ENOSPC and found.strerror == "No space left on device"
     found = is_storage_failure(RuntimeError("Error while serializing: I/O error: Input/output error (os error 5)"))
     assert found.errno == errno.EIO
+    # torch.save's zip writer drops the errno of a short write (seen from megatron's writer on a full tmpfs)
+    found = is_storage_failure(RuntimeError(
+        "Worker failure: [enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"))
+    assert found.errno == errno.ENOSPC and "wrote short" in found.strerror
+    assert is_storage_failure(RuntimeError("unexpected position for record data/7")) is None
     assert is_storage_failure(RuntimeError("[Errno 2] No such file or directory")) is None
     assert is_storage_failure(OSError(errno.ENOENT, "missing")) is None
     assert is_storage_failure(ValueError("bad")) is None
