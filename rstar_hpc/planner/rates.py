@@ -77,6 +77,8 @@ ASSUMED = "assumed: no docs/gpu-figures file of this card"
 def card_mfu(card: str) -> tuple[float, str]:
     """The training MFU of `card` and its source: measured (the newest docs/gpu-figures file), else assumed."""
     return measured_mfu(card) or (ASSUMED_MFU, ASSUMED)
+
+
 ALLREDUCE_S = 10e-6
 PAPER_MEAN_RESPONSE = (2500, 5000, 6000)
 LENGTH_SIGMA = 0.7
@@ -94,8 +96,8 @@ class Rates:
     peak_tflops: float = HARDWARE["h100"]["peak_tflops"]
     hbm_tbs: float = HARDWARE["h100"]["hbm_tbs"]
     memory_gb: float = HARDWARE["h100"]["memory_gb"]
-    mfu: float = field(default_factory=lambda: card_mfu("h100")[0])
-    mfu_source: str = field(default_factory=lambda: card_mfu("h100")[1])
+    mfu: float | None = None               # None: the card's, measured or assumed (__post_init__)
+    mfu_source: str | None = None
     decode_efficiency: float = 0.7
     prefill_mfu: float = 0.5
     tool_latency_s: float = 0.3
@@ -112,6 +114,13 @@ class Rates:
     train_flops: float | None = None       # the trainer's achieved model FLOP/s, all its ranks together
     handover_s: float | None = None        # on-policy: the rollout's generation over -> the trainer has the batch
     source: str = "defaults"
+
+    def __post_init__(self):
+        if self.mfu is None:   # one read of docs/gpu-figures for both fields
+            self.mfu, source = card_mfu(self.gpu)
+            self.mfu_source = self.mfu_source or source
+        elif self.mfu_source is None:
+            self.mfu_source = "given"
 
     def with_gpu(self, gpu: str) -> Rates:
         if gpu not in HARDWARE:
