@@ -6,7 +6,10 @@ One run of the all-stage tiny config through sbatch meets, in order:
   2. the sandbox's node lost for good (its slurmd and every process of its steps SIGKILLed, kept down past
      SlurmdTimeout, 30 s on this test's own cluster) -> Slurm marks it DOWN and requeues the job, which starts again on
      the nodes that are left (the sandbox on the other cpu node); the requeued job's supervisor records the loss and
-     `run status` names it; the node's slurmd is then started again and the node resumed;
+     `run status` names it; the node's slurmd is then started again and the node resumed. The trainer is frozen
+     (SIGSTOP) meanwhile, as a node's processes are when it hangs: a run without its sandbox goes on with failed tool
+     calls, and a quiet machine's run otherwise got through three stages before Slurm's verdict, leaving the phases
+     below nothing to interrupt; Slurm's SIGCONT and TERM at the requeue end it;
   3. `kill -9` of the trainer's process during an RL stage -> the supervisor starts the trainer again in the job;
   4. `kill -9` of the rollout's rank 0 mid-step, once the step's journal holds finished trajectories -> the step
      (all its ranks) goes, the rollout starts again, keeps the journal's trajectories and redoes only the rest;
@@ -127,8 +130,12 @@ def _lose_the_sandbox_node(r: Run, cluster, since: float) -> str:
                time.time() - beat["age_s"] > since and any(j["role"] == "sandbox" and j["state"] == "RUNNING"
                                                            for j in r.status()["jobs"]))
     node = next(j["nodes"] for j in r.status()["jobs"] if j["role"] == "sandbox")
+    r.wait_for("the requeued job's trainer", lambda: _fresh(r, "trainer", since) and _alive(r.heartbeat("trainer")["pid"]))
+    trainer = r.heartbeat("trainer")["pid"]
+    os.kill(trainer, signal.SIGSTOP)
     killed = cluster.lose_node(node)
-    r.log.append(f"{time.strftime('%H:%M:%S')} node {node} lost: killed slurmd and its steps' processes {killed}")
+    r.log.append(f"{time.strftime('%H:%M:%S')} trainer {trainer} frozen; node {node} lost: killed slurmd and its steps' "
+                 f"processes {killed}")
     r.wait_for(f"Slurm marks {node} DOWN", lambda: _node_state(r, node).startswith("down"), timeout_s=240, poll_s=2)
     r.wait_for("the job requeued onto the nodes left", lambda: r.restarts() >= 2 and any(
         j["role"] == "sandbox" and j["state"] == "RUNNING" and j["nodes"] not in ("", node)
