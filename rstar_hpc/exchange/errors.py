@@ -77,11 +77,12 @@ def is_storage_failure(err: BaseException) -> OSError | None:
         # errors that carry an OSError as text only: megatron's checkpoint writer processes ("Worker failure:
         # [Errno 28] No space left on device"; torch's gather of rank failures drops exception chains) and
         # safetensors' Rust writer ("I/O error: No space left on device (os error 28)")
-        for m in _ERRNO_TEXT.finditer(str(e)):
+        text = str(e)
+        for m in _ERRNO_TEXT.finditer(text):
             code = int(m.group(1) or m.group(4))
             if code in STORAGE_ERRNOS:
                 return OSError(code, (m.group(2) or m.group(3)).strip())
-        if _TORCH_SHORT_WRITE.search(str(e)):
+        if _TORCH_SHORT_WRITE.search(text):
             return OSError(errno.ENOSPC, "No space left on device (torch's file writer wrote short and dropped the "
                                          "errno: a full file system or quota)")
     return None
