@@ -17,13 +17,15 @@ import time
 
 from rstar_hpc.exchange.rundir import RunPaths
 
-KINDS = ("crash", "hang", "gave_up", "refused", "node_lost", "engine_lost", "engine_hung", "engine_back",
-         "engine_gave_up")
+KINDS = ("crash", "hang", "gave_up", "refused", "node_lost", "job_stranded", "engine_lost", "engine_hung",
+         "engine_back", "engine_gave_up")
 """crash: a role's step ended before its stages were done; hang: its heartbeat went stale and its step was killed;
 gave_up: it failed more often than launch.role_restarts allows; refused: it refused its config or inputs (exit 78,
 cli/exit_codes.py; `message` says why), which no restart can fix, so its job stopped without a requeue; node_lost:
 a node of the job went DOWN or stopped answering (launch/nodes.py), so the job was requeued onto the nodes that are
-left. The rollout's own: engine_lost:
+left; job_stranded: Slurm requeued the run's hetjob without one of its components, so it could never start again
+(launch/status.stranded), and the launcher cancelled it and submitted the run again (`resubmitted`: the new job).
+The rollout's own: engine_lost:
 an engine rank died or went silent, its unfinished trajectories requeued (`requeued`); engine_hung: its rank went
 on reporting but its engine made no token for rollout.scheduler.engine_stall_s (the evidence in `reason`), requeued
 the same way and its keeper told to kill it whole and start it again; engine_back: it joined

@@ -7,7 +7,10 @@
 - submitit: one job per role (submitit cannot express a heterogeneous job; rstar_hpc.launch.submitit_launch).
 Both start the same role commands (rstar_hpc.launch.roles), which walk the stages from the run directory, so
 launching a run again continues it. Before anything is submitted the config's data and model are checked here,
-on the login node, so a typo fails in seconds rather than after a queue wait.
+on the login node, so a typo fails in seconds rather than after a queue wait. A hetjob that Slurm stranded (requeued
+without one of its components after a node loss, so it can never start: status.stranded) does not block a new
+launch: it is cancelled and the run submitted again; `launch --wait` does the same by itself once it has seen it
+stranded for STRANDED_GRACE_S.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from rstar_hpc.launch import placement
 from rstar_hpc.launch.hetjob import render
 from rstar_hpc.launch.record import add_launch
 from rstar_hpc.launch.roles import run_done
-from rstar_hpc.launch.status import ACTIVE, job_rows, progress_line, run_status
+from rstar_hpc.launch.status import ACTIVE, job_rows, progress_line, run_status, stranded
 
 LAUNCHERS = ("sbatch", "submitit")
 
@@ -111,6 +114,33 @@ def _active_jobs(paths: RunPaths, env) -> list[dict]:
     return [j for j in job_rows(paths, env) if j["state"] in ACTIVE]
 
 
+STRANDED_GRACE_S = 30.0   # how long `launch --wait` sees a hetjob stranded before it resubmits (one poll could be a
+                          # moment inside Slurm's requeue)
+
+
+def cancel_stranded(paths: RunPaths, stuck: list[dict], env, echo=print, timeout_s: float = 60.0) -> None:
+    """Cancel the run's stranded hetjobs (status.stranded: Slurm would never start them again) and wait until Slurm
+    holds none of them active; the run's cancel mark is left alone, since the run goes on."""
+    for s in stuck:
+        echo(f"run {paths.name}: {s['text'].split(';')[0]}: cancelling it to submit the run again")
+        subprocess.run(["scancel", s["job_id"]], env=env, capture_output=True, timeout=60)
+    ids = {s["job_id"] for s in stuck}
+    deadline = time.monotonic() + timeout_s
+    while any(j["job_id"].split("+")[0] in ids for j in _active_jobs(paths, env)):
+        if time.monotonic() > deadline:
+            raise LaunchError(f"run {paths.name}: Slurm still holds the stranded job(s) {', '.join(sorted(ids))} "
+                              f"{timeout_s:.0f} s after scancel; cancel them by hand, then launch again")
+        time.sleep(1.0)
+
+
+def _record_stranded(paths: RunPaths, stuck: list[dict], resubmitted: str | None) -> None:
+    from rstar_hpc.exchange.events import record_event
+
+    for s in stuck:
+        record_event(paths, "job_stranded", role="launch", job=s["job_id"], resubmitted=resubmitted,
+                     ended=[c["role"] for c in s["ended"]], pending=[c["role"] for c in s["pending"]])
+
+
 def launch_run(cfg, launcher: str | None = None, *, wait: bool = False, dry_run: bool = False, env=None,
                echo=print, timeout_s: float | None = None, poll_s: float = 5.0) -> dict:
     """Submit every stage of `cfg` (or print what would be submitted with `dry_run`); with `wait`, follow the run
@@ -142,7 +172,11 @@ def launch_run(cfg, launcher: str | None = None, *, wait: bool = False, dry_run:
     if shutil.which("sbatch") is None:
         raise LaunchError("sbatch not found: run this on a Slurm login node (or install slurm-client; for the local "
                           "emulated cluster: `rstar-hpc cluster up`)")
-    active = _active_jobs(paths, env)
+    rows = job_rows(paths, env, {i: r for r, i in placement.het_groups(cfg).items()})
+    active, stuck = [j for j in rows if j["state"] in ACTIVE], stranded(rows)
+    if stuck and {j["job_id"].split("+")[0] for j in active} <= {s["job_id"] for s in stuck}:
+        cancel_stranded(paths, stuck, env, echo)   # it can never start: this launch takes its place
+        active = []
     if active:
         raise LaunchError(f"run {paths.name} already has jobs in Slurm ({', '.join(sorted({j['job_id'] + ' ' + j['state'] for j in active}))}); "
                           f"follow it with `rstar-hpc run status {paths.dir}`, or `rstar-hpc run cancel {paths.dir}` "
@@ -163,6 +197,8 @@ def launch_run(cfg, launcher: str | None = None, *, wait: bool = False, dry_run:
         from rstar_hpc.launch.submitit_launch import submit_roles
         info["jobs"] = submit_roles(cfg, paths, env)
     add_launch(paths, launcher, info["jobs"])
+    if stuck:
+        _record_stranded(paths, stuck, info["jobs"].get("run"))
     echo(f"run {paths.name}: {paths.dir}")
     echo("submitted " + ", ".join(f"{role} job {j}" for role, j in info["jobs"].items()) + f" ({launcher})")
     if wait:
@@ -182,12 +218,27 @@ def _sbatch(cfg, paths: RunPaths, env) -> str:
     return proc.stdout.strip().split(";")[0]
 
 
-def follow(cfg, paths: RunPaths, env=None, *, echo=print, timeout_s: float | None = None, poll_s: float = 5.0) -> dict:
-    """Print a progress line whenever it changes, until the run is done or no job of it is left in Slurm."""
+def follow(cfg, paths: RunPaths, env=None, *, echo=print, timeout_s: float | None = None, poll_s: float = 5.0,
+           stranded_grace_s: float = STRANDED_GRACE_S) -> dict:
+    """Print a progress line whenever it changes, until the run is done or no job of it is left in Slurm. A job seen
+    stranded for `stranded_grace_s` is cancelled and the run submitted again (launch.max_restarts times at most)."""
     deadline = time.monotonic() + timeout_s if timeout_s else None
-    last, last_line, shown_at, gone_since = None, "", 0.0, None
+    last, last_line, shown_at, gone_since, stranded_since, resubmitted = None, "", 0.0, None, None, 0
     while True:
         status = run_status(cfg, paths, env)
+        stuck = stranded(status["jobs"])
+        stranded_since = (stranded_since or time.monotonic()) if stuck else None
+        if stuck and time.monotonic() - stranded_since >= stranded_grace_s:
+            if resubmitted >= cfg.launch.max_restarts:
+                raise LaunchError(f"run {paths.name}: {stuck[0]['text']} (resubmitted {resubmitted}x already, "
+                                  f"launch.max_restarts={cfg.launch.max_restarts})")
+            cancel_stranded(paths, stuck, env, echo)
+            job = _sbatch(cfg, paths, env)
+            add_launch(paths, "sbatch", {"run": job})
+            _record_stranded(paths, stuck, job)
+            resubmitted, stranded_since = resubmitted + 1, None
+            echo(f"run {paths.name}: submitted again as job {job}; it resumes where the run stopped")
+            continue
         line = progress_line(status)
         # a line when a stage or a job changes state, on step progress at most every 30 s, else one a minute
         key = ([s["state"] for s in status["stages"]], [j["state"] for j in status["jobs"]])

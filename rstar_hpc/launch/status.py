@@ -7,9 +7,9 @@ Per stage: name, kind, state (pending|running|done|failed), step/steps, the step
 calls, reward, training, checkpoint: means over the stage's steps so far), ETA, last mean reward, pass@1 (eval).
 Per job: id, role, Slurm state and reason, nodes, elapsed. Per role: its last heartbeat and how old it is.
 `problems` says in words what looks wrong (a role silent too long, waiting on a job Slurm has not started, a failed
-stage, a job that ended while the run is not done, a role that refused its config or inputs since the run's latest
-launch, and the `faults` the launchers recorded in the last hour: roles restarted, hung, given up;
-RUN/launch/events.jsonl). Nothing here writes to the run directory.
+stage, a job that ended while the run is not done, a hetjob Slurm stranded (`stranded`), a role that refused its
+config or inputs since the run's latest launch, and the `faults` the launchers recorded in the last hour: roles
+restarted, hung, given up; RUN/launch/events.jsonl). Nothing here writes to the run directory.
 """
 from __future__ import annotations
 
@@ -186,6 +186,32 @@ def job_rows(paths: RunPaths, env=None, het_roles: dict[int, str] | None = None)
     return rows
 
 
+def stranded(rows: list[dict]) -> list[dict]:
+    """The run's hetjobs that can never start again: a requeue left some components pending while another, requeued
+    fewer times, had ended. Slurm 22.05 does this when a lost node held a component other than the last (reproduced
+    with a plain `sbatch --requeue` hetjob of `sleep`s): the job then stays PENDING (Resources) for good, whatever is
+    idle. One per hetjob: {"job_id", "pending": [rows], "ended": [rows], "text"}. A whole requeue in progress is not
+    stranded: its components all come back."""
+    by_job: dict[str, list[dict]] = {}
+    for r in rows:
+        if "+" in r["job_id"]:
+            by_job.setdefault(r["job_id"].split("+")[0], []).append(r)
+    out = []
+    for job, comps in by_job.items():
+        pending = [c for c in comps if c["state"] in ACTIVE]
+        ended = [c for c in comps if c["state"] not in ACTIVE]
+        if not pending or not ended or min(c["restarts"] for c in ended) >= max(c["restarts"] for c in pending):
+            continue
+        out.append({"job_id": job, "pending": pending, "ended": ended,
+                    "text": f"job {job} can never start again: Slurm requeued its "
+                            f"{', '.join(c['role'] for c in pending)} component(s) but ended its "
+                            + ", ".join(f"{c['role']} ({c['job_id']}: {c['state']}, {c['reason'] or '?'})"
+                                        for c in ended)
+                            + " (Slurm 22.05 strands a hetjob so after a node loss); `rstar-hpc launch` of the run's "
+                              "config.yaml cancels it and submits the run again, which resumes where it stopped"})
+    return out
+
+
 # ------------------------------------------------------------------------------------------------ the whole run
 def run_status(cfg, paths: RunPaths, env=None, *, with_slurm: bool = True) -> dict:
     trainer = _by_stage(read_records(paths.metrics("trainer")))
@@ -300,6 +326,11 @@ def faults(paths: RunPaths, now: float | None = None, window_s: float = FAULT_WI
                    if e.get("requeued") else f"the {e.get('role')}'s step ended; the job requeues onto the nodes left")
             out.append({"kind": "node_lost", "role": e.get("role"), "host": e.get("host"), "last": e["time"],
                         "text": f"node {e.get('host')} lost ({e.get('state')}: {e.get('reason') or '?'}): {how}"})
+        elif e.get("kind") == "job_stranded":
+            out.append({"kind": "job_stranded", "role": e.get("role"), "host": e.get("host"), "last": e["time"],
+                        "text": f"job {e.get('job')} was stranded by Slurm (its {', '.join(e.get('ended') or ['?'])} "
+                                f"component ended in a requeue, after a node loss): cancelled, and the run submitted "
+                                f"again as job {e.get('resubmitted') or '?'}"})
         elif e.get("kind") in ENGINE_EVENTS:
             out.append({"kind": e["kind"], "role": "rollout", "host": e.get("host"), "rank": e.get("rank"),
                         "last": e["time"], "text": ENGINE_EVENTS[e["kind"]](e)})
@@ -363,8 +394,11 @@ def problems(status: dict) -> list[str]:
     if status["done"] or status["cancelled"]:
         return out
     out += [r["text"] for r in status.get("refused", [])]
+    stuck = stranded(jobs)
+    out += [s["text"] for s in stuck]
+    stuck_ids = {c["job_id"] for s in stuck for c in s["pending"]}
     for j in jobs:
-        if j["state"] == "PENDING" and j["reason"] not in ("", "None", "BeginTime"):
+        if j["state"] == "PENDING" and j["reason"] not in ("", "None", "BeginTime") and j["job_id"] not in stuck_ids:
             out.append(f"{j['role']} job {j['job_id']} is PENDING ({j['reason']})")
     if jobs and not active and not status.get("refused"):   # a refusal says what to fix first
         out.append(f"every job of the run has ended ({', '.join(sorted({j['state'] for j in jobs}))}) but the run is "

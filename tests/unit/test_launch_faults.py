@@ -244,3 +244,44 @@ def test_a_submitit_role_whose_srun_hangs_has_its_named_step_cancelled(tmp_path,
     assert seen.read_text().split()[:2] == ["--job-name=rstar-trainer", "--overlap"]
     assert cancelled == ["rstar-trainer"]
     assert [(e["kind"], e["role"]) for e in read_events(paths)] == [("hang", "trainer"), ("gave_up", "trainer")]
+
+
+def _row(offset: int, role: str, state: str, restarts: int, reason: str = "None") -> dict:
+    return {"role": role, "job_id": f"700+{offset}", "state": state, "reason": reason, "restarts": restarts}
+
+
+def test_a_hetjob_requeued_without_a_component_is_stranded():
+    """The Slurm 22.05 signature (reproduced live in tests/integration/test_stranded_hetjob.py): +0 and +1 requeued
+    and pending, +2 ended in the requeue with fewer restarts."""
+    from rstar_hpc.launch.status import problems, stranded
+
+    rows = [_row(0, "trainer", "PENDING", 1, "Resources"), _row(1, "rollout", "PENDING", 1, "Resources"),
+            _row(2, "sandbox", "FAILED", 0, "JobLaunchFailure")]
+    [s] = stranded(rows)
+    assert s["job_id"] == "700" and [c["role"] for c in s["ended"]] == ["sandbox"]
+    assert "job 700 can never start again" in s["text"] and "sandbox (700+2: FAILED, JobLaunchFailure)" in s["text"]
+    said = problems({"stages": [], "jobs": rows, "roles": {}, "done": False, "cancelled": False})
+    assert said[0] == s["text"]
+    assert not any("is PENDING (Resources)" in line for line in said)   # the stranding says it; no third line
+
+
+@pytest.mark.parametrize("rows", [
+    [_row(0, "trainer", "PENDING", 1), _row(1, "rollout", "PENDING", 1), _row(2, "sandbox", "PENDING", 1)],
+    [_row(0, "trainer", "PENDING", 1), _row(1, "rollout", "REQUEUED", 0), _row(2, "sandbox", "COMPLETING", 0)],
+    [_row(0, "trainer", "COMPLETED", 1), _row(1, "rollout", "COMPLETED", 1), _row(2, "sandbox", "COMPLETED", 1)],
+    [_row(0, "trainer", "RUNNING", 0), _row(1, "rollout", "RUNNING", 0), _row(2, "sandbox", "FAILED", 0)],
+    [{"role": "trainer", "job_id": "701", "state": "PENDING", "reason": "Resources", "restarts": 2}],
+], ids=["requeued whole", "a requeue in progress", "ended whole", "ending", "not a hetjob"])
+def test_what_is_not_stranded(rows):
+    from rstar_hpc.launch.status import stranded
+
+    assert stranded(rows) == []
+
+
+def test_a_stranded_job_cancelled_and_resubmitted_is_named(tmp_path):
+    paths = RunPaths(tmp_path)
+    record_event(paths, "job_stranded", role="launch", job="700", resubmitted="705", ended=["sandbox"],
+                 pending=["trainer", "rollout"])
+    [f] = faults(paths)
+    assert f["text"] == ("job 700 was stranded by Slurm (its sandbox component ended in a requeue, after a node loss): "
+                         "cancelled, and the run submitted again as job 705")
