@@ -155,6 +155,15 @@ def chaos_cluster():
     yield from _local_cluster("rstar-ch-", ClusterSpec(slurmd_timeout_s=30))
 
 
+@pytest.fixture
+def strand_cluster():
+    """A cluster of its own with SlurmdTimeout=10 and spare nodes, whose nodes a test loses for good (a lost node stays
+    lost: no other test lives on it)."""
+    from rstar_hpc.cluster import ClusterSpec
+
+    yield from _local_cluster("rstar-st-", ClusterSpec(num_gpu_nodes=5, num_cpu_nodes=2, slurmd_timeout_s=10))
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """The default tiny Qwen3 model (configs/tiny-cpu.yaml's spec), built once."""

@@ -36,14 +36,6 @@ srun --het-group=0 sleep 1000 & srun --het-group=1 sleep 1000 & srun --het-group
 """
 
 
-@pytest.fixture
-def strand_cluster():
-    from rstar_hpc.cluster import ClusterSpec
-    from tests.conftest import _local_cluster
-
-    yield from _local_cluster("rstar-st-", ClusterSpec(num_gpu_nodes=5, num_cpu_nodes=2, slurmd_timeout_s=10))
-
-
 def _wait(what: str, pred, timeout_s: float = 180.0):
     t0 = deadline = time.monotonic()
     deadline += timeout_s
