@@ -2,7 +2,8 @@
 
 The command is the ranks' keeper (rollout/keeper.py): under an srun step of one task per rank it keeps its task's
 rank, otherwise it starts every rank on this node itself, with a progress bar. A rank is this command again, run
-by its keeper (RSTAR_ROLLOUT_RANK set).
+by its keeper (RSTAR_ROLLOUT_RANK set). With launch.mpi.start=world each task of the srun step is its rank itself,
+one MPI world, with no keeper.
 """
 from __future__ import annotations
 
@@ -45,7 +46,9 @@ def command(config, steps, stage: str | None, engines, sandbox, progress, overri
         stage = next((s.name for s in cfg.stages if s.kind == "rl"), None)
         if stage is None:
             raise click.BadParameter("--step needs --stage (the config has no rl stage)", param_hint="--step")
-    if RANK_ENV in os.environ:   # a rank, started by its keeper
+    if cfg.launch.mpi.start == "world" and RANK_ENV not in os.environ:
+        _as_world_rank(cfg)   # a task of one MPI world: its rank is its task's, and there is no keeper
+    if RANK_ENV in os.environ:   # a rank, started by its keeper or as a task of one MPI world
         from rstar_hpc.launch.binding import bind
         from rstar_hpc.logs import init_logging
         from rstar_hpc.rollout.job import run
@@ -90,6 +93,25 @@ def command(config, steps, stage: str | None, engines, sandbox, progress, overri
     rc = keeper.run()
     if rc:
         raise SystemExit(rc)
+
+
+def _as_world_rank(cfg) -> None:
+    """launch.mpi.start=world: this task is rank SLURM_PROCID of one MPI world that srun started (--mpi=pmix); the
+    environment a keeper would have given it, from its task's."""
+    from rstar_hpc.rollout.links import LOCAL_RANK_ENV, RANK_ENV, SESSION_ENV, SIZE_ENV, node_interfaces
+
+    env = os.environ
+    if int(env.get("SLURM_STEP_NUM_TASKS", "1") or 1) < 2 or "SLURM_PROCID" not in env:
+        raise click.UsageError("launch.mpi.start=world runs each rollout rank as a task of one srun step (`srun "
+                               "--mpi=pmix --ntasks=<engines + 1> rstar-hpc rollout ...`, as `rstar-hpc launch` "
+                               "does); started otherwise, set launch.mpi.start=tasks")
+    env.update({RANK_ENV: env["SLURM_PROCID"], SIZE_ENV: env["SLURM_STEP_NUM_TASKS"],
+                LOCAL_RANK_ENV: env.get("SLURM_LOCALID", "0"),
+                SESSION_ENV: f"{env.get('SLURM_JOB_ID', 'job')}.r{env.get('SLURM_RESTART_COUNT', 0)}."
+                             f"{env.get('SLURM_STEP_ID', 0)}"})
+    interfaces = node_interfaces(cfg.launch.mpi.interfaces, env)
+    if interfaces:   # a multi-homed node must not publish an address the other nodes cannot reach
+        env.setdefault("OMPI_MCA_btl_tcp_if_include", ",".join(interfaces))
 
 
 def check_rollout_data(cfg, stage: str | None) -> None:

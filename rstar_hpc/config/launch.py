@@ -26,13 +26,19 @@ class ContainerConfig(Section):
 
 
 class MPIConfig(Section):
-    start: Literal["tasks", "none", "pmix", "pmi2"] = "tasks"
-    """How the rollout's ranks are started. Every rank is an MPI process of its own, joined to rank 0 through Open
-    MPI 4's ompi-server (rollout/links.py), so an engine fails alone; `launch` refuses Open MPI 5 and MPICH, whose
-    separately started ranks cannot join (docs/reliability.md, "Which MPI"). tasks: one srun task per rank
-    (`srun --mpi=none`), across nodes; none: one task on the first rollout node starts every rank itself (one
-    rollout node). pmix and pmi2 are read as tasks (they named the srun MPI plugin of the one MPI world the ranks
-    used to share)."""
+    start: Literal["tasks", "none", "world", "pmix", "pmi2"] = "tasks"
+    """How the rollout's ranks are started. tasks and none: every rank is an MPI process of its own, joined to rank 0
+    through Open MPI 4's ompi-server (rollout/links.py), so an engine fails alone; `launch` refuses Open MPI 5 and
+    MPICH there, whose separately started ranks cannot join (docs/reliability.md, "Which MPI"). tasks: one srun task
+    per rank (`srun --mpi=none`), across nodes; none: one task on the first rollout node starts every rank itself (one
+    rollout node). world: every rank a task of one MPI world (`srun --mpi=<plugin>`, the site's PMI), on any MPI
+    that srun can start, Open MPI 5 and MPICH included; no engine fails alone there: an engine's death ends the
+    rollout's step and the supervisor starts the role again (launch.role_restarts; the journal keeps the step's
+    finished trajectories). pmix and pmi2 are read as tasks (they named the srun MPI plugin of the one world the
+    ranks shared before engines were isolated)."""
+    plugin: Literal["pmix", "pmi2"] = "pmix"
+    """The srun MPI plugin (`srun --mpi=`) of start=world: pmix for Open MPI 4 and 5 (`srun --mpi=list` shows what the
+    site's Slurm has), pmi2 for MPICH and Intel MPI."""
     interfaces: list[str] = Field(default_factory=list)
     """The network interfaces the rollout's ranks (and the name server they join through) talk over: names (ib0,
     eth0) or subnets (10.10.0.0/16), given to Open MPI's TCP transport and its wire-up (btl_tcp_if_include,

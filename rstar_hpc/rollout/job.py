@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from rstar_hpc.rollout.links import RANK_ENV
-from rstar_hpc.rollout.mpi import TAG_ABORT, TAG_EXIT, init_mpi, recv_from_rank0, wait_sent
+from rstar_hpc.rollout.mpi import TAG_ABORT, TAG_EXIT, finalize_world, init_mpi, recv_from_rank0, wait_sent
 from rstar_hpc.rollout.engines import JobEngines
 
 log = logging.getLogger("rstar_hpc.rollout")
@@ -50,7 +50,9 @@ def run(cfg, stage: str | None = None, steps: Sequence[int] | None = None, *, sa
     close_all()   # os._exit below skips atexit
     sys.stdout.flush()
     sys.stderr.flush()
-    # no MPI_Finalize: it is collective over every process ever connected, a dead engine too; nothing is pending
+    if cfg.launch.mpi.start == "world":
+        finalize_world(code)
+    # joined ranks: no MPI_Finalize (collective over every process ever connected, a dead engine too); nothing pends
     os._exit(code)
 
 
@@ -88,12 +90,17 @@ def _wait_for_model(cfg, timeout_s: float = 600.0):
 def _scheduler(cfg, paths, stage: str | None, steps, progress, model_dir) -> int:
     from transformers import AutoTokenizer
 
-    from rstar_hpc.rollout.links import RankZeroLinks, Session
+    from rstar_hpc.rollout.links import RankZeroLinks, Session, WorldLinks
     from rstar_hpc.rollout.scheduler import StopRequested
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     MPI = init_mpi()
-    comm = RankZeroLinks(MPI, Session.from_env(paths))
+    if cfg.launch.mpi.start == "world":
+        comm = WorldLinks(MPI)
+        log.info("the rollout's %d ranks are one MPI world (%s): an engine's death ends the role's step",
+                 comm.Get_size(), MPI.Get_library_version().splitlines()[0].split(",")[0])
+    else:
+        comm = RankZeroLinks(MPI, Session.from_env(paths))
     try:
         return RolloutJob(cfg, paths, comm, MPI, tok, explicit_steps=steps).run(stage, progress)
     except StopRequested as e:
@@ -266,7 +273,8 @@ def _engine(cfg, paths, stage: str | None, sandbox, model_dir, rank) -> int:
 
     MPI = init_mpi()
     sc, agent_cfg = cfg.rollout.scheduler, cfg.rollout.agent
-    comm = EngineLink(MPI, Session.from_env(paths), timeout_s=sc.policy_load_timeout_s + sc.engine_timeout_s)
+    comm = (EngineLink.world(MPI) if cfg.launch.mpi.start == "world" else
+            EngineLink(MPI, Session.from_env(paths), timeout_s=sc.policy_load_timeout_s + sc.engine_timeout_s))
 
     async def run_steps() -> None:
         client = SandboxClient(addresses=list(sandbox) or None, run_dir=None if sandbox else str(paths.dir))

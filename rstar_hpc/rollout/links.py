@@ -12,7 +12,10 @@ rank's MPI finds it through OMPI_MCA_pmix_server_uri, and the port rank 0 accept
                                      engine-<r>.json    the keeper's word on engine rank r: its process died
                                      over               rank 0 has left: keepers start nothing more
 
-Only Open MPI 4 can do this (join_problem): Open MPI 5 removed ompi-server, and its singletons cannot connect at all
+Where no engine needs to fail alone, or the MPI cannot join (Open MPI 5, MPICH), launch.mpi.start=world makes every
+rank a task of one MPI world instead (srun --mpi=pmix): WorldLinks and EngineLink.world speak COMM_WORLD.
+
+Only Open MPI 4 can join (join_problem): Open MPI 5 removed ompi-server, and its singletons cannot connect at all
 (docs/reliability.md, "Which MPI"). The launch refuses another MPI before it submits, and the ranks refuse it at
 once rather than retrying a join that cannot succeed.
 
@@ -320,6 +323,43 @@ class RankZeroLinks:
         return self.links[source].recv(source=0, tag=tag)
 
 
+class WorldLinks:
+    """Rank 0's links where every rank is a task of one MPI world (launch.mpi.start=world: srun --mpi=pmix, on any
+    MPI srun can start). The engines are the world's other ranks, there from MPI_Init on: none joins later and none
+    is reported dead, since a dead rank ends the world's step (srun --kill-on-bad-exit) and the supervisor starts
+    the role again; a hung or silent engine is dropped from its steps by the roster, with no keeper to restart it."""
+
+    def __init__(self, MPI):
+        self.MPI, self.comm = MPI, MPI.COMM_WORLD
+        self.pids: dict[int, int] = {}
+        self._held: list = []
+
+    def wait_joined(self, timeout_s: float, stop=lambda: None) -> list[int]:
+        return []
+
+    def take_joined(self) -> list[int]:
+        return []
+
+    def down(self) -> set[int]:
+        return set()
+
+    def Get_size(self) -> int:
+        return self.comm.Get_size()
+
+    def isend(self, obj, dest: int, tag: int):
+        return self.comm.isend(obj, dest=dest, tag=tag)
+
+    def send(self, obj, dest: int, tag: int) -> None:
+        self._held = [r for r in self._held if not r.Test()]
+        self._held.append(self.isend(obj, dest, tag))   # never block on a peer that may be stuck
+
+    def Iprobe(self, source: int, tag: int, status) -> bool:
+        return self.comm.Iprobe(source=source, tag=tag, status=status)
+
+    def recv(self, source: int, tag: int):
+        return self.comm.recv(source=source, tag=tag)
+
+
 class EngineLink:
     """An engine rank's intercommunicator with rank 0 (its remote rank 0), which knows this rank's number."""
 
@@ -330,6 +370,14 @@ class EngineLink:
         self._ic.send({"rank": session.rank, "pid": os.getpid()}, dest=0, tag=TAG_JOIN)
         self._rank, self._size = session.rank, session.size
         self._held: list = []
+
+    @classmethod
+    def world(cls, MPI) -> EngineLink:
+        """An engine rank of one MPI world (launch.mpi.start=world): COMM_WORLD, whose rank 0 is rank 0."""
+        link = cls.__new__(cls)
+        link._ic, link._held = MPI.COMM_WORLD, []
+        link._rank, link._size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+        return link
 
     def send(self, obj, dest: int, tag: int) -> None:
         """Non-blocking, in order: a blocking send held the engine's event loop (and with it every trajectory's

@@ -54,6 +54,24 @@ def init_mpi():
     return MPI
 
 
+def finalize_world(code: int, timeout_s: float = 30.0) -> None:
+    """MPI_Finalize for a rank of one MPI world (launch.mpi.start=world), which its PMI server expects of every rank
+    (Slurm's pmix plugin cancels the step of a rank that leaves without it, the others with it); a rank that does
+    not come within `timeout_s` (stuck) leaves this one to exit with `code` anyway. On the main thread, as MPI asks.
+    Joined ranks never finalize: it is collective over every process ever connected, a dead engine too."""
+    import os
+    import threading
+
+    from mpi4py import MPI
+    if not MPI.Is_initialized() or MPI.Is_finalized():
+        return
+    watchdog = threading.Timer(timeout_s, os._exit, args=(code,))
+    watchdog.daemon = True
+    watchdog.start()
+    MPI.Finalize()
+    watchdog.cancel()
+
+
 def wait_sent(requests: list, timeout_s: float) -> bool:
     """Wait up to `timeout_s` for non-blocking sends to complete (a dead peer never receives); True if all did."""
     deadline = time.monotonic() + timeout_s

@@ -52,3 +52,30 @@ def test_preflight_stops_a_launch_on_a_python_without_mpi4py(tmp_path):
     cfg = load_config("tiny-cpu", [f"run.root={tmp_path}", "launch.python=/usr/bin/python3"])
     with pytest.raises(LaunchError, match="cannot import mpi4py"):
         preflight(cfg)
+
+
+def test_one_world_is_not_refused_and_the_refusal_offers_it(tmp_path):
+    """launch.mpi.start=world (one MPI world through srun --mpi=pmix) runs on any MPI that srun starts: Open MPI 5,
+    MPICH. The real runs: tests/rollout/test_world.py, tests/integration/test_world_launch.py."""
+    for version in ("Open MPI v5.0.11, package: Open MPI", "MPICH Version:      5.0.2", "Open MPI v4.1.4"):
+        assert mpi_refusal(version, False, "python3", world=True) is None
+    assert "cannot import mpi4py" in mpi_refusal(None, True, "python3", world=True)
+    assert "launch.mpi.start=world" in mpi_refusal("Open MPI v5.0.11, package: Open MPI", True, "python3")
+
+
+@needs_ompi5
+def test_launch_lets_open_mpi_5_through_as_one_world(tmp_path, monkeypatch):
+    monkeypatch.setenv("MPI4PY_LIBMPI", str(ompi5_libmpi()))
+    assert "Open MPI v5.0" in rollout_mpi_problem(load_config("tiny-cpu", [f"run.root={tmp_path}"]))
+    assert rollout_mpi_problem(load_config("tiny-cpu", [f"run.root={tmp_path}", "launch.mpi.start=world"])) is None
+
+
+def test_a_world_rank_outside_an_srun_step_says_how_to_start_it(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from rstar_hpc.cli.rollout import command
+
+    for var in ("SLURM_STEP_NUM_TASKS", "SLURM_PROCID", "RSTAR_ROLLOUT_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    got = CliRunner().invoke(command, ["--config", "tiny-cpu", f"run.root={tmp_path}", "launch.mpi.start=world"])
+    assert got.exit_code == 2 and "launch.mpi.start=world runs each rollout rank as a task of one srun step" in got.output

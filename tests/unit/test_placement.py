@@ -104,6 +104,13 @@ def test_srun_lines_follow_mpi_container_and_gres_settings(tmp_path):
     one = load_config("tiny-cpu", [f"run.root={tmp_path}", "launch.mpi=none"])
     line = placement.steps(one, tmp_path / "run")["rollout"]
     assert "--ntasks=1" in line and line.endswith("--engines 1") and "--mpi" not in line
+    # one MPI world: the site's PMI plugin, and a dead rank ends the step (the world is broken: the role restarts)
+    world = load_config("qwen3-14b", [f"run.root={tmp_path}", *BASE, "launch.mpi.start=world"])
+    line = placement.steps(world, tmp_path / "run")["rollout"]
+    assert "--mpi=pmix" in line and "--kill-on-bad-exit=1" in line and "--distribution=arbitrary" in line, line
+    line = placement.steps(world.model_copy(update={"launch": world.launch.model_copy(update={
+        "mpi": world.launch.mpi.model_copy(update={"plugin": "pmi2"})})}), tmp_path / "run")["rollout"]
+    assert "--mpi=pmi2" in line
 
 
 def test_each_role_runs_its_own_image_with_the_images_python_and_the_configs_paths_mounted(tmp_path):

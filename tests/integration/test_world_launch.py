@@ -1,0 +1,85 @@
+"""launch.mpi.start=world on Open MPI 5, launched: the MPI that cannot join separately started ranks runs the whole
+recipe when the rollout's ranks are one MPI world (`srun --mpi=pmix`). On the cluster of hosts, rank 0 and engine 1
+on one host, engine 2 on another: an sft stage and an rl stage, and engine 2 SIGKILLed as a step's work reaches it.
+One world shares its fate: the rollout's step ends, the supervisor starts the role again (a `crash` event), and the
+run ends with every rl step holding exactly the prompts its data order gives it, none twice, and no process left.
+Without world, `launch` refuses this MPI at submit time (tests/unit/test_launch_mpi.py)."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import yaml
+
+from tests.helpers.launching import _tail, ci_config, rstar, run_processes, status, wait_rl_step
+from tests.helpers.mpis import needs_ompi5, ompi5_libmpi
+from tests.helpers.procfs import environ
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.vllm, needs_ompi5]
+RL_STEPS = 3
+
+
+def _engine_rank_pid(run, rank: int) -> int | None:
+    """The process of rollout rank `rank` (a task of the world: its SLURM_PROCID)."""
+    for line in run_processes(run):
+        pid, _, args = line.partition(" ")
+        env = environ(int(pid))
+        if "rstar_hpc rollout" in args and env.get("SLURM_PROCID") == str(rank) and "SLURM_STEP_ID" in env:
+            return int(pid)
+    return None
+
+
+@pytest.mark.timeout(900)
+def test_open_mpi_5_runs_the_recipe_as_one_world_and_an_engine_death_costs_a_role_restart(hosts_cluster,
+                                                                                        tiny_model_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    from rstar_hpc.config import load_config
+    from rstar_hpc.exchange.columns import from_table
+    from rstar_hpc.exchange.events import read_events
+    from rstar_hpc.exchange.reader import StepReader
+    from rstar_hpc.exchange.rundir import RunPaths
+    from rstar_hpc.rollout.tasks import stage_steps
+
+    path = ci_config(tmp_path, "world", tiny_model_dir)
+    cfg = yaml.safe_load(path.read_text())
+    cfg["stages"] = [{"name": "sft", "kind": "sft", "num_steps": 2, "prompts_per_step": 8, "lr": 2.0e-3,
+                      "data": "demo"},
+                     {"name": "rl", "kind": "rl", "num_steps": RL_STEPS, "prompts_per_step": 4,
+                      "max_response_length": 128, "data": "demo"}]
+    cfg["launch"]["rollout"].update(num_nodes=2, tasks_per_node=1)
+    cfg["launch"]["mpi"] = {"start": "world"}
+    path.write_text(yaml.safe_dump(cfg))
+    lib = ompi5_libmpi()
+    env = {**hosts_cluster.env, "OMP_NUM_THREADS": "1", "MPI4PY_LIBMPI": str(lib), "OPAL_PREFIX": str(lib.parents[1])}
+    rstar("launch", str(path), "--json", env=env)
+    run = tmp_path / "runs" / "world"
+    paths = RunPaths(run)
+    step = wait_rl_step(run, "generating, 0/", range(RL_STEPS - 1), "generating")
+    pid = _engine_rank_pid(run, 2)
+    assert pid is not None, run_processes(run)
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 600
+    while not (st := status(run, env))["done"]:
+        assert time.monotonic() < deadline, "the run did not finish\n" + _tail(run)
+        time.sleep(2)
+    crashes = [e for e in read_events(paths) if e["kind"] == "crash" and e["role"] == "rollout"]
+    assert len(crashes) == 1, (step, read_events(paths))
+    cfg = load_config(str(run / "config.yaml"))
+    expected = {t.step: sorted(i.prompt_uid for i in t.items)
+                for t in stage_steps(cfg, paths, "rl", AutoTokenizer.from_pretrained(cfg.model.path),
+                                     steps=range(RL_STEPS))}
+    reader = StepReader(paths, "rl")
+    for s in range(RL_STEPS):
+        trajs = from_table(reader.read(s, ["rollout"]))
+        assert sorted(t.prompt_uid for t in trajs) == expected[s] and len({t.key for t in trajs}) == len(trajs), s
+    logs = {p.name.split("-")[0]: p.read_text(errors="replace") for p in (run / "logs").iterdir()}
+    assert "starting rollout: srun" in logs["run"] and "--mpi=pmix" in logs["run"]
+    assert logs["rollout"].count("the rollout's 3 ranks are one MPI world (Open MPI v5.") == 2   # and its restart
+    deadline = time.monotonic() + 60
+    while run_processes(run) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert not run_processes(run), run_processes(run)
+    assert not st["problems"], st["problems"]
