@@ -112,6 +112,11 @@ def _as_world_rank(cfg) -> None:
     interfaces = node_interfaces(cfg.launch.mpi.interfaces, env)
     if interfaces:   # a multi-homed node must not publish an address the other nodes cannot reach
         env.setdefault("OMPI_MCA_btl_tcp_if_include", ",".join(interfaces))
+    if os.getpgid(0) != os.getpid():
+        # a group of its own, as a keeper gives its ranks: what the rank leaves (vLLM's engine core) dies with it
+        # (parentage.group_dies_with_me); a task SIGKILLed alone left its engine core running, which Slurm's
+        # proctrack/linuxproc no longer counts once it is reparented
+        os.setpgid(0, 0)
 
 
 def check_rollout_data(cfg, stage: str | None) -> None:

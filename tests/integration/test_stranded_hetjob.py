@@ -110,7 +110,7 @@ def test_a_stranded_hetjob_is_named_and_its_run_submitted_again(strand_cluster, 
         _stranding_said(b_run, env, b_job)
         said: list[str] = []
         with pytest.raises(LaunchError, match="not done after"):
-            follow(load_config(b_config), RunPaths(b_run), env, echo=said.append, timeout_s=20, poll_s=1,
+            follow(load_config(b_config), RunPaths(b_run), env, echo=said.append, timeout_s=12, poll_s=1,
                    stranded_grace_s=3)
         new = _resubmitted(b_run, env, b_job)
         assert any(f"submitted again as job {new}" in line for line in said), said
