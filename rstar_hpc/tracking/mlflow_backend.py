@@ -11,6 +11,20 @@ from rstar_hpc.tracking.identity import flat_params, run_id
 
 KEY_TAG = "rstar.run_id"
 BATCH = 100   # MLflow's limit of params per log_batch
+READ_TRIES, READ_PAUSE_S = 10, 0.2
+
+
+def _read_again(call):
+    """A file-store read that met another role's metric file half-written: MLflow's search reads every run of the
+    experiment, and a file another role has just created holds no line yet ("Metric 'rl/trainer/...' is malformed.
+    No data found"; seen in CI with the trainer and the rollout's validation starting together). Read again."""
+    for attempt in range(READ_TRIES):
+        try:
+            return call()
+        except ValueError as e:
+            if "malformed" not in str(e) or attempt == READ_TRIES - 1:
+                raise
+            time.sleep(READ_PAUSE_S)
 
 
 def tracking_uri(cfg: MlflowConfig, paths: RunPaths) -> str:
@@ -28,8 +42,8 @@ class MlflowTracker:
         self.client = MlflowClient(tracking_uri=uri)
         self.experiment_id = self._experiment(cfg.experiment or run_name)
         key = run_id(paths, role)
-        found = self.client.search_runs([self.experiment_id], filter_string=f"tags.`{KEY_TAG}` = '{key}'",
-                                        max_results=1)
+        found = _read_again(lambda: self.client.search_runs(
+            [self.experiment_id], filter_string=f"tags.`{KEY_TAG}` = '{key}'", max_results=1))
         if found:
             self.run_id = found[0].info.run_id
             self.client.update_run(self.run_id, status="RUNNING")

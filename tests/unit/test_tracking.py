@@ -75,6 +75,32 @@ def test_wandb_offline_and_mlflow_file_store_hold_every_step_across_a_requeue(tm
     assert run.data.params["trainer.optimizer.lr"] == "0.001" and run.data.params["run.seed"] == "3"
 
 
+def test_a_role_starting_while_another_writes_its_first_metric_gets_its_mlflow_run(tmp_path):
+    """MLflow's file store, searched while another role has just created a metric file and not yet written its line
+    ("Metric ... is malformed. No data found"), as the trainer and the rollout's validation did in a CI run: the new
+    role reads again and gets its run instead of turning MLflow off."""
+    import threading
+
+    from mlflow.tracking import MlflowClient
+
+    from rstar_hpc.config.tracking import MlflowConfig
+    from rstar_hpc.tracking.mlflow_backend import MlflowTracker
+
+    paths = _run_dir(tmp_path, mlflow={"enabled": True})
+    trainer = MlflowTracker(MlflowConfig(enabled=True), paths, "trainer", "trk", {})
+    run_dir = next((paths.dir / "mlruns").glob(f"*/{trainer.run_id}"))
+    half = run_dir / "metrics" / "rl" / "trainer" / "response" / "truncated_frac"
+    half.parent.mkdir(parents=True, exist_ok=True)
+    half.write_text("")   # created, its first line not yet written
+    with pytest.raises(ValueError, match="malformed"):   # what the search met
+        MlflowClient(tracking_uri=f"file:{paths.dir / 'mlruns'}").search_runs([trainer.experiment_id])
+    threading.Timer(0.5, lambda: half.write_text(f"{int(time.time() * 1000)} 0.25 1\n")).start()
+    validation = MlflowTracker(MlflowConfig(enabled=True), paths, "validation", "trk", {})
+    assert validation.run_id != trainer.run_id
+    runs = MlflowClient(tracking_uri=f"file:{paths.dir / 'mlruns'}").search_runs([trainer.experiment_id])
+    assert sorted(r.data.tags["rstar.role"] for r in runs) == ["trainer", "validation"]
+
+
 def test_each_role_its_own_run_id_in_one_group(tmp_path):
     paths = RunPaths(tmp_path / "r")
     assert run_id(paths, "trainer") != run_id(paths, "rollout")
