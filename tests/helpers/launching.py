@@ -68,6 +68,27 @@ def run_facts(run: Path) -> dict:
     return facts
 
 
+def assert_steps_hold_their_prompts(run: Path, stage: str, steps: int) -> None:
+    """Every step of `stage` holds exactly the prompts its data order gives it (stage_steps), none twice."""
+    from transformers import AutoTokenizer
+
+    from rstar_hpc.config import load_config
+    from rstar_hpc.exchange.columns import from_table
+    from rstar_hpc.exchange.reader import StepReader
+    from rstar_hpc.exchange.rundir import RunPaths
+    from rstar_hpc.rollout.tasks import stage_steps
+
+    paths = RunPaths(run)
+    cfg = load_config(str(run / "config.yaml"))
+    expected = {t.step: sorted(i.prompt_uid for i in t.items)
+                for t in stage_steps(cfg, paths, stage, AutoTokenizer.from_pretrained(cfg.model.path),
+                                     steps=range(steps))}
+    reader = StepReader(paths, stage)
+    for s in range(steps):
+        trajs = from_table(reader.read(s, ["rollout"]))
+        assert sorted(t.prompt_uid for t in trajs) == expected[s] and len({t.key for t in trajs}) == len(trajs), s
+
+
 def leftover_processes(run: Path) -> list[str]:
     out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines()
     return [line for line in out if str(run) in line and "ps -eo" not in line]

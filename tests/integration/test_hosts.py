@@ -159,15 +159,10 @@ def test_a_rollout_node_cut_off_past_slurms_node_timeout_costs_a_requeue_not_the
     engine silent and requeues its work, and every process on the cut host runs on. Then the link comes back: the
     node's slurmd answers, its stale steps are killed, Slurm requeues the job onto the same three hosts, and the run
     resumes and ends with every rl step holding exactly its prompts, none twice, and no process left."""
-    from tests.helpers.launching import _tail, rstar, run_processes, status, wait_rl_step
-    from transformers import AutoTokenizer
+    from tests.helpers.launching import _tail, assert_steps_hold_their_prompts, rstar, run_processes, status, wait_rl_step
 
-    from rstar_hpc.config import load_config
-    from rstar_hpc.exchange.columns import from_table
     from rstar_hpc.exchange.events import read_events
-    from rstar_hpc.exchange.reader import StepReader
     from rstar_hpc.exchange.rundir import RunPaths
-    from rstar_hpc.rollout.tasks import stage_steps
 
     steps = 4
     env = {**hosts_cluster.env, "OMP_NUM_THREADS": "1"}
@@ -197,14 +192,7 @@ def test_a_rollout_node_cut_off_past_slurms_node_timeout_costs_a_requeue_not_the
         time.sleep(2)
     lost = [e for e in read_events(paths) if e["kind"] == "engine_lost"]
     assert lost and lost[0]["rank"] == 2 and "silent for" in lost[0]["reason"], lost   # before Slurm's verdict
-    cfg = load_config(str(run / "config.yaml"))
-    expected = {t.step: sorted(i.prompt_uid for i in t.items)
-                for t in stage_steps(cfg, paths, "rl", AutoTokenizer.from_pretrained(cfg.model.path),
-                                     steps=range(steps))}
-    reader = StepReader(paths, "rl")
-    for s in range(steps):
-        trajs = from_table(reader.read(s, ["rollout"]))
-        assert sorted(t.prompt_uid for t in trajs) == expected[s] and len({t.key for t in trajs}) == len(trajs), s
+    assert_steps_hold_their_prompts(run, "rl", steps)
     deadline = time.monotonic() + 60
     while run_processes(run) and time.monotonic() < deadline:
         time.sleep(1)

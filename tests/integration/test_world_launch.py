@@ -13,7 +13,8 @@ import time
 import pytest
 import yaml
 
-from tests.helpers.launching import _tail, ci_config, rstar, run_processes, status, wait_rl_step
+from tests.helpers.launching import (_tail, assert_steps_hold_their_prompts, ci_config, rstar, run_processes, status,
+                                     wait_rl_step)
 from tests.helpers.mpis import needs_ompi5, ompi5_libmpi
 from tests.helpers.procfs import environ
 
@@ -34,14 +35,9 @@ def _engine_rank_pid(run, rank: int) -> int | None:
 @pytest.mark.timeout(900)
 def test_open_mpi_5_runs_the_recipe_as_one_world_and_an_engine_death_costs_a_role_restart(hosts_cluster,
                                                                                         tiny_model_dir, tmp_path):
-    from transformers import AutoTokenizer
 
-    from rstar_hpc.config import load_config
-    from rstar_hpc.exchange.columns import from_table
     from rstar_hpc.exchange.events import read_events
-    from rstar_hpc.exchange.reader import StepReader
     from rstar_hpc.exchange.rundir import RunPaths
-    from rstar_hpc.rollout.tasks import stage_steps
 
     path = ci_config(tmp_path, "world", tiny_model_dir)
     cfg = yaml.safe_load(path.read_text())
@@ -67,14 +63,7 @@ def test_open_mpi_5_runs_the_recipe_as_one_world_and_an_engine_death_costs_a_rol
         time.sleep(2)
     crashes = [e for e in read_events(paths) if e["kind"] == "crash" and e["role"] == "rollout"]
     assert len(crashes) == 1, (step, read_events(paths))
-    cfg = load_config(str(run / "config.yaml"))
-    expected = {t.step: sorted(i.prompt_uid for i in t.items)
-                for t in stage_steps(cfg, paths, "rl", AutoTokenizer.from_pretrained(cfg.model.path),
-                                     steps=range(RL_STEPS))}
-    reader = StepReader(paths, "rl")
-    for s in range(RL_STEPS):
-        trajs = from_table(reader.read(s, ["rollout"]))
-        assert sorted(t.prompt_uid for t in trajs) == expected[s] and len({t.key for t in trajs}) == len(trajs), s
+    assert_steps_hold_their_prompts(run, "rl", RL_STEPS)
     logs = {p.name.split("-")[0]: p.read_text(errors="replace") for p in (run / "logs").iterdir()}
     assert "starting rollout: srun" in logs["run"] and "--mpi=pmix" in logs["run"]
     assert logs["rollout"].count("the rollout's 3 ranks are one MPI world (Open MPI v5.") == 2   # and its restart
