@@ -109,6 +109,13 @@ class SchedulerConfig(Section):
     it whole (rollout/roster.py). Trajectories waiting for a tool do not count (the sandbox bounds that wait). It
     must outlast the longest pause of a healthy engine inside a step: a prefill at max_model_len behind a full
     batch, a preempted batch's recompute (seconds on a GPU); at least 5 reports (rollout.scheduler.heartbeat_s)."""
+    infra_reruns: int = Field(2, ge=0)
+    """A trajectory that comes back with a tool call the sandbox's infrastructure lost (its service died or stayed
+    unreachable past the client's wait: status internal_error or unavailable, never a verdict on the code) runs again
+    from its prompt, at the front of the queue, at most this many times; its sampling seeds are its own, so it draws
+    the same tokens up to that call. After that it is kept as it is, and the trainer leaves it out
+    (algo.roc.drop_tool_infra_failures). So a sandbox outage costs the step time, not its prompts; the step's
+    `infra_reruns` counts them. 0: keep every result as it comes."""
     sibling_aware: bool = True
     """`kv_aware` only: GRPO siblings (one prompt's samples) share the prompt's KV through vLLM's prefix cache, so the
     prompt is booked once per engine hosting the group and a sibling goes where its group already runs while that

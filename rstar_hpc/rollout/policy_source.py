@@ -93,6 +93,8 @@ def wait_for_policy(sc: SchedulerConfig, paths: RunPaths, need, *, what: str = "
 
 
 class StepWeights:
+    """How a step's engines get its weights (files or an in-memory session), and how each got them."""
+
     def __init__(self, paths: RunPaths, stage: str, step: int, need, engine_workers: int = 1,
                  engine_versions: dict[int, int | None] | None = None):
         self.paths, self.stage, self.step, self.need = paths, stage, step, need

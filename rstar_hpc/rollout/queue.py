@@ -8,6 +8,7 @@ there, not from the start. The loop that feeds it messages is scheduler.py's.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections import deque
 
 from rstar_hpc.exchange.schema import Trajectory
@@ -15,6 +16,8 @@ from rstar_hpc.rollout.admission import Admission
 from rstar_hpc.rollout.agent import AgentResult
 from rstar_hpc.rollout.messages import TrajectoryResult, TurnDelta
 from rstar_hpc.rollout.step import WorkItem
+
+log = logging.getLogger("rstar_hpc.rollout")
 
 
 class StepQueue:
@@ -29,6 +32,7 @@ class StepQueue:
         self.results: dict[tuple, Trajectory] = {}
         self.admission: Admission | None = None    # made from the HELLOs' KV capacities (open)
         self.queued_at: dict[tuple, float] = {}    # seconds into generation each item was last admitted
+        self.reruns: dict[tuple, int] = {}         # items run again from their prompt (rerun_for_infra)
 
     def open(self, admission: Admission) -> None:
         """Book over `admission`; every item without a result waits in item order."""
@@ -81,6 +85,21 @@ class StepQueue:
         self.by_key[res.key] = item
         self.release(res.key)
         return item
+
+    def rerun_for_infra(self, res: TrajectoryResult, limit: int) -> int:
+        """A result with a tool call the sandbox's infrastructure lost, of an item run again fewer than `limit` times:
+        the item runs again from its prompt, at the front of the queue, its result not kept. Its rerun count (0: the
+        result stands)."""
+        key = res.key
+        if not res.output.infra_failures or self.reruns.get(key, 0) >= limit:
+            return 0
+        self.release(key)
+        item = self.by_key[key] = dataclasses.replace(self.by_key[key], resume=None)
+        self.pending.appendleft(item)
+        self.reruns[key] = self.reruns.get(key, 0) + 1
+        log.warning("trajectory %s/%d runs again from its prompt: the sandbox lost a tool call (rerun %d of "
+                    "rollout.scheduler.infra_reruns=%d)", *key, self.reruns[key], limit)
+        return self.reruns[key]
 
     def turn(self, src: int, delta: TurnDelta) -> None:
         """A trajectory of engine `src` passed a turn boundary: a requeue after that engine's death resumes there."""

@@ -2,12 +2,12 @@
 
     rstar-hpc rollout --config tiny-cpu --engines 2 --step 0       # or one srun task per rank under Slurm
 
-The step's parts, each its own module: the engines (engines.py: their states; roster.py: who takes part,
-keep-alive, whether each moves; it returns what it lost), the queue (queue.py: the work items, their bookings and
-latest states, the results), the tally (tally.py: the clock, counters and summary), the long-tail levers (levers.py:
-decisions to migrate, carry, close), and this loop, which moves messages between them. Data flows back as return
-values: nothing calls back into the loop. `StepScheduler.run` reads top-down as the step's stages, which
-docs/architecture.md draws as a state diagram:
+The step's parts, each its own module: the engines (engines.py: their states; roster.py: who takes part, keep-alive,
+whether each moves; it returns what it lost), the queue (queue.py: the work items, their bookings and latest states,
+the results), the tally (tally.py: the clock, counters and summary), the long-tail levers (levers.py: decisions to
+migrate, carry, close), and this loop, which moves messages between them. Data flows back as return values: nothing
+calls back into the loop. `StepScheduler.run` reads top-down as the step's stages, which docs/architecture.md draws
+as a state diagram:
 
     start      wait for the step's policy (policy_source.py); START the engines (each loads it, reports, says HELLO
                with its KV); begin when all are ready, or late_join_after_s after the first (the rest join later)
@@ -68,7 +68,6 @@ class StepScheduler:
         self.stage, self.step = spec.stage, spec.step
         self.hooks = hooks or StepHooks()
         self.roster = EngineRoster(comm, MPI, sc, job=engines)
-        # how the engines get the step's weights (files or an in-memory session) and how they got them
         self.weights = StepWeights(paths, spec.stage, spec.step, spec.need, engine_workers, self.roster.job.versions)
         self.tally = StepTally(spec.stage, spec.step, dropped=list(spec.dropped))
         self.queue = StepQueue(spec.step, list(spec.items))
@@ -113,8 +112,7 @@ class StepScheduler:
         trajs = self.commit()
         return self.tally.summary(self.paths, trajs, generation_s, last_admit_s=q.last_admit_s(),
                                   admission=self.sc.admission, lost=[x.rank for x in self.roster.lost],
-                                  engine_stats=engine_stats, weights_via=self.weights.via,
-                                  levers=self.levers.metrics())
+                                  engine_stats=engine_stats, weights_via=self.weights.via, levers=self.levers.metrics())
 
     def beat_if_moved(self) -> None:
         """The heartbeat while generating carries progress: written only when an engine moved since the last one
@@ -194,12 +192,7 @@ class StepScheduler:
             if not self.roster.heard(src, moved=tag in (TAG_RESULT, TAG_TURN)):
                 continue   # a rank declared lost that was only slow: its work already runs elsewhere
             if tag == TAG_RESULT:
-                if msg.paused:
-                    self.on_paused(msg)
-                else:
-                    self.on_result(msg)
-                    self.levers.on_finished(msg.key)
-                    self.close_if_due()
+                (self.on_paused if msg.paused else self.on_result)(msg)
             elif tag == TAG_KV:
                 self.on_report(src, msg)
             elif tag == TAG_TURN:
@@ -225,17 +218,24 @@ class StepScheduler:
                  self.tally.elapsed())
 
     def on_result(self, res: TrajectoryResult) -> None:
-        """Release the trajectory's booking and score it (a duplicate or a stale step's result is ignored)."""
+        """Score a finished trajectory, its booking freed (a duplicate or a stale step's result is ignored)."""
         q = self.queue
         if not q.is_open(res):
             return
+        self.tally.infra_failures += res.output.infra_failures
+        if q.rerun_for_infra(res, self.sc.infra_reruns):   # the sandbox lost a tool call: from its prompt again
+            self.tally.infra_reruns += 1
+            if self.levers.closing:   # the step is closed: carried, from its prompt
+                self.levers.carry_queued(q.take_waiting())
+            return
         q.release(res.key)
         t0 = time.perf_counter()
-        self.tally.infra_failures += res.output.infra_failures
         q.results[res.key] = self.score(self.stage, self.step, q.by_key[res.key], res, q.queued_at[res.key])
         self.tally.reward_s += time.perf_counter() - t0
         if self.hooks.progress is not None:
             self.hooks.progress([res.key], sum(q.results[res.key].loss_mask))
+        self.levers.on_finished(res.key)
+        self.close_if_due()
 
     def on_paused(self, res: TrajectoryResult) -> None:
         """A paused trajectory with its state: the levers say requeue (migration: at the front) or carry (closing)."""

@@ -29,7 +29,8 @@ class StepTally:
     reward_s: float = 0.0
     reruns: int = 0
     reruns_resumed: int = 0           # of the reruns, those resumed from a boundary or pause, not the start
-    infra_failures: int = 0
+    infra_failures: int = 0           # tool calls the sandbox's infrastructure lost, those of reruns included
+    infra_reruns: int = 0             # trajectories run again from their prompt for such a loss
     engines: list[int] = field(default_factory=list)   # those that said HELLO
 
     def policy_ready(self) -> None:
@@ -56,7 +57,8 @@ class StepTally:
             "reward_s": round(self.reward_s, 4), "policy_version": self.policy_version,
             "weights_via": {str(e): w.get("via") for e, w in weights_via.items()},
             "policy_wait_s": round(self.policy_wait_s, 3),
-            "tool_infra_failures": self.infra_failures, **trajectory_figures(trajs),
+            "tool_infra_failures": self.infra_failures, "infra_reruns": self.infra_reruns,
+            **trajectory_figures(trajs),
             "engine_stats": {str(k): v for k, v in engine_stats.items()}, **levers,
         }
         metrics_sink(paths, "rollout").write(out)

@@ -426,3 +426,41 @@ def test_an_engine_death_requeues_from_the_last_turn_boundary_and_ignores_stale_
     assert s.queue.pending[1].resume is None and s.tally.reruns_resumed == 1 and s.tally.reruns == 2
     s.queue.turn(1, delta(a1, 0, 5))                      # the dead engine's late delta: ignored
     assert s.queue.by_key[a1].resume is None and all(s.queue.by_key[k].resume is None for k in (b0, b1))
+
+
+def test_a_trajectory_the_sandbox_failed_runs_again_from_its_prompt_then_is_kept(tmp_path):
+    """rollout.scheduler.infra_reruns: a result with a tool call the sandbox's infrastructure lost goes back to the
+    front of the queue from its prompt (its booking freed, no result kept) while it has reruns left; then it is
+    kept as it came. Once the step has closed, a rerun is carried instead."""
+    scored = []
+    s = _scheduler(tmp_path, infra_reruns=2)
+    s.score = lambda stage, step, item, res, at: scored.append(item.key) or _traj(*item.key)
+    s.dispatch(s.queue.admit(0.0))
+    a0 = ("a", 0)
+    src = s.queue.admission.placed[a0][0]
+    boundary = AgentResult([1] * 10, "p", response_ids=[5], token_policy_versions=[0], paused=True)
+    s.queue.by_key[a0] = dataclasses.replace(s.queue.by_key[a0], resume=boundary)   # a turn boundary kept
+    lost = AgentResult([1] * 10, "p", response_ids=[5, 6], token_policy_versions=[0, 0], infra_failures=1)
+    for n in (1, 2):
+        s.on_result(TrajectoryResult("a", 0, 0, src, 0, lost))
+        assert a0 not in s.queue.results and a0 not in s.queue.admission.placed and not scored
+        assert s.queue.pending[0].key == a0 and s.queue.pending[0].resume is None    # from its prompt
+        assert s.queue.reruns[a0] == n and s.tally.infra_reruns == n
+        assert s.queue.admit(1.0) and a0 in s.queue.admission.placed                  # admitted again
+    s.on_result(TrajectoryResult("a", 0, 0, src, 0, lost))                          # reruns spent: kept
+    assert scored == [a0] and a0 in s.queue.results and s.tally.infra_failures == 3
+    ok = AgentResult([1] * 10, "p", response_ids=[5, 6], token_policy_versions=[0, 0])
+    s.on_result(TrajectoryResult("a", 1, 0, s.queue.admission.placed[("a", 1)][0], 0, ok))
+    assert ("a", 1) in s.queue.results and s.tally.infra_reruns == 2 and s.queue.reruns == {a0: 2}
+
+    closed = _scheduler(tmp_path / "closed", partial_rollouts=True)
+    closed.dispatch(closed.queue.admit(0.0))
+    closed.levers.close(1.0)
+    b0 = ("b", 0)
+    closed.on_result(TrajectoryResult("b", 0, 0, closed.queue.admission.placed[b0][0], 0, lost))
+    assert b0 not in closed.queue.results and b0 in closed.levers.open_items and not closed.queue.pending and closed.levers.open_items[b0].resume is None
+    off = _scheduler(tmp_path / "off", infra_reruns=0)
+    off.score = lambda stage, step, item, res, at: _traj(*item.key)
+    off.dispatch(off.queue.admit(0.0))
+    off.on_result(TrajectoryResult("a", 0, 0, off.queue.admission.placed[a0][0], 0, lost))
+    assert a0 in off.queue.results and a0 not in [it.key for it in off.queue.pending]
