@@ -130,29 +130,37 @@ def gpu_cluster():
     yield from _local_cluster("rstar-gc-", ClusterSpec(gpus_per_node=2))
 
 
+def _shared_storage(tmp_path_factory) -> tuple[str, ...]:
+    """What stands for Lustre on a cluster of hosts: the session's scratch ($TMPDIR), pytest's folders and the
+    checkout (a CI clone under /tmp too)."""
+    return (os.environ["TMPDIR"], str(tmp_path_factory.getbasetemp()), str(REPO))
+
+
 @pytest.fixture(scope="session")
 def hosts_cluster(tmp_path_factory):
     """A cluster whose nodes are hosts (rstar_hpc/cluster/hosts.py: a network namespace on a private bridge, a
     hostname, /tmp and /dev/shm each): gpu[1-3] and cpu1, so a run's trainer, two-node rollout and sandbox each
-    have hosts of their own. The session's scratch ($TMPDIR), pytest's folders and the checkout stand for shared
-    storage. Skipped
-    without root (network namespaces), which CI has."""
+    have hosts of their own. Skipped without root (network namespaces), which CI has."""
     from rstar_hpc.cluster import ClusterSpec
 
     if os.geteuid() != 0:
         pytest.skip("a cluster of hosts needs root (network namespaces)")
-    shared = (os.environ["TMPDIR"], str(tmp_path_factory.getbasetemp()), str(REPO))   # a checkout under /tmp too
-    yield from _local_cluster("rstar-hc-", ClusterSpec(num_gpu_nodes=3, num_cpu_nodes=1, hosts=True, shared=shared))
+    yield from _local_cluster("rstar-hc-", ClusterSpec(num_gpu_nodes=3, num_cpu_nodes=1, hosts=True,
+                                                       shared=_shared_storage(tmp_path_factory)))
 
 
 @pytest.fixture(scope="module")
-def chaos_cluster():
+def chaos_cluster(tmp_path_factory):
     """The chaos run's own emulated cluster, with SlurmdTimeout=30: a node whose slurmd is killed for good goes DOWN
     within about a minute, one whose slurmd is back within 10 s stays up (Slurm pings every third of the timeout), and
-    no other test lives with the short timeout."""
+    no other test lives with the short timeout. Its nodes are hosts where this runs as root (CI), so a lost node
+    takes every process on it, and the sandbox that replaces it is reached across the bridge; the plain cluster
+    elsewhere."""
     from rstar_hpc.cluster import ClusterSpec
 
-    yield from _local_cluster("rstar-ch-", ClusterSpec(slurmd_timeout_s=30))
+    hosts = os.geteuid() == 0
+    yield from _local_cluster("rstar-ch-", ClusterSpec(slurmd_timeout_s=30, hosts=hosts,
+                                                       shared=_shared_storage(tmp_path_factory) if hosts else ()))
 
 
 @pytest.fixture

@@ -175,6 +175,11 @@ class NodeHosts:
         return ["nsenter", f"--net=/run/netns/{self.netns(node)}", "unshare", "--uts", "--mount", "--propagation",
                 "private", "--", "sh", "-c", script, "rstar-node", *cmd]
 
+    def pids(self, node: str) -> list[int]:
+        """Every process on `node`: those in its network namespace (what a lost node takes with it)."""
+        out = _ip("netns", "pids", self.netns(node), check=False).stdout
+        return sorted(int(p) for p in out.split() if p.isdigit())
+
     def set_link(self, node: str, up: bool) -> None:
         """Cut `node` off the network (its veth down) or mend it: a partition, its processes running on."""
         _ip("link", "set", self.veth(node), "up" if up else "down")

@@ -202,10 +202,12 @@ class LocalCluster:
 
     def lose_node(self, node: str) -> list[int]:
         """Lose a node for good, as far as this machine can: SIGKILL its slurmd AND every process of its job steps
-        (a real lost node takes them with it; here they would run on). A step's processes are its slurmstepd (found by
-        its socket in the node's spool directory) and that one's descendants, and any process whose environment names
-        this node and this cluster (one that left the tree). Returns the pids killed, slurmd's first. Slurm marks the
-        node DOWN once it has been silent for `slurmd_timeout_s`; `start_node` brings it back."""
+        (a real lost node takes them with it; here they would run on). On a cluster of hosts that is every process in
+        the node's network namespace. On the plain cluster, a step's processes are its slurmstepd (found by its socket
+        in the node's spool directory) and that one's descendants, and any process whose environment names this node
+        and this cluster (one that left the tree). Returns the pids killed, slurmd's first. Slurm marks the node DOWN
+        once it has been silent for `slurmd_timeout_s`; `start_node` brings it back (a fresh /tmp on hosts, as after
+        a reboot)."""
         killed = [self.kill_node(node)]
         for pid in self._node_step_processes(node):
             try:
@@ -216,6 +218,8 @@ class LocalCluster:
         return killed
 
     def _node_step_processes(self, node: str) -> list[int]:
+        if self.hosts:   # the stepds' sockets live in the node's namespace, out of this one's /proc/net/unix
+            return [pid for pid in self.hosts.pids(node) if pid != os.getpid()]
         spool = f"{self.dir / 'nodes' / node / 'spool'}/"
         inodes = {f"socket:[{parts[6]}]" for parts in (line.split() for line in
                   Path("/proc/net/unix").read_text().splitlines()[1:]) if len(parts) >= 8 and parts[7].startswith(spool)}

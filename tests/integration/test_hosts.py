@@ -131,6 +131,42 @@ def test_the_rollout_talks_over_the_interface_of_the_nodes_slurm_address(hosts_c
     assert "OMPI_MCA_btl_tcp_if_include" not in links.mpi_env(links.Session(Path("/x"), 0, 2), [])
 
 
+def test_a_lost_node_takes_every_process_on_it_and_comes_back_with_a_fresh_tmp(hosts_cluster):
+    """lose_node on a cluster of hosts: slurmd and everything in the node's namespace die, also a process that left
+    its step's tree (setsid, reparented); the other nodes' processes run on; start_node brings the node back in
+    service, its /tmp empty as after a reboot."""
+    c, mark = hosts_cluster, f"rstar-lost-{os.getpid()}"
+    detach = f"echo x > /tmp/{mark}; setsid bash -c 'exec -a {mark} sleep 600' </dev/null >/dev/null 2>&1 &"
+    _srun(c, "-w", "gpu3", "sh", "-c", detach)
+    _srun(c, "-w", "gpu2", "sh", "-c", detach)
+
+    def sleepers() -> dict[str, int]:   # node -> pid of the marked sleep there
+        marked = set()
+        for proc in Path("/proc").iterdir():
+            try:
+                if proc.name.isdigit() and (proc / "cmdline").read_bytes().split(b"\0")[0] == mark.encode():
+                    marked.add(int(proc.name))
+            except OSError:
+                continue
+        return {node: pid for node in ("gpu2", "gpu3") for pid in marked & set(c.hosts.pids(node))}
+
+    deadline = time.monotonic() + 30
+    while len(sleepers()) < 2:
+        assert time.monotonic() < deadline, sleepers()
+        time.sleep(0.2)
+    survivor = sleepers()["gpu2"]
+    try:
+        killed = c.lose_node("gpu3")
+        assert killed[0] == c._recorded()["slurmd:gpu3"] and len(killed) >= 2, killed
+        assert not c.hosts.pids("gpu3"), c.hosts.pids("gpu3")
+        c.start_node("gpu3")
+        seen = _srun(c, "-w", "gpu3", "sh", "-c", f"hostname; ls /tmp/{mark} 2>&1 || true")
+        assert seen.startswith("gpu3\n") and "No such file" in seen, seen
+        assert os.path.exists(f"/proc/{survivor}"), "a process of another node died with the lost one"
+    finally:
+        os.kill(survivor, signal.SIGKILL)
+
+
 def _rl_config(tmp_path, model_dir, rl_steps: int) -> str:
     """tiny-cpu cut to a short sft and one rl stage, its rollout on two hosts (rank 0 and engine 1 on one, engine 2
     on the other), engines found silent after 20 s."""

@@ -3,13 +3,13 @@
 One run of the all-stage tiny config through sbatch meets, in order:
   1. the time limit (Slurm's B:USR2 to the batch step, as `--signal=B:USR2@lead` sends it) during SFT -> the
      trainer saves, the job requeues itself;
-  2. the sandbox's node lost for good (its slurmd and every process of its steps SIGKILLed, kept down past
-     SlurmdTimeout, 30 s on this test's own cluster) -> Slurm marks it DOWN and requeues the job, which starts again on
-     the nodes that are left (the sandbox on the other cpu node); the requeued job's supervisor records the loss and
-     `run status` names it; the node's slurmd is then started again and the node resumed. The trainer is frozen
-     (SIGSTOP) meanwhile, as a node's processes are when it hangs: a run without its sandbox goes on with failed tool
-     calls, and a quiet machine's run otherwise got through three stages before Slurm's verdict, leaving the phases
-     below nothing to interrupt; Slurm's SIGCONT and TERM at the requeue end it;
+  2. the sandbox's node lost for good (its slurmd and every process on it SIGKILLed, kept down past SlurmdTimeout,
+     30 s on this test's own cluster, whose nodes are hosts under root) -> Slurm marks it DOWN and requeues the job,
+     which starts again on the nodes that are left (the sandbox on the other cpu node); the requeued job's supervisor
+     records the loss and `run status` names it; the node's slurmd is then started again and the node resumed. The
+     trainer is frozen (SIGSTOP) meanwhile, as a node's processes are when it hangs: a run without its sandbox goes
+     on with failed tool calls, and a quiet machine's run otherwise got through three stages before Slurm's verdict,
+     leaving the phases below nothing to interrupt; Slurm's SIGCONT and TERM at the requeue end it;
   3. `kill -9` of the trainer's process during an RL stage -> the supervisor starts the trainer again in the job;
   4. `kill -9` of the rollout's rank 0 mid-step, once the step's journal holds finished trajectories -> the step
      (all its ranks) goes, the rollout starts again, keeps the journal's trajectories and redoes only the rest;
