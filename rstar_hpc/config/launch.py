@@ -38,7 +38,9 @@ class MPIConfig(Section):
     ranks shared before engines were isolated)."""
     plugin: Literal["pmix", "pmi2"] = "pmix"
     """The srun MPI plugin (`srun --mpi=`) of start=world: pmix for Open MPI 4 and 5 (`srun --mpi=list` shows what the
-    site's Slurm has), pmi2 for MPICH and Intel MPI."""
+    site's Slurm has), pmi2 for MPICH (pmix only where it was built with PMIx) and Intel MPI. `rstar-hpc launch`
+    refuses a pair known not to start (Open MPI 5 with pmi2, MPICH without PMIx with pmix), and a rank whose MPI
+    did not find srun's PMI stops at once, saying so."""
     interfaces: list[str] = Field(default_factory=list)
     """The network interfaces the rollout's ranks (and the name server they join through) talk over: names (ib0,
     eth0) or subnets (10.10.0.0/16), given to Open MPI's TCP transport and its wire-up (btl_tcp_if_include,

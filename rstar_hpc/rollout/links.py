@@ -111,6 +111,38 @@ def join_problem(version: str) -> str | None:
             f"have")
 
 
+def world_problem(version: str, plugin: str) -> str | None:
+    """launch.mpi.start=world: why srun --mpi=`plugin` cannot start one world of the MPI whose MPI_Get_library_version
+    is `version` (all of it: MPICH's names its configure options); None: it can, or this was not tried."""
+    text = version.strip("\x00").strip()
+    name = " ".join((text.splitlines() or [""])[0].split(",")[0].split())
+    if name.startswith("Open MPI v") and not name.startswith("Open MPI v4") and plugin != "pmix":
+        return (f"{name} speaks PMIx only: under srun --mpi={plugin} each task starts as an MPI world of its own (a "
+                f"singleton; tried on 5.0.11). Set launch.mpi.plugin=pmix")
+    if name.startswith("MPICH") and plugin == "pmix":
+        configure = next((line for line in text.splitlines() if "configure" in line), "")
+        if "pmix" not in configure.lower():
+            return (f"{name} was built without PMIx ({configure.split(':', 1)[-1].strip() or 'its configure line'}): "
+                    f"under srun --mpi=pmix its ranks abort in MPI_Init (\"unsupported PMI version PMIx\", tried on "
+                    f"the PyPI mpich 5.0.2). Set launch.mpi.plugin=pmi2")
+    return None
+
+
+def check_world(MPI, env=os.environ) -> None:
+    """launch.mpi.start=world: this rank's MPI world must be its srun step (RANK_ENV of SIZE_ENV tasks). An MPI that
+    did not find srun's PMI makes each task a world of one, where every task would be rank 0: stop at once, saying
+    so, rather than run a step of schedulers without engines."""
+    size, rank = MPI.COMM_WORLD.Get_size(), MPI.COMM_WORLD.Get_rank()
+    want = int(env.get(SIZE_ENV) or env.get("SLURM_STEP_NUM_TASKS") or size)
+    me = int(env.get(RANK_ENV) or env.get("SLURM_PROCID") or rank)
+    if (size, rank) != (want, me):
+        version = MPI.Get_library_version().strip("\x00").splitlines()[0].split(",")[0].strip()
+        raise RuntimeError(f"srun started {want} rollout tasks, but this one (task {me}) is rank {rank} of an MPI "
+                           f"world of {size}: {version} did not find srun's PMI (srun --mpi=<launch.mpi.plugin>). "
+                           f"Open MPI 4.1 and 5 speak pmix; MPICH takes pmi2 (pmix only where built with PMIx); "
+                           f"`srun --mpi=list` shows what this Slurm has")
+
+
 def refuse_unjoinable(MPI) -> None:
     """Stop a rank at once on an MPI whose ranks cannot join (its joins would fail until the job's timeouts)."""
     problem = join_problem(MPI.Get_library_version())
@@ -330,6 +362,7 @@ class WorldLinks:
     the role again; a hung or silent engine is dropped from its steps by the roster, with no keeper to restart it."""
 
     def __init__(self, MPI):
+        check_world(MPI)
         self.MPI, self.comm = MPI, MPI.COMM_WORLD
         self.pids: dict[int, int] = {}
         self._held: list = []
@@ -374,6 +407,7 @@ class EngineLink:
     @classmethod
     def world(cls, MPI) -> EngineLink:
         """An engine rank of one MPI world (launch.mpi.start=world): COMM_WORLD, whose rank 0 is rank 0."""
+        check_world(MPI)
         link = cls.__new__(cls)
         link._ic, link._held = MPI.COMM_WORLD, []
         link._rank, link._size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()

@@ -7,7 +7,7 @@ import pytest
 
 from rstar_hpc.config import load_config
 from rstar_hpc.launch.launcher import LaunchError, mpi_refusal, preflight, rollout_mpi_problem
-from tests.helpers.mpis import needs_ompi5, ompi5_libmpi
+from tests.helpers.mpis import mpich_libmpi, needs_mpich, needs_ompi5, ompi5_libmpi
 
 
 @pytest.mark.parametrize("version, has_server, says", [
@@ -54,13 +54,38 @@ def test_preflight_stops_a_launch_on_a_python_without_mpi4py(tmp_path):
         preflight(cfg)
 
 
+MPICH_WHEEL = ("MPICH Version:      5.0.2\nMPICH Release date: Fri Sep 25 20:45:26 UTC 2026\nMPICH ABI:          18:2:6\n"
+               "MPICH Device:       ch4:ucx ofi\nMPICH configure:    --with-device=ch4:ucx,ofi --with-pm=hydra:gforker\n")
+
+
 def test_one_world_is_not_refused_and_the_refusal_offers_it(tmp_path):
-    """launch.mpi.start=world (one MPI world through srun --mpi=pmix) runs on any MPI that srun starts: Open MPI 5,
-    MPICH. The real runs: tests/rollout/test_world.py, tests/integration/test_world_launch.py."""
-    for version in ("Open MPI v5.0.11, package: Open MPI", "MPICH Version:      5.0.2", "Open MPI v4.1.4"):
-        assert mpi_refusal(version, False, "python3", world=True) is None
+    """launch.mpi.start=world (one MPI world through srun --mpi=<plugin>) runs on any MPI that srun starts with the
+    site's PMI: Open MPI 4.1 and 5 with pmix, MPICH with pmi2 (or pmix where built with it). The real runs:
+    tests/rollout/test_world.py, tests/integration/test_world_launch.py."""
+    for version, plugin in (("Open MPI v5.0.11, package: Open MPI", "pmix"), ("Open MPI v4.1.4", "pmix"),
+                            ("Open MPI v4.1.4", "pmi2"), (MPICH_WHEEL, "pmi2"),
+                            (MPICH_WHEEL.replace("--with-pm=", "--with-pmix=/usr --with-pm="), "pmix")):
+        assert mpi_refusal(version, False, "python3", world=True, plugin=plugin) is None, (version, plugin)
     assert "cannot import mpi4py" in mpi_refusal(None, True, "python3", world=True)
     assert "launch.mpi.start=world" in mpi_refusal("Open MPI v5.0.11, package: Open MPI", True, "python3")
+
+
+def test_one_world_on_a_pmi_its_mpi_does_not_speak_is_refused_naming_the_plugin_to_set():
+    """Measured on the cluster of hosts: Open MPI 5 under --mpi=pmi2 starts each task as a singleton (the ranks then
+    refuse, tests/rollout/test_world.py); the PyPI MPICH under --mpi=pmix aborts in MPI_Init."""
+    text = mpi_refusal("Open MPI v5.0.11, package: Open MPI", True, "python3", world=True, plugin="pmi2")
+    assert "Open MPI v5.0.11 speaks PMIx only" in text and "launch.mpi.plugin=pmix" in text, text
+    text = mpi_refusal(MPICH_WHEEL, True, "python3", world=True, plugin="pmix")
+    assert "MPICH Version: 5.0.2 was built without PMIx (--with-device=ch4:ucx,ofi --with-pm=hydra:gforker)" in text
+    assert text.endswith("Set launch.mpi.plugin=pmi2"), text
+
+
+@needs_mpich
+def test_launch_asks_the_real_mpich_and_takes_it_as_one_world_under_pmi2_only(tmp_path, monkeypatch):
+    monkeypatch.setenv("MPI4PY_LIBMPI", str(mpich_libmpi()))
+    world = [f"run.root={tmp_path}", "launch.mpi.start=world"]
+    assert "built without PMIx" in rollout_mpi_problem(load_config("tiny-cpu", world))
+    assert rollout_mpi_problem(load_config("tiny-cpu", [*world, "launch.mpi.plugin=pmi2"])) is None
 
 
 @needs_ompi5
