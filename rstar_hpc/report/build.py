@@ -30,6 +30,11 @@ LINE_PLOTS = [
     ("response_length.png", "Response length", [("response_length", "")], "tokens (mean)",
      "Mean response length per RL step (tokens)"),
     ("tool_calls.png", "Tool calls per trajectory", [("tool_calls", "")], "calls", "Tool calls per trajectory"),
+    ("sandbox_lost.png", "Tool calls the sandbox lost", [("tool_infra_failures", "calls lost"),
+                                                         ("infra_reruns", "trajectories run again")], "per step",
+     ("Tool calls the sandbox's infrastructure lost (a service died under them, or none answered within the "
+      "client's wait), and the trajectories run again from their prompt for it (rollout.scheduler.infra_reruns): "
+      "zero on a healthy run; a rise is an outage, not the policy")),
     ("logprob_mismatch.png", "Rollout-trainer log-probability mismatch",
      [("logprob_mismatch_mean", "mean"), ("logprob_mismatch_max", "max")], "|log p_engine - log p_trainer|",
      ("Mean (solid) and max (dashed) |log p_engine - log p_trainer| over the trained tokens the trainer's own policy "

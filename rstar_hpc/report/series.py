@@ -39,6 +39,8 @@ ROLLOUT_KEYS = {
     "tool_wait": "tool_wait_s",        # summed over trajectories (they overlap), not wall time
     "generate": "generate_s",          # same, generation
     "reward_time": "reward_s",
+    "tool_infra_failures": "tool_infra_failures",   # calls the sandbox's infrastructure lost (reruns' included)
+    "infra_reruns": "infra_reruns",                 # trajectories run again from their prompt for such a loss
 }
 # the step time breakdown, bottom to top: (series, legend)
 TIME_PARTS = [("time_generation", "generation"), ("time_tools", "tool calls"), ("reward_time", "reward"),

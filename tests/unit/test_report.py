@@ -21,7 +21,7 @@ from rstar_hpc.metrics_log import MetricsSink, tb_tag
 PNG = b"\x89PNG\r\n\x1a\n"
 STEPS = 5
 PLOTS = ["reward.png", "pass1.png", "positive_tool_error.png", "sampled_tool_error.png", "error_share.png",
-         "response_length.png", "tool_calls.png", "logprob_mismatch.png", "step_time.png"]
+         "response_length.png", "tool_calls.png", "sandbox_lost.png", "logprob_mismatch.png", "step_time.png"]
 
 
 def _trainer_record(rng, roc: RoCConfig, step: int) -> dict:
@@ -58,7 +58,8 @@ def _write_run(root, name: str, roc: RoCConfig, seed: int, evals: bool = True) -
         rollout.write({"step": step - 1, "stage": "rl1", "trajectories": 32, "wall_s": 9.0, "generation_wall_s": 8.0,
                        "reward_s": 0.2, "tool_wait_s": 30.0, "generate_s": 90.0, "mean_reward": rec["reward/mean"],
                        "tool_calls_per_trajectory": 1.5 + 0.1 * step, "tool_error_ratio": 0.2,
-                       "finish_reasons": {"stop": 30, "length": 2}, "dead_engines": []})
+                       "finish_reasons": {"stop": 30, "length": 2}, "dead_engines": [],
+                       "tool_infra_failures": 2 if step == 3 else 0, "infra_reruns": 2 if step == 3 else 0})
     trainer.close()
     rollout.close()
     if evals:
