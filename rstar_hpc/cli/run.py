@@ -69,7 +69,7 @@ def _render(st: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from rstar_hpc.launch.status import _dur, rollout_idle, trainer_idle
+    from rstar_hpc.launch.status import _dur, rollout_idle, sandbox_losses, trainer_idle
 
     console = Console(width=160)
     console.print(f"[bold]run[/] {st['run']}  ({st['dir']})" + ("  [green]DONE[/]" if st["done"] else "")
@@ -118,6 +118,8 @@ def _render(st: dict) -> None:
         console.print(idle["text"])
     if idle := rollout_idle(st["dir"], {s["name"] for s in st["stages"] if s["kind"] == "rl"}):
         console.print(idle["text"])
+    if lost := sandbox_losses(st["dir"]):
+        console.print(f"[yellow]{lost['text']}[/]")
     for p in st["problems"]:
         console.print(f"[red]problem:[/] {p}")
 

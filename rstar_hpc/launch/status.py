@@ -447,6 +447,23 @@ def rollout_idle(run_dir, stages=None, last: int | None = 10) -> dict | None:
             "text": f"rollout idle {idle:.0%} of the last {len(recs)} steps, waiting on the trainer's policy"}
 
 
+def sandbox_losses(run_dir, last: int | None = 10) -> dict | None:
+    """Tool calls the sandbox's infrastructure lost over the rollout's last `last` steps (None: all), and the
+    trajectories run again for them (rollout.scheduler.infra_reruns), from RUN/metrics/rollout.jsonl; None when it
+    lost none."""
+    recs = [r for r in read_records(Path(run_dir) / "metrics" / "rollout.jsonl") if "tool_infra_failures" in r]
+    recs = recs[-last:] if last else recs
+    lost, reruns = sum(r["tool_infra_failures"] or 0 for r in recs), sum(r.get("infra_reruns") or 0 for r in recs)
+    if not lost:
+        return None
+    worst = max(recs, key=lambda r: r["tool_infra_failures"] or 0)
+    return {"lost": lost, "reruns": reruns, "steps": len(recs),
+            "text": f"the sandbox lost {lost} tool call(s) in the last {len(recs)} rollout steps (most in step "
+                    f"{worst.get('step')} of stage {worst.get('stage')}: {worst['tool_infra_failures']}); {reruns} "
+                    f"trajectories ran again from their prompt. A service died or stayed unreachable: see "
+                    f"RUN/logs/sandbox-* and the rollout's log"}
+
+
 # ------------------------------------------------------------------------------------------------ text
 def _dur(seconds) -> str:
     if seconds is None:

@@ -8,8 +8,9 @@ One run of the all-stage tiny config through sbatch meets, in order:
      which starts again on the nodes that are left (the sandbox on the other cpu node); the requeued job's supervisor
      records the loss and `run status` names it; the node's slurmd is then started again and the node resumed. The
      trainer is frozen (SIGSTOP) meanwhile, as a node's processes are when it hangs: a run without its sandbox goes
-     on with failed tool calls, and a quiet machine's run otherwise got through three stages before Slurm's verdict,
-     leaving the phases below nothing to interrupt; Slurm's SIGCONT and TERM at the requeue end it;
+     on (its tool calls wait, then fail, and their trajectories run again), and a quiet machine's run once got
+     through three stages before Slurm's verdict, leaving the phases below nothing to interrupt; Slurm's SIGCONT and
+     TERM at the requeue end it;
   3. `kill -9` of the trainer's process during an RL stage -> the supervisor starts the trainer again in the job;
   4. `kill -9` of the rollout's rank 0 mid-step, once the step's journal holds finished trajectories -> the step
      (all its ranks) goes, the rollout starts again, keeps the journal's trajectories and redoes only the rest;

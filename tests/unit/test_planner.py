@@ -110,6 +110,24 @@ def test_rollout_idle_from_the_runs_own_records(tmp_path):
     assert rollout_idle(tmp_path, last=None)["idle_fraction"] == round(104 / 117, 4)
 
 
+def test_sandbox_losses_from_the_runs_own_records(tmp_path):
+    from rstar_hpc.launch.status import sandbox_losses
+
+    assert sandbox_losses(tmp_path) is None
+    (tmp_path / "metrics").mkdir()
+    recs = [{"stage": "rl", "step": i, "tool_infra_failures": 0, "infra_reruns": 0} for i in range(3)]
+    (tmp_path / "metrics" / "rollout.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert sandbox_losses(tmp_path) is None                                # a healthy sandbox: nothing said
+    recs += [{"stage": "rl", "step": 3, "tool_infra_failures": 5, "infra_reruns": 4},
+             {"stage": "rl", "step": 4, "tool_infra_failures": 1, "infra_reruns": 1}, {"stage": "eval", "step": 0}]
+    (tmp_path / "metrics" / "rollout.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    lost = sandbox_losses(tmp_path)
+    assert (lost["lost"], lost["reruns"], lost["steps"]) == (6, 5, 5)
+    assert lost["text"].startswith("the sandbox lost 6 tool call(s) in the last 5 rollout steps (most in step 3 of "
+                                   "stage rl: 5); 5 trajectories ran again from their prompt")
+    assert sandbox_losses(tmp_path, last=1)["lost"] == 1
+
+
 def test_the_per_card_mfu_is_read_from_the_newest_gpu_figures_file(tmp_path, monkeypatch):
     """gpu-check's files (planner/gpu_figures.py): the newest of the card, its largest model's RL step with selective
     recompute, the mean over its runs; another card's files and a torn file do not count; the plan says which."""
