@@ -104,7 +104,8 @@ def _scheduler(cfg, paths, stage: str | None, steps, progress, model_dir) -> int
     try:
         return RolloutJob(cfg, paths, comm, MPI, tok, explicit_steps=steps).run(stage, progress)
     except StopRequested as e:
-        log.warning("%s; ending the job, run again to continue", e)
+        log.warning("%s; %s", e, "ending the role for its supervisor to start again" if
+                    getattr(comm, "restart_wanted", None) else "ending the job, run again to continue")
         wait_sent([comm.isend(str(e), dest=r, tag=TAG_ABORT) for r in range(1, comm.Get_size())], 5.0)
         return EXIT_REQUEUE
     except BaseException as e:
@@ -232,7 +233,7 @@ class RolloutJob:
         if spec.stage != stage_name or cfg.stage(stage_name).kind != "rl":
             sc = sc.model_copy(update={"partial_rollouts": False})
         hooks = StepHooks(
-            progress=progress, stop=lambda: _STOP[0] if _STOP else None,
+            progress=progress, stop=lambda: _STOP[0] if _STOP else getattr(self.comm, "restart_wanted", None),
             beat=lambda text, **kw: write_heartbeat(paths, "rollout", text, stage=stage_name, **kw),
             taken_back=(lambda: pipeline.taken_back(cfg, paths, spec.need)) if self.explicit_steps is None else None)
         return StepScheduler(self.comm, self.MPI, sc, paths, spec, score=self.score, hooks=hooks,

@@ -359,13 +359,20 @@ class WorldLinks:
     """Rank 0's links where every rank is a task of one MPI world (launch.mpi.start=world: srun --mpi=pmix, on any
     MPI srun can start). The engines are the world's other ranks, there from MPI_Init on: none joins later and none
     is reported dead, since a dead rank ends the world's step (srun --kill-on-bad-exit) and the supervisor starts
-    the role again; a hung or silent engine is dropped from its steps by the roster, with no keeper to restart it."""
+    the role again. No keeper can restart a hung or silent engine alone either: its restart request (`restart_wanted`)
+    stops the role (the step's finished trajectories in its journal), and the supervisor starts it again whole."""
 
     def __init__(self, MPI):
         check_world(MPI)
         self.MPI, self.comm = MPI, MPI.COMM_WORLD
         self.pids: dict[int, int] = {}
         self._held: list = []
+        self.restart_wanted: str | None = None
+
+    def request_restart(self, rank: int, why: str) -> None:
+        self.restart_wanted = self.restart_wanted or (
+            f"engine rank {rank} {why}; one MPI world cannot start an engine again alone, so the rollout role starts "
+            f"again whole")
 
     def wait_joined(self, timeout_s: float, stop=lambda: None) -> list[int]:
         return []

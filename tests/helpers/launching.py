@@ -215,3 +215,16 @@ def wait_rl_step(run: Path, phase: str, steps: range, what: str) -> int:
             return int(m.group(1))
         assert time.monotonic() < deadline, f"no rl step was seen {what}\n" + _tail(run)
         time.sleep(0.02)
+
+
+def engine_core(rank_pid: int) -> int:
+    """The vLLM engine core process an engine rank started (its process title names it)."""
+    import psutil
+
+    for child in psutil.Process(rank_pid).children(recursive=True):
+        try:
+            if "EngineCore" in child.name() + " ".join(child.cmdline()):
+                return child.pid
+        except psutil.NoSuchProcess:
+            continue
+    raise AssertionError(f"no vLLM EngineCore process under engine rank pid {rank_pid}")

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from tests.helpers.launching import REPO, _tail, rstar, run_processes, status, wait_rl_step
+from tests.helpers.launching import REPO, _tail, engine_core, rstar, run_processes, status, wait_rl_step
 from tests.helpers.procfs import environ
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.vllm,
@@ -100,19 +100,6 @@ def _expected_uids(run) -> dict[int, list[str]]:
     tok = AutoTokenizer.from_pretrained(cfg.model.path)
     steps = stage_steps(cfg, RunPaths(run), "rl", tok, steps=range(RL_STEPS))
     return {t.step: sorted(i.prompt_uid for i in t.items) for t in steps}
-
-
-def _engine_core(rank_pid: int) -> int:
-    """The vLLM engine core process an engine rank started (its process title names it)."""
-    import psutil
-
-    for child in psutil.Process(rank_pid).children(recursive=True):
-        try:
-            if "EngineCore" in child.name() + " ".join(child.cmdline()):
-                return child.pid
-        except psutil.NoSuchProcess:
-            continue
-    raise AssertionError(f"no vLLM EngineCore process under engine rank pid {rank_pid}")
 
 
 def _task_top(pid: int) -> int:
@@ -194,7 +181,7 @@ def test_a_hung_or_killed_engine_costs_only_its_work_and_comes_back(hosts_cluste
     # 0. engine rank 1's process killed while the stage's first step loads its policy; its keeper starts it again
     load_step = wait_rl_step(run, STARTING, range(1), "starting its engines")
     first_rank1 = _engine_pid(run, 1)
-    first_core1 = _engine_core(first_rank1)
+    first_core1 = engine_core(first_rank1)
     os.kill(first_rank1, signal.SIGKILL)
     killed_at = time.time()
     _gone([first_rank1, first_core1], "engine rank 1's engine core")
@@ -205,7 +192,7 @@ def test_a_hung_or_killed_engine_costs_only_its_work_and_comes_back(hosts_cluste
         time.sleep(0.2)
     hung_step = wait_rl_step(run, GENERATING, range(events("engine_back")[0]["step"], RL_STEPS - 3), "generating")
     survivor, hung_rank = _engine_pid(run, 1), _engine_pid(run, 2)
-    core = _engine_core(hung_rank)
+    core = engine_core(hung_rank)
     os.kill(core, signal.SIGSTOP)
     stopped_at = time.time()
     deadline = time.monotonic() + STALL_S + LOAD_S + 120
@@ -225,7 +212,7 @@ def test_a_hung_or_killed_engine_costs_only_its_work_and_comes_back(hosts_cluste
         time.sleep(0.2)
     task_step = wait_rl_step(run, STARTING, range(back[0]["step"], RL_STEPS), "starting its engines")
     rank1 = _engine_pid(run, 1)
-    core1 = _engine_core(rank1)
+    core1 = engine_core(rank1)
     os.kill(_task_top(rank1), signal.SIGKILL)
     task_killed_at = time.time()
     _gone([rank1, core1], "engine rank 1's task")

@@ -1,8 +1,11 @@
 """launch.mpi.start=world on Open MPI 5, launched: the MPI that cannot join separately started ranks runs the whole
 recipe when the rollout's ranks are one MPI world (`srun --mpi=pmix`). On the cluster of hosts, rank 0 and engine 1
-on one host, engine 2 on another: an sft stage and an rl stage, and engine 2 SIGKILLed as a step's work reaches it.
-One world shares its fate: the rollout's step ends, the supervisor starts the role again (a `crash` event), and the
-run ends with every rl step holding exactly the prompts its data order gives it, none twice, and no process left.
+on one host, engine 2 on another: an sft stage and an rl stage, whose engine 2's vLLM engine core is SIGSTOPped as a
+step's work reaches it. Rank 0 finds it hung by its token counter (rollout.scheduler.engine_stall_s); no keeper can
+start it again alone, so rank 0 stops the role with the step's finished trajectories in its journal, and the
+supervisor starts the role again whole (one `crash` event): the world's way back, as after an engine's death, which
+ends the world's step (tests/rollout/test_world.py) and is restarted the same way. The run ends with every rl step
+holding exactly the prompts its data order gives it, none twice, and no process left (the stopped core neither).
 Without world, `launch` refuses this MPI at submit time (tests/unit/test_launch_mpi.py)."""
 from __future__ import annotations
 
@@ -13,13 +16,22 @@ import time
 import pytest
 import yaml
 
-from tests.helpers.launching import (_tail, assert_steps_hold_their_prompts, ci_config, rstar, run_processes, status,
-                                     wait_rl_step)
+from tests.helpers.launching import (_tail, assert_steps_hold_their_prompts, ci_config, engine_core, rstar,
+                                     run_processes, status, wait_rl_step)
 from tests.helpers.mpis import needs_ompi5, ompi5_libmpi
 from tests.helpers.procfs import environ
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.vllm, needs_ompi5]
 RL_STEPS = 3
+STALL_S = 15.0   # rollout.scheduler.engine_stall_s here
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def _engine_rank_pid(run, rank: int) -> int | None:
@@ -33,8 +45,8 @@ def _engine_rank_pid(run, rank: int) -> int | None:
 
 
 @pytest.mark.timeout(900)
-def test_open_mpi_5_runs_the_recipe_as_one_world_and_an_engine_death_costs_a_role_restart(hosts_cluster,
-                                                                                        tiny_model_dir, tmp_path):
+def test_open_mpi_5_runs_the_recipe_as_one_world_and_an_engine_hang_costs_a_role_restart(
+        hosts_cluster, tiny_model_dir, tmp_path):
 
     from rstar_hpc.exchange.events import read_events
     from rstar_hpc.exchange.rundir import RunPaths
@@ -47,28 +59,35 @@ def test_open_mpi_5_runs_the_recipe_as_one_world_and_an_engine_death_costs_a_rol
                       "max_response_length": 128, "data": "demo"}]
     cfg["launch"]["rollout"].update(num_nodes=2, tasks_per_node=1)
     cfg["launch"]["mpi"] = {"start": "world"}
+    cfg["rollout"]["scheduler"].update(heartbeat_s=0.5, engine_stall_s=STALL_S, engine_timeout_s=20)
     path.write_text(yaml.safe_dump(cfg))
     lib = ompi5_libmpi()
     env = {**hosts_cluster.env, "OMP_NUM_THREADS": "1", "MPI4PY_LIBMPI": str(lib), "OPAL_PREFIX": str(lib.parents[1])}
     rstar("launch", str(path), "--json", env=env)
     run = tmp_path / "runs" / "world"
     paths = RunPaths(run)
+
     step = wait_rl_step(run, "generating, 0/", range(RL_STEPS - 1), "generating")
-    pid = _engine_rank_pid(run, 2)
-    assert pid is not None, run_processes(run)
-    os.kill(pid, signal.SIGKILL)
+    rank_pid = _engine_rank_pid(run, 2)
+    assert rank_pid is not None, run_processes(run)
+    core = engine_core(rank_pid)
+    os.kill(core, signal.SIGSTOP)
     deadline = time.monotonic() + 600
     while not (st := status(run, env))["done"]:
         assert time.monotonic() < deadline, "the run did not finish\n" + _tail(run)
         time.sleep(2)
     crashes = [e for e in read_events(paths) if e["kind"] == "crash" and e["role"] == "rollout"]
     assert len(crashes) == 1, (step, read_events(paths))
+    [hung] = [e for e in read_events(paths) if e["kind"] == "engine_hung"]
+    assert hung["rank"] == 2 and "made no token" in hung["reason"], hung
     assert_steps_hold_their_prompts(run, "rl", RL_STEPS)
     logs = {p.name.split("-")[0]: p.read_text(errors="replace") for p in (run / "logs").iterdir()}
     assert "starting rollout: srun" in logs["run"] and "--mpi=pmix" in logs["run"]
     assert logs["rollout"].count("the rollout's 3 ranks are one MPI world (Open MPI v5.") == 2   # and its restart
+    assert "one MPI world cannot start an engine again alone" in logs["rollout"]
     deadline = time.monotonic() + 60
     while run_processes(run) and time.monotonic() < deadline:
         time.sleep(1)
     assert not run_processes(run), run_processes(run)
+    assert not _alive(core), f"the stopped engine core {core} outlived its world"
     assert not st["problems"], st["problems"]
