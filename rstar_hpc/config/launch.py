@@ -34,8 +34,8 @@ class MPIConfig(Section):
     rollout node). world: every rank a task of one MPI world (`srun --mpi=<plugin>`, the site's PMI), on any MPI
     that srun can start, Open MPI 5 and MPICH included; no engine fails alone there: an engine's death ends the
     rollout's step, and a hung one makes rank 0 stop the role, and the supervisor starts the role again
-    (launch.role_restarts; the journal keeps the step's finished trajectories). pmix and pmi2 are read as tasks (they named the srun MPI plugin of the one world the
-    ranks shared before engines were isolated)."""
+    (launch.role_restarts; the journal keeps the step's finished trajectories). pmix and pmi2 are read as tasks
+    (they named the srun MPI plugin of the one world the ranks shared before engines were isolated)."""
     plugin: Literal["pmix", "pmi2"] = "pmix"
     """The srun MPI plugin (`srun --mpi=`) of start=world: pmix for Open MPI 4 and 5 (`srun --mpi=list` shows what the
     site's Slurm has), pmi2 for MPICH (pmix only where it was built with PMIx) and Intel MPI. `rstar-hpc launch`
