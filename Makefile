@@ -1,6 +1,6 @@
 # The two commands of the README. Both are idempotent: once installed, set-up takes about a second.
 #   make demo   set up, then run the main job on the embedded default (configs/demo.yaml)
-#   make test   set up, then run the whole test suite (three pytest-xdist workers)
+#   make test   set up, then run the whole test suite (two pytest-xdist workers)
 #   make check  set up, then the fast tier (< 5 min): ruff, and tests/unit + tests/rollout not marked slurm/vllm/slow
 VENV  ?= .venv
 STAMP := $(VENV)/.installed
@@ -16,11 +16,10 @@ MPICH_STAMP := $(MPICH)/.installed
 demo: setup
 	$(VENV)/bin/rstar-hpc demo
 
-# three workers on two cores, a test file each at a time (its module fixtures stay in one process): the integration
-# tests spend much of their time waiting on Slurm, vLLM start-up and timeouts, which the other workers' tests fill
-# (a fresh clone's suite: 24 min 3 s with three, 24 min 38 s to 26 min 32 s with two)
+# two workers, a test file each at a time (its module fixtures stay in one process): the integration tests spend
+# much of their time waiting on Slurm, vLLM start-up and timeouts, which the other worker's tests fill
 test: setup
-	$(VENV)/bin/python -m pytest -n 3 --dist loadfile
+	$(VENV)/bin/python -m pytest -n 2 --dist loadfile
 
 check: setup
 	$(VENV)/bin/ruff check .
