@@ -215,7 +215,21 @@ class LocalCluster:
                 killed.append(pid)
             except ProcessLookupError:
                 pass
+        if self.hosts:   # until none is left: a process may fork while its siblings die, or be seen before it is reaped
+            self._wait(lambda: not self._sweep(node, killed), 10, interval=0.1)
         return killed
+
+    def _sweep(self, node: str, killed: list[int]) -> list[int]:
+        """(`hosts`) SIGKILL what is left in the node's namespace; what was."""
+        left = [pid for pid in self.hosts.pids(node) if pid != os.getpid()]
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                continue
+            if pid not in killed:
+                killed.append(pid)
+        return left
 
     def _node_step_processes(self, node: str) -> list[int]:
         if self.hosts:   # the stepds' sockets live in the node's namespace, out of this one's /proc/net/unix
