@@ -141,10 +141,10 @@ class NodeHosts:
         for node in self.nodes:
             ns = self.netns(node)
             if ns in listed:
-                for pid in _ip("netns", "pids", ns, check=False).stdout.split():
+                for pid in self.pids(node):
                     try:
-                        os.kill(int(pid), 9)
-                    except (ProcessLookupError, ValueError):
+                        os.kill(pid, 9)
+                    except ProcessLookupError:
                         pass
                 _ip("netns", "del", ns, check=False)   # its eth0 goes with it, and so the host's veth end
                 removed.append(f"netns {ns}")

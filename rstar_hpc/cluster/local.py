@@ -209,14 +209,15 @@ class LocalCluster:
         once it has been silent for `slurmd_timeout_s`; `start_node` brings it back (a fresh /tmp on hosts, as after
         a reboot)."""
         killed = [self.kill_node(node)]
+        if self.hosts:   # until none is left: a process may fork while its siblings die, or be seen before it is reaped
+            self._wait(lambda: not self._sweep(node, killed), 10, interval=0.1)
+            return killed
         for pid in self._node_step_processes(node):
             try:
                 os.kill(pid, signal.SIGKILL)
                 killed.append(pid)
             except ProcessLookupError:
                 pass
-        if self.hosts:   # until none is left: a process may fork while its siblings die, or be seen before it is reaped
-            self._wait(lambda: not self._sweep(node, killed), 10, interval=0.1)
         return killed
 
     def _sweep(self, node: str, killed: list[int]) -> list[int]:
@@ -232,8 +233,8 @@ class LocalCluster:
         return left
 
     def _node_step_processes(self, node: str) -> list[int]:
-        if self.hosts:   # the stepds' sockets live in the node's namespace, out of this one's /proc/net/unix
-            return [pid for pid in self.hosts.pids(node) if pid != os.getpid()]
+        """(plain cluster) A node's step processes: on hosts the stepds' sockets live in the node's namespace, out of
+        this one's /proc/net/unix, and `_sweep` takes everything there instead."""
         spool = f"{self.dir / 'nodes' / node / 'spool'}/"
         inodes = {f"socket:[{parts[6]}]" for parts in (line.split() for line in
                   Path("/proc/net/unix").read_text().splitlines()[1:]) if len(parts) >= 8 and parts[7].startswith(spool)}
