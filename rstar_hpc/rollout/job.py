@@ -90,7 +90,7 @@ def _wait_for_model(cfg, timeout_s: float = 600.0):
 def _scheduler(cfg, paths, stage: str | None, steps, progress, model_dir) -> int:
     from transformers import AutoTokenizer
 
-    from rstar_hpc.rollout.links import RankZeroLinks, Session, WorldLinks
+    from rstar_hpc.rollout.links import RankZeroLinks, Session, WorldLinks, mpi_name
     from rstar_hpc.rollout.scheduler import StopRequested
 
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -98,7 +98,7 @@ def _scheduler(cfg, paths, stage: str | None, steps, progress, model_dir) -> int
     if cfg.launch.mpi.start == "world":
         comm = WorldLinks(MPI)
         log.info("the rollout's %d ranks are one MPI world (%s): an engine's death ends the role's step",
-                 comm.Get_size(), MPI.Get_library_version().splitlines()[0].split(",")[0])
+                 comm.Get_size(), mpi_name(MPI.Get_library_version()))
     else:
         comm = RankZeroLinks(MPI, Session.from_env(paths))
     try:

@@ -97,10 +97,16 @@ _MPICH = ("MPICH's singletons cannot join: MPI_Comm_connect and MPI_Comm_join fa
           "7805; they did join with each process under an `mpiexec -n 1` of its own, which the keeper does not do)")
 
 
+def mpi_name(version: str) -> str:
+    """The MPI's name and version from its MPI_Get_library_version: the first line up to its first comma ("Open MPI
+    v5.0.11", "MPICH Version:      5.0.2"); "" for none."""
+    return (version.strip("\x00").strip().splitlines() or [""])[0].split(",")[0].strip()
+
+
 def join_problem(version: str) -> str | None:
     """Why the rollout's ranks cannot join rank 0 on the MPI whose MPI_Get_library_version begins `version`; None:
     they can (Open MPI 4, through ompi-server)."""
-    name = (version.strip("\x00").strip().splitlines() or ["an MPI that gave no version"])[0].split(",")[0].strip()
+    name = mpi_name(version) or "an MPI that gave no version"
     if name.startswith("Open MPI v4"):
         return None
     if name.startswith("Open MPI v"):
@@ -114,13 +120,12 @@ def join_problem(version: str) -> str | None:
 def world_problem(version: str, plugin: str) -> str | None:
     """launch.mpi.start=world: why srun --mpi=`plugin` cannot start one world of the MPI whose MPI_Get_library_version
     is `version` (all of it: MPICH's names its configure options); None: it can, or this was not tried."""
-    text = version.strip("\x00").strip()
-    name = " ".join((text.splitlines() or [""])[0].split(",")[0].split())
+    name = " ".join(mpi_name(version).split())
     if name.startswith("Open MPI v") and not name.startswith("Open MPI v4") and plugin != "pmix":
         return (f"{name} speaks PMIx only: under srun --mpi={plugin} each task starts as an MPI world of its own (a "
                 f"singleton; tried on 5.0.11). Set launch.mpi.plugin=pmix")
     if name.startswith("MPICH") and plugin == "pmix":
-        configure = next((line for line in text.splitlines() if "configure" in line), "")
+        configure = next((line for line in version.splitlines() if "configure" in line), "")
         if "pmix" not in configure.lower():
             return (f"{name} was built without PMIx ({configure.split(':', 1)[-1].strip() or 'its configure line'}): "
                     f"under srun --mpi=pmix its ranks abort in MPI_Init (\"unsupported PMI version PMIx\", tried on "
@@ -136,11 +141,10 @@ def check_world(MPI, env=os.environ) -> None:
     want = int(env.get(SIZE_ENV) or env.get("SLURM_STEP_NUM_TASKS") or size)
     me = int(env.get(RANK_ENV) or env.get("SLURM_PROCID") or rank)
     if (size, rank) != (want, me):
-        version = MPI.Get_library_version().strip("\x00").splitlines()[0].split(",")[0].strip()
         raise RuntimeError(f"srun started {want} rollout tasks, but this one (task {me}) is rank {rank} of an MPI "
-                           f"world of {size}: {version} did not find srun's PMI (srun --mpi=<launch.mpi.plugin>). "
-                           f"Open MPI 4.1 and 5 speak pmix; MPICH takes pmi2 (pmix only where built with PMIx); "
-                           f"`srun --mpi=list` shows what this Slurm has")
+                           f"world of {size}: {mpi_name(MPI.Get_library_version())} did not find srun's PMI (srun "
+                           f"--mpi=<launch.mpi.plugin>). Open MPI 4.1 and 5 speak pmix; MPICH takes pmi2 (pmix only "
+                           f"where built with PMIx); `srun --mpi=list` shows what this Slurm has")
 
 
 def refuse_unjoinable(MPI) -> None:
