@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from tests.helpers.procfs import running
 
 pytestmark = [pytest.mark.slurm]
 NODE_VIEW = 'echo "$(hostname) $(readlink /proc/self/ns/net) $(ip -4 -o addr show eth0 | tr -s " " | cut -d" " -f4)"'
@@ -159,7 +160,7 @@ def test_a_lost_node_takes_every_process_on_it_and_comes_back_with_a_fresh_tmp(h
     try:
         killed = c.lose_node("gpu3")
         assert killed[0] == slurmd and lost in killed, killed
-        left, survived = c.hosts.pids("gpu3"), _running(survivor)
+        left, survived = c.hosts.pids("gpu3"), running(survivor)
     finally:   # the node back whatever happened: the session's other tests live on this cluster
         c.start_node("gpu3")
         os.kill(survivor, signal.SIGKILL)
@@ -167,15 +168,7 @@ def test_a_lost_node_takes_every_process_on_it_and_comes_back_with_a_fresh_tmp(h
     assert survived, "a process of another node died with the lost one"
     seen = _srun(c, "-w", "gpu3", "sh", "-c", f"hostname; ls /tmp/{mark} 2>&1 || true")
     assert seen.startswith("gpu3\n") and "No such file" in seen, seen
-    assert not _running(lost), "a process of the lost node lived on"
-
-
-def _running(pid: int) -> bool:
-    """Alive, not a zombie waiting for its reaper (a container's init may be slow to reap)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
+    assert not running(lost), "a process of the lost node lived on"
 
 
 def _rl_config(tmp_path, model_dir, rl_steps: int) -> str:

@@ -37,6 +37,7 @@ from pathlib import Path
 import pytest
 import yaml
 from tests.helpers.launching import KINDS, _tail, check_finished, ci_config, rstar, run_facts, run_processes
+from tests.helpers.procfs import alive
 
 from rstar_hpc.launch.status import ACTIVE
 
@@ -78,14 +79,6 @@ class Run:
         proc = subprocess.run(list(argv), capture_output=True, text=True, env=self.env, timeout=60)
         assert proc.returncode == 0, f"{argv}: {proc.stderr}"
         self.log.append(f"{time.strftime('%H:%M:%S')} {' '.join(argv)}")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
 
 
 def _journal_mid_step(run: Path) -> bool:
@@ -131,7 +124,7 @@ def _lose_the_sandbox_node(r: Run, cluster, since: float) -> str:
                time.time() - beat["age_s"] > since and any(j["role"] == "sandbox" and j["state"] == "RUNNING"
                                                            for j in r.status()["jobs"]))
     node = next(j["nodes"] for j in r.status()["jobs"] if j["role"] == "sandbox")
-    r.wait_for("the requeued job's trainer", lambda: _fresh(r, "trainer", since) and _alive(r.heartbeat("trainer")["pid"]))
+    r.wait_for("the requeued job's trainer", lambda: _fresh(r, "trainer", since) and alive(r.heartbeat("trainer")["pid"]))
     trainer = r.heartbeat("trainer")["pid"]
     os.kill(trainer, signal.SIGSTOP)
     killed = cluster.lose_node(node)
@@ -178,7 +171,7 @@ def test_a_launched_run_survives_requeues_kills_and_a_node_daemon_crash(chaos_cl
         pid = r.heartbeat("rollout")["pid"]
         os.kill(pid, signal.SIGKILL)
         r.log.append(f"kill -9 rollout rank 0 {pid}")
-        r.wait_for("a new rollout", lambda: r.heartbeat("rollout").get("pid") not in (None, pid) and _alive(
+        r.wait_for("a new rollout", lambda: r.heartbeat("rollout").get("pid") not in (None, pid) and alive(
             r.heartbeat("rollout")["pid"]))
         # 5. scontrol requeue during a rollout step
         r.wait_for("rollout mid-step", lambda: _rollout_mid_step(r, r.heartbeat("rollout").get("stage")))

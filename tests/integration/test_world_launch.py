@@ -19,19 +19,11 @@ import yaml
 from tests.helpers.launching import (_tail, assert_steps_hold_their_prompts, ci_config, engine_core, rstar,
                                      run_processes, status, wait_rl_step)
 from tests.helpers.mpis import needs_ompi5, ompi5_libmpi
-from tests.helpers.procfs import environ
+from tests.helpers.procfs import alive, environ
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.vllm, needs_ompi5]
 RL_STEPS = 3
 STALL_S = 15.0   # rollout.scheduler.engine_stall_s here
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def _engine_rank_pid(run, rank: int) -> int | None:
@@ -89,5 +81,5 @@ def test_open_mpi_5_runs_the_recipe_as_one_world_and_an_engine_hang_costs_a_role
     while run_processes(run) and time.monotonic() < deadline:
         time.sleep(1)
     assert not run_processes(run), run_processes(run)
-    assert not _alive(core), f"the stopped engine core {core} outlived its world"
+    assert not alive(core), f"the stopped engine core {core} outlived its world"
     assert not st["problems"], st["problems"]

@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+from tests.helpers.procfs import running
+
 REPO = Path(__file__).resolve().parents[2]
 TRAINER = r"""
 import sys, time
@@ -37,13 +39,6 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def _running(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def _left_after_kill_9(mode: str) -> tuple[list[int], list[int]]:
     proc = subprocess.Popen([sys.executable, "-c", TRAINER, mode], stdout=subprocess.PIPE, text=True, cwd=REPO,
                             env={**os.environ, "PYTHONPATH": str(REPO)})
@@ -52,9 +47,9 @@ def _left_after_kill_9(mode: str) -> tuple[list[int], list[int]]:
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     deadline = time.monotonic() + 20
-    while any(_running(p) for p in helpers) and time.monotonic() < deadline:
+    while any(running(p) for p in helpers) and time.monotonic() < deadline:
         time.sleep(0.2)
-    left = [p for p in helpers if _running(p)]
+    left = [p for p in helpers if running(p)]
     for pid in left:   # the test's own leak (megatron's default): end it
         os.kill(pid, signal.SIGKILL)
     return helpers, left
